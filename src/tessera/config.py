@@ -1,0 +1,384 @@
+"""Typed configuration: model, parallel layout, training and data.
+
+Every config is a keyword-only dataclass; each field carries a docstring right under it, and
+``__post_init__`` validates the field on its own. Rules that tie two configs together (``tp``
+must divide ``n_heads``, the layout must multiply to the world size) live in
+:meth:`Config.validate`, which every rank calls before any collective runs.
+
+Every failure raises :class:`ConfigError`, whose message names the field, the value and the
+rule, e.g. ``parallel.tp=3: must divide model.n_heads=8``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule. The message is one line meant for the user."""
+
+    def __init__(self, field_name: str, value: Any, rule: str):
+        self.field_name, self.value, self.rule = field_name, value, rule
+        super().__init__(f"{field_name}={value!r}: {rule}")
+
+
+def _require(ok: bool, field_name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, value, rule)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(isinstance(value, int) and value >= 1, f"{section}.{name}", value,
+                 "must be a positive integer")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Llama-style decoder-only transformer (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for the byte-level tokenizer."""
+    d_model: int = 64
+    """Hidden size h."""
+    n_layers: int = 2
+    """Number of transformer blocks L."""
+    n_heads: int = 4
+    """Number of query heads a; head size is d_model / n_heads."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); None means n_heads (plain MHA)."""
+    ffn_hidden: int | None = None
+    """SwiGLU inner size; None picks Llama's rule: 2/3 of 4h rounded up to a multiple of 32."""
+    max_seq_len: int = 256
+    """Longest sequence the RoPE tables cover."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the token-embedding matrix with the LM head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialization of weight matrices."""
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _positive("model", self, "n_kv_heads")
+        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
+                 f"must be divisible by model.n_heads={self.n_heads}")
+        _require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+                 f"must divide model.n_heads={self.n_heads}")
+        _require((self.d_model // self.n_heads) % 2 == 0, "model.d_model", self.d_model,
+                 "head size d_model/n_heads must be even for RoPE")
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 32 * math.ceil(int(2 * 4 * self.d_model / 3) / 32)
+        _positive("model", self, "ffn_hidden")
+        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
+        _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+DP_MODES = ("allreduce", "ps", "ps-async")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "bfs")
+ALLREDUCE_ALGORITHMS = ("backend", "auto", "naive", "parallel", "ring", "rabenseifner")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the world is split. Ranks are ordered (pp, dp, cp, tp), tp fastest-varying."""
+
+    dp: int = 1
+    """Data-parallel degree: replicas that each see 1/dp of the global batch."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron): heads and MLP columns split across tp ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: layers split into pp stages."""
+    cp: int = 1
+    """Context-parallel degree: the sequence split across cp ranks inside attention."""
+    ep: int = 1
+    """Expert-parallel degree for mixture-of-experts; experts are spread over blocks of the dp axis."""
+    zero_stage: int = 0
+    """ZeRO stage: 0 plain DP, 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    dp_mode: str = "allreduce"
+    """How data-parallel replicas agree: 'allreduce' (DDP), 'ps' (synchronous parameter server),
+    'ps-async' (asynchronous parameter server with bounded staleness)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms and residuals hold 1/tp of the sequence."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: one of naive, gpipe, 1f1b, interleaved, bfs."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (v) for interleaved and breadth-first schedules."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB for the data-parallel all-reduce."""
+    allreduce_algorithm: str = "backend"
+    """All-reduce used by data parallelism: 'backend' (torch.distributed's) or one of ours."""
+    max_staleness: int = 2
+    """Asynchronous parameter server: the most server versions a gradient may lag behind."""
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'selective' (attention core) or 'full' (whole block)."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", self, "dp", "tp", "pp", "cp", "ep", "virtual_stages",
+                  "max_staleness")
+        _require(self.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", self.zero_stage,
+                 "must be 0, 1, 2 or 3")
+        _require(self.dp_mode in DP_MODES, "parallel.dp_mode", self.dp_mode,
+                 f"must be one of {', '.join(DP_MODES)}")
+        _require(self.schedule in SCHEDULES, "parallel.schedule", self.schedule,
+                 f"must be one of {', '.join(SCHEDULES)}")
+        _require(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "must be > 0")
+        _require(self.allreduce_algorithm in ALLREDUCE_ALGORITHMS,
+                 "parallel.allreduce_algorithm", self.allreduce_algorithm,
+                 f"must be one of {', '.join(ALLREDUCE_ALGORITHMS)}")
+        _require(self.recompute in ("none", "selective", "full"), "parallel.recompute",
+                 self.recompute, "must be one of none, selective, full")
+        _require(self.dp % self.ep == 0, "parallel.ep", self.ep,
+                 f"must divide parallel.dp={self.dp}")
+        _require(not (self.zero_stage > 0 and self.dp_mode != "allreduce"), "parallel.zero_stage",
+                 self.zero_stage, f"needs parallel.dp_mode='allreduce', not {self.dp_mode!r}")
+        _require(self.dp_mode == "allreduce" or self.dp >= 2, "parallel.dp_mode", self.dp_mode,
+                 f"a parameter server needs parallel.dp >= 2 (one server and workers), got {self.dp}")
+        _require(self.virtual_stages == 1 or self.schedule in ("interleaved", "bfs"),
+                 "parallel.virtual_stages", self.virtual_stages,
+                 f"needs schedule interleaved or bfs, not {self.schedule!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where tokens come from and how they are cut into training windows."""
+
+    path: str = "data/stdlib"
+    """Directory of prepared token shards (written by `tessera data prepare`)."""
+    seq_len: int = 64
+    """Tokens per training sequence."""
+    seed: int = 1234
+    """Seed of the batch sampler; with the step number it fixes every batch."""
+    val_tokens: int = 65536
+    """Held-out tokens scored by each validation pass."""
+
+    def __post_init__(self) -> None:
+        _positive("data", self, "seq_len", "val_tokens")
+        _require(bool(self.path), "data.path", self.path, "must not be empty")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The optimizer, the schedule of learning rates and what gets logged."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences in one micro-batch on one data-parallel rank."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank (the pipeline's m under PP)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 0
+    """Seed of the parameter initialization."""
+    precision: str = "fp32"
+    """'fp32', or 'bf16' (bf16 compute and gradients, fp32 master weights where supported)."""
+    eval_interval: int = 50
+    """Run validation every this many steps (and at the end); 0 only at the end."""
+    log_interval: int = 10
+    """Print a metrics line every this many steps."""
+    out_dir: str = "runs/latest"
+    """Where metrics.jsonl, the sample and pictures go."""
+    sample_tokens: int = 200
+    """Tokens generated at the end of training; 0 skips the sample."""
+    sample_prompt: str = "def "
+    """Prompt of the sample generated at the end."""
+    peak_tflops: float | None = None
+    """Peak FLOP/s of one device in TFLOP/s for MFU; None asks the device (GPUs) or skips MFU."""
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "micro_batch_size", "grad_accum")
+        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
+                 "must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        _require(0 <= self.beta1 < 1, "train.beta1", self.beta1, "must be in [0, 1)")
+        _require(0 <= self.beta2 < 1, "train.beta2", self.beta2, "must be in [0, 1)")
+        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
+        _require(self.precision in ("fp32", "bf16"), "train.precision", self.precision,
+                 "must be fp32 or bf16")
+        _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval,
+                 "must be >= 0")
+        _require(self.log_interval >= 1, "train.log_interval", self.log_interval, "must be >= 1")
+        _require(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens,
+                 "must be >= 0")
+        _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",
+                 self.peak_tflops, "must be > 0")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """One run: what model, split how, trained how, on what data."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self, world_size: int | None = None) -> Config:
+        """Check the rules that tie sections together; call on every rank before any collective."""
+        m, p, d = self.model, self.parallel, self.data
+        if world_size is not None:
+            _require(p.world_size == world_size, "parallel", f"dp={p.dp} tp={p.tp} pp={p.pp} "
+                     f"cp={p.cp}", f"dp*tp*pp*cp={p.world_size} must equal the world size "
+                     f"{world_size}")
+        _require(m.n_heads % p.tp == 0, "parallel.tp", p.tp,
+                 f"must divide model.n_heads={m.n_heads}")
+        _require(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
+                 f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it")
+        _require(m.d_model % p.tp == 0, "parallel.tp", p.tp,
+                 f"must divide model.d_model={m.d_model}")
+        _require(m.ffn_hidden % p.tp == 0, "parallel.tp", p.tp,
+                 f"must divide model.ffn_hidden={m.ffn_hidden}")
+        _require(not p.sequence_parallel or d.seq_len % p.tp == 0, "data.seq_len", d.seq_len,
+                 f"must be divisible by parallel.tp={p.tp} with sequence parallelism")
+        _require(d.seq_len % p.cp == 0, "data.seq_len", d.seq_len,
+                 f"must be divisible by parallel.cp={p.cp}")
+        _require(p.pp * p.virtual_stages <= m.n_layers, "parallel.pp", p.pp,
+                 f"pp*virtual_stages={p.pp * p.virtual_stages} stages exceed "
+                 f"model.n_layers={m.n_layers}")
+        _require(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len,
+                 f"must be <= model.max_seq_len={m.max_seq_len}")
+        if p.pp > 1 and p.schedule == "interleaved":
+            _require(self.train.grad_accum % p.pp == 0, "train.grad_accum", self.train.grad_accum,
+                     f"interleaved 1F1B needs micro-batches a multiple of parallel.pp={p.pp}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # For tests: a few thousand parameters, runs in milliseconds.
+    "tiny": {
+        "model": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
+        "data": dict(seq_len=32, val_tokens=4096),
+        "train": dict(steps=30, micro_batch_size=8, lr=3e-3, warmup_steps=3, eval_interval=0,
+                      log_interval=5, sample_tokens=32),
+    },
+    # The main job: 2 CPU ranks, under five minutes, below 2 nats/byte on the stdlib corpus.
+    "demo": {
+        "model": dict(d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256),
+        "data": dict(seq_len=128, val_tokens=65536),
+        "parallel": dict(dp=2),
+        "train": dict(steps=600, micro_batch_size=16, lr=3e-3, warmup_steps=30,
+                      eval_interval=200, log_interval=25, sample_tokens=300),
+    },
+    # GPT-2 small's shape in Llama form; SwiGLU inner size 2048 keeps its 124M parameters.
+    "gpt2-124m": {
+        "model": dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, ffn_hidden=2048,
+                      max_seq_len=1024, tie_embeddings=True),
+        "data": dict(seq_len=1024),
+        "train": dict(lr=6e-4, warmup_steps=700, steps=20000),
+    },
+    # Llama 3.2 1B.
+    "llama-1b": {
+        "model": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                      ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0,
+                      tie_embeddings=True),
+        "data": dict(seq_len=2048),
+        "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
+    },
+}
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+             "data": DataConfig}
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, values in extra.items():
+        _require(section in _SECTIONS, "config", section,
+                 f"unknown section; known: {', '.join(_SECTIONS)}")
+        _require(isinstance(values, dict), section, values, "must be a table of fields")
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def _build(raw: dict[str, dict[str, Any]]) -> Config:
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        values = raw.get(name, {})
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            _require(key in known, f"{name}.{key}", values[key],
+                     f"unknown field; known: {', '.join(sorted(known))}")
+        sections[name] = cls(**values)
+    return Config(**sections)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse ``section.field=value``; the value is read as YAML (numbers, bools, null, strings)."""
+    key, sep, value = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    _require(bool(sep) and bool(dot) and bool(name), "--set", text,
+             "must look like section.field=value, e.g. train.lr=1e-3")
+    return section, name, yaml.safe_load(value) if value.strip() else ""
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or YAML config file into nested dicts (an optional top-level `preset` key)."""
+    path = Path(path)
+    _require(path.is_file(), "--config", str(path), "file does not exist")
+    text = path.read_text()
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError("--config", str(path), f"cannot be parsed: {e}".splitlines()[0]) from e
+    _require(isinstance(raw, dict), "--config", str(path), "must hold a table of sections")
+    return raw
+
+
+def make_config(preset: str | None = "tiny", file: str | Path | None = None,
+                overrides: list[str] | tuple[str, ...] = (),
+                **sections: dict[str, Any]) -> Config:
+    """Preset, then config file, then keyword sections, then `section.field=value` overrides."""
+    raw: dict[str, Any] = {}
+    file_raw = load_file(file) if file else {}
+    preset = file_raw.pop("preset", preset)
+    if preset is not None:
+        _require(preset in PRESETS, "preset", preset, f"unknown; known: {', '.join(PRESETS)}")
+        raw = _merge(raw, PRESETS[preset])
+    raw = _merge(raw, file_raw)
+    raw = _merge(raw, {k: v for k, v in sections.items() if v})
+    for text in overrides:
+        section, name, value = parse_override(text)
+        raw = _merge(raw, {section: {name: value}})
+    return _build(raw)

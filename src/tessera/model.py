@@ -1,0 +1,196 @@
+"""The single-device reference transformer: Llama-style, and unaware of ranks.
+
+Every parallel mechanism in tessera is proven against this module. Its parts are plain
+``nn.Module``s with stable names (``tok_embeddings``, ``layers.{i}.attention.wq``, ...), so a
+parallelizer can find, split or wrap them without the model knowing.
+
+Architecture (Touvron et al., "LLaMA", 2023): pre-norm blocks with RMSNorm (Zhang & Sennrich,
+2019), rotary position embeddings (Su et al., 2021), SwiGLU MLP (Shazeer, 2020) and
+grouped-query attention (Ainslie et al., 2023) through ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 whatever the input dtype: the mean of squares underflows in bf16.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (max_seq_len, head_dim/2), for rotating query/key pairs."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, nh, hd) by position; cos/sin are (T, hd/2). Pairs are (even, odd) dims."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]  # (B, T, nh, hd/2)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, T, nh, hd/2, 2)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # The local head counts come from the weights, so a tensor-parallel shard of this module
+        # (fewer output rows in wq/wk/wv) runs the same code on its own heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, h)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V)."""
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.tok_embeddings(tokens)  # (B, T, h)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss in nats; logits (B, T, V), targets (B, T). Computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialization: every parameter's values depend only on (seed, its name), so a shard of a
+# parameter can be cut from the same full tensor on any rank, and results do not depend on the
+# parallel layout.
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def init_tensor(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...],
+                seed: int) -> torch.Tensor:
+    """The full initial value of parameter `name` (a name in the reference model)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = cfg.init_std
+    # GPT-2 style: scale the projections that write into the residual stream by 1/sqrt(2L).
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std = std / (2 * cfg.n_layers) ** 0.5
+    return torch.randn(shape, generator=param_generator(seed, name)) * std
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> Transformer:
+    for name, p in model.named_parameters():
+        p.copy_(init_tensor(model.cfg, name, p.shape, seed))
+    return model
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> Transformer:
+    """The reference model with its deterministic initialization."""
+    model = init_weights(Transformer(cfg), seed)
+    return model.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting. The formulas are checked against counting the module's tensors in the tests.
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters N of the reference model.
+
+    Per block: attention h·(a + 2·kv)·d + a·d·h for wq, wk, wv, wo (a query heads, kv key/value
+    heads of size d = h/a), SwiGLU 3·h·f, and two RMSNorm vectors 2h. Plus the embedding V·h,
+    the final norm h and, untied, the LM head V·h. With kv = a and f = 4h this is the familiar
+    12·L·h² + 2Vh of Kaplan et al. (2020) up to the norms.
+    """
+    h, L, V, f, d = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.ffn_hidden, cfg.head_dim
+    attn = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d + cfg.n_heads * d * h
+    block = attn + 3 * h * f + 2 * h
+    head = 0 if cfg.tie_embeddings else V * h
+    return V * h + L * block + h + head
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Model FLOPs per trained token (forward + backward), as in PaLM (Chowdhery et al. 2022, B).
+
+    6·N_matmul + 12·L·a·d·T: each weight of a matrix multiply costs 2 FLOPs per token forward
+    and 4 backward; attention's QKᵀ and AV add 2·2·a·d·T per token per layer forward, tripled for
+    backward. N_matmul counts the weights used in matrix multiplies: all blocks' linears and the
+    LM head (the embedding lookup and norms are not matmuls). Causal masking is not discounted,
+    following the convention of PaLM and nanoGPT (6N + 12·L·H·Q·T).
+    """
+    h, L, V, f, d = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.ffn_hidden, cfg.head_dim
+    attn = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d + cfg.n_heads * d * h
+    n_matmul = L * (attn + 3 * h * f) + V * h
+    return 6 * n_matmul + 12 * L * cfg.n_heads * d * seq_len

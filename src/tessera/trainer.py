@@ -1,0 +1,192 @@
+"""The training loop, read top to bottom: set up ranks, data, engine; step; evaluate; sample.
+
+One process per rank. The loop is the same for every layout: the engine (see ``engine.py``)
+hides how the model is split, so this file never mentions a process group except to start one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from tessera.config import Config, ConfigError
+from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
+from tessera.data.tokenizer import load_tokenizer
+from tessera.engine import build_engine, check_supported, lr_lambda
+from tessera.generate import generate
+from tessera.metrics import JsonlLogger, device_peak_tflops, mfu, peak_memory_bytes
+from tessera.model import Transformer, flops_per_token
+from tessera.topology import Topology
+
+
+def pick_device() -> tuple[torch.device, str]:
+    """One GPU per rank with NCCL where GPUs exist, else the CPU with gloo."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(backend: str) -> None:
+    """Join the launcher's group (torchrun's env://), or make a group of one."""
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def check_data(cfg: Config) -> TokenDataset:
+    """Open and verify the prepared data; the vocabulary must fit the model's."""
+    dataset = TokenDataset(cfg.data.path)
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
+                          f"must be >= the data's vocabulary {dataset.vocab_size} "
+                          f"({cfg.data.path})")
+    return dataset
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports (rank 0 holds the full picture)."""
+
+    steps: int
+    final_loss: float
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    sample: str = ""
+    median_step_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def evaluate(engine, cfg: Config, dataset: TokenDataset, topo: Topology) -> float:
+    """Mean validation loss in nats per token over data.val_tokens held-out tokens."""
+    batches = val_windows(dataset.val, cfg.data.seq_len, cfg.data.val_tokens,
+                          cfg.train.micro_batch_size * 4, topo.coords()["dp"], topo.dp)
+    loss_sum, count = engine.eval_loss(batches)
+    return loss_sum / count
+
+
+def train(cfg: Config, progress: bool = True) -> RunResult:
+    """Run training on this rank. Every rank calls this with the same config."""
+    device, backend = pick_device()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    # Every rule is checked, and the data opened, before the first collective.
+    cfg.validate(world)
+    check_supported(cfg)
+    dataset = check_data(cfg)
+
+    init_distributed(backend)
+    topo = Topology.build(cfg.parallel, device.type)
+    rank0 = topo.rank == 0
+    torch.manual_seed(cfg.train.seed)
+
+    engine = build_engine(cfg, topo, device)
+    optimizer = engine.optimizer(cfg.train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    loader = BatchLoader(dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size,
+                         cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed)
+
+    out = Path(cfg.train.out_dir)
+    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None)
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        print(f"tessera: {topo.describe()} device={device} backend={backend}", flush=True)
+
+    tokens_per_step = loader.global_batch_size * cfg.data.seq_len
+    flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+    peak = cfg.train.peak_tflops or device_peak_tflops(device)
+    result = RunResult(steps=cfg.train.steps, final_loss=float("nan"))
+    step_times: list[float] = []
+
+    bar = tqdm(range(cfg.train.steps), disable=not (rank0 and progress), unit="step",
+               dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = engine.forward_backward(next(loader))
+        grad_norm = engine.clip_grad_norm_(cfg.train.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        result.final_loss = loss
+
+        record: dict[str, Any] = {
+            "step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm, "step_s": dt, "tokens_per_s": tokens_per_step / dt,
+            "model_flops_per_s": flops_per_step / dt,
+            "mfu": mfu(flops_per_step / dt, peak, topo.world_size),
+            "peak_mem_bytes": peak_memory_bytes(device),
+        }
+        last = step + 1 == cfg.train.steps
+        every = cfg.train.eval_interval
+        if last or (every and (step + 1) % every == 0):
+            record["val_loss"] = evaluate(engine, cfg, dataset, topo)
+            result.val_losses.append((step + 1, record["val_loss"]))
+        logger.log(record)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if rank0 and (last or (step + 1) % cfg.train.log_interval == 0 or "val_loss" in record):
+            line = (f"step {step + 1:5d} | loss {loss:.4f} | lr {record['lr']:.2e} | "
+                    f"grad {grad_norm:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+                    f"{record['model_flops_per_s'] / 1e9:.2f} GFLOP/s")
+            if record["mfu"] is not None:
+                line += f" | MFU {100 * record['mfu']:.1f}%"
+            line += f" | peak mem {record['peak_mem_bytes'] / 2**20:.0f} MiB"
+            if "val_loss" in record:
+                line += f" | val {record['val_loss']:.4f}"
+            bar.write(line)
+
+    warm = step_times[min(len(step_times) - 1, 2):]
+    result.median_step_s = sorted(warm)[len(warm) // 2]
+    result.tokens_per_s = tokens_per_step / result.median_step_s
+
+    state = engine.full_state_dict()
+    if rank0 and cfg.train.sample_tokens:
+        result.sample = sample_text(cfg, state, dataset, device)
+        (out / "sample.txt").write_text(result.sample)
+        print(f"--- sample ({cfg.train.sample_tokens} tokens) ---\n"
+              f"{cfg.train.sample_prompt}{result.sample}\n--- end sample ---", flush=True)
+    if rank0:
+        (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=1))
+    dist.barrier()
+    return result
+
+
+def sample_text(cfg: Config, state: dict[str, torch.Tensor], dataset: TokenDataset,
+                device: torch.device) -> str:
+    model = Transformer(cfg.model).to(device)
+    model.load_state_dict(state)
+    tokenizer = load_tokenizer(dataset.tokenizer)
+    ids = generate(model, tokenizer.encode(cfg.train.sample_prompt), cfg.train.sample_tokens,
+                   seed=cfg.train.seed)
+    return tokenizer.decode(ids)
+
+
+def run(cfg: Config, progress: bool = True) -> RunResult:
+    """train() with the process group torn down afterwards, errors on every rank kept short."""
+    try:
+        return train(cfg, progress)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["train", "run", "RunResult", "DataError", "ConfigError"]
