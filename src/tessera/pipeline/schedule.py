@@ -165,18 +165,17 @@ class Schedule:
         unit = min((b - a for a, b in zip(times, times[1:], strict=False) if b - a > 1e-12),
                    default=1.0)
         n_slots = round(result.makespan / unit)
-        width = cell or max(len(str(a)) for acts in self.actions for a in acts if a.kind.is_compute)
-        rows = []
-        for r in range(self.n_ranks):
-            slots = ["."] * n_slots
-            for e in result.timeline:
-                if e.rank != r or e.kind not in ("F", "B"):
-                    continue
-                label = f"{e.chunk}{e.kind}{e.microbatch}" if self.n_chunks > self.n_ranks \
-                    else f"{e.kind}{e.microbatch}"
-                for s in range(round(e.start / unit), round(e.end / unit)):
-                    slots[s] = label
-            rows.append(f"rank {r} | " + " ".join(s.ljust(width) for s in slots))
+        show_chunk = self.n_chunks > self.n_ranks
+        cells: list[list[str]] = [["."] * n_slots for _ in range(self.n_ranks)]
+        for e in result.timeline:
+            if e.kind not in ("F", "B"):
+                continue
+            label = f"{e.chunk}{e.kind}{e.microbatch}" if show_chunk else f"{e.kind}{e.microbatch}"
+            for slot in range(round(e.start / unit), round(e.end / unit)):
+                cells[e.rank][slot] = label
+        width = cell or max(len(c) for row in cells for c in row)
+        rows = [f"rank {r} | " + " ".join(c.ljust(width) for c in row).rstrip()
+                for r, row in enumerate(cells)]
         return "\n".join(rows)
 
 
