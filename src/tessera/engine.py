@@ -171,7 +171,11 @@ class DataParallelEngine(Engine):
 def check_supported(cfg: Config) -> None:
     """Refuse, before any process group exists, layouts no engine here can run yet."""
     p = cfg.parallel
-    for name, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+    if p.pp > 1:
+        from tessera.pipeline.engine import check_pipeline
+
+        check_pipeline(cfg)
+    for name, value in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep)):
         if value != 1:
             raise ConfigError(f"parallel.{name}", value,
                               "this build of tessera runs only data parallelism (must be 1)")
@@ -183,4 +187,8 @@ def check_supported(cfg: Config) -> None:
 
 def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
     check_supported(cfg)
+    if cfg.parallel.pp > 1:
+        from tessera.pipeline.engine import PipelineEngine
+
+        return PipelineEngine(cfg, topo, device)
     return DataParallelEngine(cfg, topo, device)

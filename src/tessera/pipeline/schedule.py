@@ -127,6 +127,11 @@ class Schedule:
         return max(1, self.n_chunks // max(1, self.n_ranks))
 
     @property
+    def forward_only(self) -> bool:
+        """No backward anywhere: an evaluation schedule."""
+        return not any(a.kind is Kind.B for acts in self.actions for a in acts)
+
+    @property
     def is_lowered(self) -> bool:
         return any(not a.kind.is_compute for acts in self.actions for a in acts)
 
@@ -345,7 +350,7 @@ def _check_structure(s: Schedule) -> None:
                 if s.chunk_rank[peer_chunk(a)] == r:
                     raise ScheduleError(f"rank {r}: {a} talks to chunk {peer_chunk(a)} on the "
                                         f"same rank; local hand-offs need no communication")
-    for kind in COMPUTE:
+    for kind in (Kind.F,) if s.forward_only else COMPUTE:
         for c in range(s.n_chunks):
             for m in range(s.n_microbatches):
                 if Action(c, kind, m) not in seen:
@@ -457,6 +462,14 @@ def validate(schedule: Schedule) -> Schedule:
     if not schedule.is_lowered:
         _simulate_blocking(lower_comms(schedule))
     return schedule
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The same schedule without backward work (and its communication): for evaluation."""
+    keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+    return Schedule(f"{schedule.name}-forward", [[a for a in acts if a.kind in keep]
+                                                 for acts in schedule.actions],
+                    schedule.n_chunks, schedule.n_microbatches, schedule.chunk_rank)
 
 
 def from_orders(name: str, orders: Iterable[Iterable[Action]], n_chunks: int,

@@ -1,0 +1,219 @@
+"""Execute any valid schedule for real: this rank's actions, in order, over torch.distributed.
+
+The runtime walks the lowered schedule (``schedule.lower_comms``) of its pipeline rank:
+
+- a run of send/receive actions is posted as one ``batch_isend_irecv``; the receives are waited
+  for at once (the next compute needs them), the sends only at the end of the step, so a rank
+  never blocks on a send: exactly the semantics ``schedule.validate`` proves deadlock-free;
+- ``F(c, m)``: the chunk's input is the micro-batch's tokens (chunk 0), the received
+  activation, or the output of chunk c-1 when it lives on this rank; the input is detached and
+  marked as requiring grad, so each chunk's backward is its own autograd graph. The last chunk
+  computes the loss, scaled by the caller (1/m for training, so the m micro-batches' gradients
+  accumulate to the gradient of the full batch's mean loss);
+- ``B(c, m)``: backward from the loss (last chunk) or from the received / local gradient of the
+  chunk's output; the gradient of its input is what ``SEND_B`` carries (or chunk c-1 on this
+  rank consumes). Activations are freed as soon as their backward is done.
+
+Collectives: point-to-point only, activations (B, T, h) forward and their gradients backward,
+between the ranks of the pp group; every message has a tag naming (chunk, micro-batch,
+direction), and sends and receives between two ranks also come in the same order.
+
+Measurement: every compute action and every wait is time-stamped (``time.perf_counter``, one
+clock for all processes of a machine), giving a measured timeline and bubble fraction with the
+simulator's definitions; with ``measure_memory`` the bytes of tensors autograd saves for
+backward are counted per (chunk, micro-batch) (distinct storages, parameters excluded), and the
+peak held over the step is reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.pipeline.schedule import Action, Kind, Schedule, batches, lower_comms, validate
+from tessera.pipeline.simulator import TimelineEvent
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class StepRecord:
+    """What one rank measured in one run of a schedule."""
+
+    loss: torch.Tensor
+    """Sum of the scaled losses of the micro-batches (non-zero on the last chunk's rank only)."""
+    events: list[TimelineEvent] = field(default_factory=list)
+    """Compute actions ('F', 'B') and receive waits ('wait') with perf_counter times."""
+    peak_activation_bytes: int = 0
+    """Most bytes saved for backward held at once (with measure_memory)."""
+    start: float = 0.0
+    end: float = 0.0
+
+    @property
+    def busy(self) -> float:
+        return sum(e.end - e.start for e in self.events if e.kind in ("F", "B"))
+
+
+def measured_bubble(records: Sequence[StepRecord]) -> float:
+    """(makespan - largest per-rank busy time) / that busy time, over one step of all ranks."""
+    start = min(r.start for r in records)
+    end = max(r.end for r in records)
+    busy = max(r.busy for r in records)
+    return (end - start - busy) / busy if busy > 0 else 0.0
+
+
+def _tag(a: Action, n_microbatches: int) -> int:
+    """One tag per message, the same on both ends: (sending chunk, micro-batch, direction)."""
+    sender = a.chunk if a.kind.is_send else (a.chunk - 1 if a.kind is Kind.RECV_F else
+                                             a.chunk + 1)
+    backward = a.kind in (Kind.SEND_B, Kind.RECV_B)
+    return (sender * n_microbatches + a.microbatch) * 2 + int(backward)
+
+
+class _SavedBytes:
+    """Counts the bytes of distinct storages autograd saves, parameters excluded."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.param_ptrs:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+class PipelineRuntime:
+    """Runs schedules on one pipeline rank holding `stages` (chunk index -> module)."""
+
+    def __init__(self, stages: dict[int, nn.Module], pp_rank: int, pp_ranks: Sequence[int],
+                 group: dist.ProcessGroup | None, device: torch.device, d_model: int,
+                 autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 measure_memory: bool = False):
+        self.stages, self.pp_rank, self.pp_ranks = stages, pp_rank, list(pp_ranks)
+        self.group, self.device, self.d_model = group, device, d_model
+        self.autocast = autocast or contextlib.nullcontext
+        self.measure_memory = measure_memory
+        self._lowered: dict[int, Schedule] = {}
+
+    def lowered(self, schedule: Schedule) -> Schedule:
+        key = id(schedule)
+        if key not in self._lowered:
+            self._lowered[key] = validate(lower_comms(schedule))
+        return self._lowered[key]
+
+    def run(self, schedule: Schedule, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
+            *, scale: float = 1.0) -> StepRecord:
+        """Execute this rank's part of `schedule`; forward-only if it has no backward actions."""
+        s = self.lowered(schedule)
+        if len(micro_batches) != s.n_microbatches:
+            raise ValueError(f"schedule {s.name!r} is for {s.n_microbatches} micro-batches, got "
+                             f"{len(micro_batches)}")
+        owner, n_chunks, me = s.chunk_rank, s.n_chunks, self.pp_rank
+        last = n_chunks - 1
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        received: dict[Action, torch.Tensor] = {}
+        grads_in: dict[tuple[int, int], torch.Tensor] = {}  # grad w.r.t. chunk input
+        saved: dict[tuple[int, int], int] = {}
+        held = peak = 0
+        send_works: list = []
+        loss_sum = torch.zeros((), device=self.device)
+        events: list[TimelineEvent] = []
+        training = torch.is_grad_enabled() and not s.forward_only
+        start = time.perf_counter()
+
+        def activation_shape(mb: int) -> tuple[int, ...]:
+            tokens = micro_batches[mb][0]
+            return (tokens.shape[0], tokens.shape[1], self.d_model)  # (B, T, h)
+
+        for step in batches(s.actions[me]):
+            a = step[0]
+            if not a.kind.is_compute:
+                ops, recvs = [], []
+                for c in step:
+                    peer = self.pp_ranks[owner[c.chunk + 1 if c.kind in (Kind.SEND_F, Kind.RECV_B)
+                                               else c.chunk - 1]]
+                    if c.kind is Kind.SEND_F:
+                        key = (c.chunk, c.microbatch)
+                        tensor = (outputs[key] if training else outputs.pop(key)).detach()
+                    elif c.kind is Kind.SEND_B:
+                        tensor = grads_in.pop((c.chunk, c.microbatch))
+                    else:
+                        tensor = torch.empty(activation_shape(c.microbatch), device=self.device)
+                        received[c] = tensor
+                        recvs.append(len(ops))
+                    op = dist.isend if c.kind.is_send else dist.irecv
+                    ops.append(dist.P2POp(op, tensor, peer, self.group, _tag(c, s.n_microbatches)))
+                t0 = time.perf_counter()
+                works = dist.batch_isend_irecv(ops)
+                if len(works) == len(ops):  # one request per op (gloo): wait for receives only
+                    for i, w in enumerate(works):
+                        (w.wait() if i in recvs else send_works.append(w))
+                else:  # coalesced backends return one request for the batch
+                    for w in works:
+                        w.wait()
+                if recvs:
+                    events.append(TimelineEvent(me, "wait", -1, a.chunk, t0, time.perf_counter()))
+                continue
+
+            c, mb = a.chunk, a.microbatch
+            stage = self.stages[c]
+            t0 = time.perf_counter()
+            if a.kind is Kind.F:
+                if c == 0:
+                    x = micro_batches[mb][0].to(self.device)
+                elif owner[c - 1] != me:
+                    x = received.pop(Action(c, Kind.RECV_F, mb))
+                else:
+                    prev = outputs[(c - 1, mb)] if training else outputs.pop((c - 1, mb))
+                    x = prev.detach()
+                if training and c > 0:
+                    x.requires_grad_()
+                counter = _SavedBytes(list(stage.parameters())) if self.measure_memory else None
+                hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) \
+                    if counter else contextlib.nullcontext()
+                with hooks, self.autocast():
+                    out = stage(x)
+                    if c == last:
+                        out = loss_fn(out, micro_batches[mb][1].to(self.device)) * scale
+                if c == last:
+                    loss_sum += out.detach()
+                if training:
+                    inputs[(c, mb)], outputs[(c, mb)] = x, out
+                elif c != last:
+                    outputs[(c, mb)] = out
+                if counter is not None:
+                    saved[(c, mb)] = counter.total
+                    held += counter.total
+                    peak = max(peak, held)
+            else:
+                out = outputs.pop((c, mb))
+                if c == last:
+                    torch.autograd.backward(out)
+                else:
+                    grad = received.pop(Action(c, Kind.RECV_B, mb)) if owner[c + 1] != me else \
+                        grads_in.pop((c + 1, mb))
+                    torch.autograd.backward(out, grad)
+                x = inputs.pop((c, mb))
+                if c > 0:
+                    grads_in[(c, mb)] = x.grad
+                held -= saved.pop((c, mb), 0)
+            events.append(TimelineEvent(me, a.kind.value, mb, c, t0, time.perf_counter()))
+
+        for w in send_works:
+            w.wait()
+        return StepRecord(loss=loss_sum, events=events, peak_activation_bytes=peak, start=start,
+                          end=time.perf_counter())

@@ -1,0 +1,119 @@
+"""Pictures of a schedule: a PNG timeline like the lecture figures, and a Chrome/Perfetto trace.
+
+Both take a list of ``TimelineEvent``s, so the simulator's timeline and a training run's
+measured one (``PipelineEngine.write_timeline``) are drawn by the same code. In the PNG each
+device is a row; forward and backward boxes are coloured by micro-batch (forward light,
+backward dark) and numbered with it; with several chunks per device the chunk shows as a
+hatch and in the number (``3`` on chunk 0, ``3'`` on chunk 1, ...); gaps are bubbles. Data-
+parallel gradient reductions are drawn as grey boxes in a thin lane under each device.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tessera.pipeline.simulator import TimelineEvent
+
+HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")
+
+
+def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str = "",
+              n_ranks: int | None = None) -> Path:
+    """Draw `events` (kinds 'F', 'B', 'dp'; others are ignored) as a PNG timeline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+
+    boxes = [e for e in events if e.kind in ("F", "B", "dp")]
+    n_ranks = n_ranks or (max((e.rank for e in boxes), default=0) + 1)
+    n_mb = max((e.microbatch for e in boxes), default=0) + 1
+    chunks_by_rank: dict[int, list[int]] = {}
+    for e in boxes:
+        if e.kind != "dp" and e.chunk not in chunks_by_rank.setdefault(e.rank, []):
+            chunks_by_rank[e.rank].append(e.chunk)
+    local = {(r, c): i for r, cs in chunks_by_rank.items() for i, c in enumerate(sorted(cs))}
+    virtual = max((len(cs) for cs in chunks_by_rank.values()), default=1)
+    end = max((e.end for e in boxes), default=1.0)
+    span = end - min((e.start for e in boxes), default=0.0)
+    palette = plt.get_cmap("tab10" if n_mb <= 10 else "tab20")
+    has_dp = any(e.kind == "dp" for e in boxes)
+
+    fig_w = min(24.0, max(8.0, 0.45 * len([e for e in boxes if e.kind != "dp"]) / n_ranks))
+    fig, ax = plt.subplots(figsize=(fig_w, 0.7 * n_ranks + 1.4))
+    for e in boxes:
+        y = n_ranks - 1 - e.rank
+        width = e.end - e.start
+        if e.kind == "dp":
+            ax.broken_barh([(e.start, width)], (y - 0.48, 0.14), facecolors="0.6",
+                           edgecolor="0.3", linewidth=0.5)
+            continue
+        base = to_rgb(palette(e.microbatch % palette.N))
+        color = tuple(0.55 + 0.45 * c for c in base) if e.kind == "F" else \
+            tuple(0.8 * c for c in base)
+        lo = y - 0.3 if has_dp else y - 0.4
+        chunk_index = local[(e.rank, e.chunk)]
+        ax.broken_barh([(e.start, width)], (lo, 0.7 if not has_dp else 0.64),
+                       facecolors=[color], edgecolor="black", linewidth=0.6,
+                       hatch=HATCHES[chunk_index % len(HATCHES)] if virtual > 1 else "")
+        label = f"{e.microbatch}" + "'" * chunk_index
+        if width > span / 150:
+            ax.text(e.start + width / 2, lo + 0.35, label, ha="center", va="center",
+                    fontsize=8 if width > span / 60 else 6,
+                    color="black" if e.kind == "F" else "white")
+    ax.set_yticks(range(n_ranks))
+    ax.set_yticklabels([f"device {r}" for r in reversed(range(n_ranks))])
+    ax.set_xlim(0, end * 1.01)
+    ax.set_ylim(-0.6, n_ranks - 0.4)
+    ax.set_xlabel("time")
+    ax.set_title(title)
+    legend = [Patch(facecolor=(0.8, 0.87, 0.95), edgecolor="black", label="forward (light)"),
+              Patch(facecolor=(0.15, 0.3, 0.5), edgecolor="black", label="backward (dark)"),
+              Patch(facecolor="white", edgecolor="none", label="blank = bubble")]
+    if has_dp:
+        legend.append(Patch(facecolor="0.6", edgecolor="0.3", label="dp grad reduce"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 if n_ranks > 2
+                                                                   else -0.22),
+              ncol=len(legend), frameon=False, fontsize=8)
+    ax.grid(axis="x", alpha=0.2)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def chrome_trace(events: Sequence[TimelineEvent], time_unit: float = 1.0) -> dict:
+    """Trace Event Format (chrome://tracing, ui.perfetto.dev): one process per device, compute
+    on thread 0 and communication on thread 1; `time_unit` seconds per event time unit."""
+    trace: list[dict] = []
+    ranks = sorted({e.rank for e in events})
+    for r in ranks:
+        trace.append({"name": "process_name", "ph": "M", "pid": r,
+                      "args": {"name": f"device {r}"}})
+        trace.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 0,
+                      "args": {"name": "compute"}})
+        trace.append({"name": "thread_name", "ph": "M", "pid": r, "tid": 1,
+                      "args": {"name": "communication"}})
+    for e in events:
+        name = (f"dp reduce chunk {e.chunk}" if e.kind == "dp" else
+                f"wait (chunk {e.chunk})" if e.kind == "wait" else
+                f"{e.kind}{e.microbatch} chunk {e.chunk}")
+        trace.append({"name": name, "cat": e.kind, "ph": "X", "pid": e.rank,
+                      "tid": 0 if e.kind in ("F", "B") else 1,
+                      "ts": e.start * time_unit * 1e6, "dur": (e.end - e.start) * time_unit * 1e6,
+                      "args": {"microbatch": e.microbatch, "chunk": e.chunk}})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(events: Sequence[TimelineEvent], path: str | Path,
+                       time_unit: float = 1.0) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(events, time_unit)))
+    return path
