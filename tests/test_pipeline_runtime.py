@@ -54,7 +54,7 @@ def clip_(params, max_norm: float) -> float:
     return norm
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_trajectory(layers: int, tie: bool, n_micro: int):
     """The single-device model trained STEPS steps on the global batches (n_micro micro-batches
     each, gradients accumulated per micro-batch with the loss scaled by 1/n_micro): per step

@@ -81,7 +81,6 @@ class PipelineEngine(Engine):
     def __init__(self, cfg: Config, topo: Topology, device: torch.device,
                  split: Sequence[int] | None = None, measure_memory: bool = False):
         super().__init__(cfg, topo, device)
-        p = cfg.parallel
         self.pp_rank = topo.coords()["pp"]
         self.pp_group = topo.group("pp")
         self.dp_group = topo.group("dp")
