@@ -156,14 +156,40 @@ def references_for(cases):
     return {reference_key(c): reference_trajectory(*reference_key(c)) for c in cases}
 
 
+def first_stage_activation_peaks(pp: int = 2) -> dict[tuple[str, int], int]:
+    """Peak bytes autograd holds for backward on the first stage, per (schedule, m)."""
+    topo = Topology.build(case_config("gpipe", pp, 1).parallel)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (1, 2, 4, 8):
+            cfg = case_config(schedule, pp, m)
+            engine = PipelineEngine(cfg, topo, torch.device("cpu"), measure_memory=True)
+            engine.cfg.train.steps = 0
+            engine.forward_backward(step_batches(0, m))
+            peaks[(schedule, m)] = engine.last_record.peak_activation_bytes
+    return peaks
+
+
+def pp2_checks(cases, references):
+    return run_parity_cases(cases, references), first_stage_activation_peaks()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_every_schedule_matches_reference_pp2():
+def test_every_schedule_matches_reference_pp2_and_memory():
     cases = parity_cases(2)
-    results = run_ranks(run_parity_cases, 2, args=(cases, references_for(cases)), timeout=300)
-    for per_rank in results:
+    results = run_ranks(pp2_checks, 2, args=(cases, references_for(cases)), timeout=300)
+    for per_rank, _ in results:
         assert [c for c, _ in per_rank] == cases
         check_results(per_rank)
+    # Memory measured in the runtime on the first stage: bytes of the tensors autograd saves
+    # (distinct storages, parameters excluded), added at each forward and released at its
+    # backward. GPipe holds every micro-batch at the turn; 1F1B at most p = 2.
+    peaks = results[0][1]
+    one = peaks[("gpipe", 1)]
+    assert one > 0
+    assert [peaks[("gpipe", m)] for m in (1, 2, 4, 8)] == [m * one for m in (1, 2, 4, 8)]
+    assert [peaks[("1f1b", m)] for m in (1, 2, 4, 8)] == [one, 2 * one, 2 * one, 2 * one]
 
 
 @pytest.mark.multiprocess

@@ -21,8 +21,8 @@ direction), and sends and receives between two ranks also come in the same order
 Measurement: every compute action and every wait is time-stamped (``time.perf_counter``, one
 clock for all processes of a machine), giving a measured timeline and bubble fraction with the
 simulator's definitions; with ``measure_memory`` the bytes of tensors autograd saves for
-backward are counted per (chunk, micro-batch) (distinct storages, parameters excluded), and the
-peak held over the step is reported.
+backward are counted per (chunk, micro-batch) (distinct storages; parameters, buffers and input
+tokens excluded), and the peak held over the step is reported.
 """
 
 from __future__ import annotations
@@ -78,10 +78,11 @@ def _tag(a: Action, n_microbatches: int) -> int:
 
 
 class _SavedBytes:
-    """Counts the bytes of distinct storages autograd saves, parameters excluded."""
+    """Counts the bytes of distinct storages autograd saves, except `exclude`'s (parameters,
+    buffers and the input tokens: state and data the step holds anyway)."""
 
-    def __init__(self, params: Sequence[nn.Parameter]):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    def __init__(self, exclude: Sequence[torch.Tensor]):
+        self.param_ptrs = {t.untyped_storage().data_ptr() for t in exclude}
         self.storages: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +183,10 @@ class PipelineRuntime:
                     x = prev.detach()
                 if training and c > 0:
                     x.requires_grad_()
-                counter = _SavedBytes(list(stage.parameters())) if self.measure_memory else None
+                counter = None
+                if self.measure_memory:
+                    tokens = [x] if c == 0 else []
+                    counter = _SavedBytes([*stage.parameters(), *stage.buffers(), *tokens])
                 hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) \
                     if counter else contextlib.nullcontext()
                 with hooks, self.autocast():
