@@ -4,6 +4,7 @@
                   [--nproc N] [--dp N] [--tp N] [--pp N] [--cp N] ...
     tessera data prepare [--source stdlib|PATH ...] [--out DIR] [--tokenizer byte|FILE]
     tessera config [--preset NAME] [--config FILE] [--set ...]     print the resolved config
+    tessera schedule --schedule NAME --pp P --microbatches M [--virtual V] [--out DIR]
 
 Bad input (a config rule, a missing data path, an unknown preset) prints one line,
 ``error: <field>=<value>: <rule>``, and exits with code 2, on every rank, before any collective.
@@ -141,6 +142,37 @@ def strip_option(argv: list[str], name: str) -> list[str]:
         elif not a.startswith(name + "="):
             out.append(a)
     return out
+
+
+@app.command("schedule")
+def schedule_cmd(
+    schedule: Annotated[str, typer.Option(
+        help="Pipeline schedule: naive, gpipe, 1f1b, interleaved, bfs.")] = "1f1b",
+    pp: Annotated[int, typer.Option(help="Pipeline ranks.")] = 4,
+    microbatches: Annotated[int, typer.Option(help="Micro-batches per step.")] = 8,
+    virtual: Annotated[int, typer.Option(help="Chunks per rank (interleaved, bfs).")] = 1,
+    out: Annotated[str | None, typer.Option(help="Write the PNG timeline and trace here.")
+                   ] = None,
+    file: Annotated[str | None, typer.Option(
+        help="A custom schedule in the string form ('rank 0: 0F0 0B0 ...').")] = None,
+    backward_ratio: Annotated[float, typer.Option(help="Backward time / forward time.")] = 2.0,
+    dp_reduce: Annotated[float, typer.Option(
+        help="Data-parallel gradient reduction per rank's layers, in forward-time units.")
+    ] = 0.0,
+) -> None:
+    """Print a pipeline schedule's grid, bubble and in-flight memory; draw its timeline."""
+    from tessera.pipeline.cli import describe, load_schedule
+    from tessera.pipeline.schedule import ScheduleError
+
+    try:
+        if backward_ratio <= 0 or dp_reduce < 0:
+            raise ConfigError("--backward-ratio" if backward_ratio <= 0 else "--dp-reduce",
+                              backward_ratio if backward_ratio <= 0 else dp_reduce,
+                              "must be > 0" if backward_ratio <= 0 else "must be >= 0")
+        print(describe(load_schedule(schedule, pp, microbatches, virtual, file),
+                       backward_ratio, dp_reduce, out))
+    except (ConfigError, ScheduleError) as e:
+        raise fail(str(e)) from None
 
 
 @app.command("config")

@@ -16,7 +16,11 @@ from torch.distributed.run import run as torchrun
 
 def launch(nproc: int, train_argv: list[str]) -> int:
     """Run `python -m tessera.train *train_argv` on `nproc` local ranks; return an exit code."""
-    args = get_args_parser().parse_args(
+    parser = get_args_parser()
+    # Without this, a training flag that prefixes a launcher flag (--virtual, of
+    # --virtual-local-rank) is taken for the launcher's.
+    parser.allow_abbrev = False
+    args = parser.parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", "tessera.train", *train_argv])
     try:
         torchrun(args)
