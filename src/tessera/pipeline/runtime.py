@@ -2,9 +2,11 @@
 
 The runtime walks the lowered schedule (``schedule.lower_comms``) of its pipeline rank:
 
-- a run of send/receive actions is posted as one ``batch_isend_irecv``; the receives are waited
-  for at once (the next compute needs them), the sends only at the end of the step, so a rank
-  never blocks on a send: exactly the semantics ``schedule.validate`` proves deadlock-free;
+- a run of send/receive actions is posted as one ``batch_isend_irecv``, together with the
+  receives of the next run (posted ahead, so their transfers overlap the compute in between);
+  the run's receives are waited for at once (the next compute needs them), the sends only at
+  the end of the step, so a rank never blocks on a send: exactly the semantics
+  ``schedule.validate`` proves deadlock-free (posting a receive early never blocks);
 - ``F(c, m)``: the chunk's input is the micro-batch's tokens (chunk 0), the received
   activation, or the output of chunk c-1 when it lives on this rank; the input is detached and
   marked as requiring grad, so each chunk's backward is its own autograd graph. The last chunk
@@ -140,33 +142,56 @@ class PipelineRuntime:
             tokens = micro_batches[mb][0]
             return (tokens.shape[0], tokens.shape[1], self.d_model)  # (B, T, h)
 
-        for step in batches(s.actions[me]):
+        steps = batches(s.actions[me])
+        comm_steps = [i for i, step in enumerate(steps) if not step[0].kind.is_compute]
+        next_comm = dict(zip(comm_steps, comm_steps[1:], strict=False))
+        posted: dict[Action, object] = {}  # receives posted ahead: action -> request
+
+        def op_for(c: Action) -> dist.P2POp:
+            peer = self.pp_ranks[owner[c.chunk + 1 if c.kind in (Kind.SEND_F, Kind.RECV_B)
+                                       else c.chunk - 1]]
+            if c.kind is Kind.SEND_F:
+                key = (c.chunk, c.microbatch)
+                tensor = (outputs[key] if training else outputs.pop(key)).detach()
+            elif c.kind is Kind.SEND_B:
+                tensor = grads_in.pop((c.chunk, c.microbatch))
+            else:
+                tensor = torch.empty(activation_shape(c.microbatch), device=self.device)
+                received[c] = tensor
+            op = dist.isend if c.kind.is_send else dist.irecv
+            return dist.P2POp(op, tensor, peer, self.group, _tag(c, s.n_microbatches))
+
+        for index, step in enumerate(steps):
             a = step[0]
             if not a.kind.is_compute:
-                ops, recvs = [], []
-                for c in step:
-                    peer = self.pp_ranks[owner[c.chunk + 1 if c.kind in (Kind.SEND_F, Kind.RECV_B)
-                                               else c.chunk - 1]]
-                    if c.kind is Kind.SEND_F:
-                        key = (c.chunk, c.microbatch)
-                        tensor = (outputs[key] if training else outputs.pop(key)).detach()
-                    elif c.kind is Kind.SEND_B:
-                        tensor = grads_in.pop((c.chunk, c.microbatch))
-                    else:
-                        tensor = torch.empty(activation_shape(c.microbatch), device=self.device)
-                        received[c] = tensor
-                        recvs.append(len(ops))
-                    op = dist.isend if c.kind.is_send else dist.irecv
-                    ops.append(dist.P2POp(op, tensor, peer, self.group, _tag(c, s.n_microbatches)))
+                # This batch's sends and not-yet-posted receives, plus the next batch's
+                # receives, posted ahead so their transfers overlap the compute in between.
+                # Posting a receive early never blocks, and the waits stay where the validated
+                # schedule has them.
+                ahead = [c for c in steps[next_comm[index]] if not c.kind.is_send] \
+                    if index in next_comm else []
+                todo = [c for c in step if c not in posted] + ahead
+                ops = [op_for(c) for c in todo]
                 t0 = time.perf_counter()
-                works = dist.batch_isend_irecv(ops)
-                if len(works) == len(ops):  # one request per op (gloo): wait for receives only
-                    for i, w in enumerate(works):
-                        (w.wait() if i in recvs else send_works.append(w))
-                else:  # coalesced backends return one request for the batch
+                works = dist.batch_isend_irecv(ops) if ops else []
+                if len(works) == len(ops):  # one request per op (gloo)
+                    for c, w in zip(todo, works, strict=True):
+                        if c.kind.is_send:
+                            send_works.append(w)
+                        else:
+                            posted[c] = w
+                else:  # coalesced backends return one request for the batch: wait for it now
                     for w in works:
                         w.wait()
-                if recvs:
+                    posted.update(dict.fromkeys((c for c in todo if not c.kind.is_send), None))
+                waited = False
+                for c in step:
+                    if not c.kind.is_send:
+                        work = posted.pop(c)
+                        if work is not None:
+                            work.wait()
+                        waited = True
+                if waited:
                     events.append(TimelineEvent(me, "wait", -1, a.chunk, t0, time.perf_counter()))
                 continue
 
