@@ -1,0 +1,121 @@
+"""`tessera schedule`, `tessera train --pp`, and bad pipeline input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch._dynamo  # noqa: F401  (AdamW imports it lazily: load it once, not per rank)
+from typer.testing import CliRunner
+
+from tessera.cli import app
+from tessera.config import ConfigError, make_config
+from tessera.engine import check_supported
+from tessera.testing import run_ranks
+from tessera.trainer import train
+
+runner = CliRunner()
+
+
+def _fail(args: list[str]) -> str:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_schedule_command_prints_grid_bubble_inflight_and_writes_pictures(tmp_path):
+    result = runner.invoke(app, ["schedule", "--schedule", "1f1b", "--pp", "4",
+                                 "--microbatches", "8", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "rank 0 | F0 F1 F2 F3 .  .  .  B0 F4 B1" in out
+    assert "bubble fraction: 0.3750 simulated" in out and "closed form 0.3750" in out
+    assert "activation sets per rank: 4 3 2 1" in out
+    png = tmp_path / "1f1b_pp4_v1_m8.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "1f1b_pp4_v1_m8.trace.json").read_text())
+    boxes = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(boxes) == 2 * 4 * 8  # a forward and a backward per micro-batch per stage
+
+
+def test_schedule_command_interleaved_closed_form():
+    result = runner.invoke(app, ["schedule", "--schedule", "interleaved", "--pp", "2",
+                                 "--microbatches", "4", "--virtual", "2"])
+    assert result.exit_code == 0, result.output
+    assert "bubble fraction: 0.1250 simulated" in result.output
+    assert "closed form 0.1250" in result.output
+
+
+def test_schedule_command_bad_input():
+    assert "microbatches=3: interleaved 1F1B needs micro-batches a multiple of pp=2" in _fail(
+        ["schedule", "--schedule", "interleaved", "--pp", "2", "--microbatches", "3",
+         "--virtual", "2"])
+    assert "schedule='zb'" in _fail(["schedule", "--schedule", "zb"])
+    assert "virtual=2" in _fail(["schedule", "--schedule", "gpipe", "--virtual", "2"])
+
+
+def test_custom_schedule_file(tmp_path):
+    good = tmp_path / "mine.txt"
+    good.write_text("rank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1B0 1F1 1B1\n")
+    result = runner.invoke(app, ["schedule", "--file", str(good)])
+    assert result.exit_code == 0, result.output
+    assert "schedule mine: pp=2" in result.output
+    bad = tmp_path / "bad.txt"
+    bad.write_text("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1F0 1B0 1B1\n")
+    assert "deadlocks" in _fail(["schedule", "--file", str(bad)])
+    bad.write_text("rank 0: 0F0 0F1 0B1 0B0\nrank 1: 1F0 1B0 1F1 1B1\n")
+    assert "must come in the same order" in _fail(["schedule", "--file", str(bad)])
+    bad.write_text("rank 0: 0F0 0X1\n")
+    assert "action '0X1'" in _fail(["schedule", "--file", str(bad)])
+
+
+def test_train_refuses_bad_pipeline_input_before_launch(tiny_data):
+    base = ["train", "--preset", "tiny", "--data", tiny_data]
+    line = _fail(base + ["--pp", "4", "--set", "model.n_layers=2"])
+    assert "parallel.pp=4: pp*virtual_stages=4 stages exceed model.n_layers=2" in line
+    line = _fail(base + ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3",
+                         "--set", "model.n_layers=4"])
+    assert "train.grad_accum=3" in line and "multiple of parallel.pp=2" in line
+    line = _fail(base + ["--pp", "2", "--tp", "2"])
+    assert "parallel.tp=2" in line
+    line = _fail(base + ["--pp", "2", "--schedule", "1f1b", "--virtual", "2"])
+    assert "parallel.virtual_stages=2" in line
+
+
+def test_check_supported_names_the_config_field():
+    cfg = make_config("tiny", model=dict(n_layers=4),
+                      parallel=dict(pp=2, schedule="interleaved", virtual_stages=2),
+                      train=dict(grad_accum=2))
+    check_supported(cfg)
+    cfg.train.grad_accum = 3
+    with pytest.raises(ConfigError, match=r"train.grad_accum=3: interleaved 1F1B needs"):
+        check_supported(cfg)
+
+
+def _train_pp2_dp2(data: str, out: str):
+    cfg = make_config("tiny", model=dict(n_layers=4, tie_embeddings=True),
+                      parallel=dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2),
+                      train=dict(steps=4, grad_accum=2, micro_batch_size=2, out_dir=out,
+                                 sample_tokens=8, log_interval=2),
+                      data=dict(path=data, seq_len=16, val_tokens=1024))
+    result = train(cfg, progress=False)
+    return result.final_loss, result.val_losses
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_trainer_runs_pipeline_with_data_parallel(tiny_data, tmp_path):
+    results = run_ranks(_train_pp2_dp2, 4, args=(tiny_data, str(tmp_path)))
+    losses = {r[0] for r in results}
+    assert len(losses) == 1  # the engine returns the same mean loss on every rank
+    (loss,) = losses
+    assert 0 < loss < 6
+    assert all(r[1] == results[0][1] and r[1][0][0] == 4 for r in results)  # eval at the end
+    summary = json.loads((tmp_path / "pipeline.json").read_text())
+    assert summary["schedule"] == "interleaved" and summary["measured_bubble"] >= 0
+    assert (tmp_path / "pipeline_timeline.png").read_bytes()[:4] == b"\x89PNG"
+    trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
+    computes = [e for e in trace["traceEvents"] if e.get("cat") in ("F", "B")]
+    assert len(computes) == 2 * 4 * 2  # F and B of 2 micro-batches on 4 chunks
