@@ -194,8 +194,8 @@ def bench_rank(a, pp: int):
 def summarize(pp: int, per_rank: list, a) -> list[str]:
     lines = []
     for i, (name, v) in enumerate(SCHEDULES):
-        def per_step(key, field):
-            """[pair][step] -> value over ranks (max for times, sum for CPU, max busy)."""
+        def per_step(key, field, i=i):
+            """[pair][step] -> the values of every rank."""
             blocks = [r[i]["rows"][key] for r in per_rank]
             result = []
             for pair in range(a.pairs):

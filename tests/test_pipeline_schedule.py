@@ -5,8 +5,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
-from tessera.config import ConfigError
+from tessera.config import ConfigError, ModelConfig
+from tessera.model import build_model
+from tessera.pipeline.partition import Chunk, balance, partition
 from tessera.pipeline.schedule import (
     Action,
     Kind,
@@ -168,3 +171,62 @@ def test_text_grid_shows_bubbles():
     assert grid.splitlines() == ["rank 0 | F0 F1 .  .  B0 B1",
                                  "rank 1 | .  F0 F1 B0 B1 ."]
     assert isinstance(build_schedule("interleaved", 2, 2, 2), Schedule)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partitioning
+
+
+def test_balance_splits_evenly_and_shifts_blocks_away_from_a_heavy_head():
+    assert balance([1.0] * 8, 4) == [2, 2, 2, 2]
+    assert balance([1.0] * 8, 2, last_extra=2.0) == [5, 3]
+    assert balance([1.0] * 7, 3, last_extra=2.0) == [3, 3, 1]
+    assert balance([1.0] * 7, 3, first_extra=2.0) == [1, 3, 3]
+    assert balance([1.0, 1.0, 4.0, 1.0, 1.0], 3) == [2, 1, 2]
+    # A real configuration: a 32k vocabulary's head outweighs a block at d_model 256.
+    cfg = ModelConfig(vocab_size=32000, d_model=256, n_layers=8, n_heads=4)
+    sizes = [len(s.layers) for s in partition(cfg, 4, seq_len=256)]
+    assert sum(sizes) == 8 and sizes[-1] < sizes[0]
+
+
+def test_partition_explicit_split_and_errors():
+    cfg = ModelConfig(n_layers=6)
+    specs = partition(cfg, 3, split=[1, 3, 2])
+    assert [list(s.layers) for s in specs] == [[0], [1, 2, 3], [4, 5]]
+    assert [(s.has_embedding, s.has_head) for s in specs] == [(True, False), (False, False),
+                                                               (False, True)]
+    with pytest.raises(ConfigError, match="stages exceed model.n_layers=6"):
+        partition(cfg, 7)
+    with pytest.raises(ConfigError, match="must add up to model.n_layers=6"):
+        partition(cfg, 3, split=[1, 1, 1])
+    with pytest.raises(ConfigError, match="at least one block"):
+        partition(cfg, 3, split=[0, 3, 3])
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_chunks_start_from_the_reference_weights_and_compose_to_it(tie):
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, max_seq_len=16,
+                      tie_embeddings=tie)
+    ref = build_model(cfg, seed=3)
+    specs = partition(cfg, 3)
+    # Chunks 0 and 2 on different "ranks": the last holds a copy of a tied embedding.
+    chunks = [Chunk(cfg, s, seed=3) for s in specs]
+    ref_params = dict(ref.named_parameters())
+    seen = set()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            ref_name = chunk.reference_name(name)
+            assert torch.equal(p, ref_params[ref_name]), name
+            seen.add(ref_name)
+    assert seen == set(ref_params)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = tokens
+    for chunk in chunks:
+        x = chunk(x)
+    assert torch.equal(x, ref(tokens))  # same ops in the same order: bitwise equal
+    # Chunks 0 and 2 on one rank: the head uses that rank's embedding, one parameter.
+    first = Chunk(cfg, specs[0], seed=3)
+    last = Chunk(cfg, specs[2], seed=3, shared_embedding=first.tok_embeddings)
+    if tie:
+        assert last.head_weight() is first.tok_embeddings.weight
+        assert "output.weight" not in dict(last.named_parameters())

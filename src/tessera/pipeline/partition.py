@@ -4,8 +4,9 @@ Chunk 0 also holds the token embedding, the last chunk the final norm, the LM he
 loss. The split balances an estimated forward cost per token (matmul FLOPs, as in
 ``tessera.model.flops_per_token``): each block costs 2·N_block + 4·a·d·T, the head 2·V·h, and
 the embedding lookup h (a copy, no FLOPs). Among contiguous splits with at least one block per
-chunk, the one with the smallest most-expensive chunk is chosen (exact dynamic programme,
-O(chunks·L²)), so a heavy LM head pushes blocks towards the earlier chunks. The user can give
+chunk, the one with the smallest most-expensive chunk is chosen, ties broken by the least sum
+of squared chunk costs (two exact dynamic programmes, O(chunks·L²)), so a heavy LM head pushes
+blocks towards the earlier chunks. The user can give
 the split instead, as blocks per chunk.
 
 A chunk is an ``nn.Module`` whose parameter names are the reference model's
@@ -67,24 +68,32 @@ def balance(costs: Sequence[float], n_chunks: int, first_extra: float = 0.0,
         return prefix[j] - prefix[i] + extra
 
     inf = float("inf")
-    # best[k][j]: the smallest max cost of putting blocks 0..j-1 into chunks 0..k.
-    best = [[inf] * (n + 1) for _ in range(n_chunks)]
-    cut = [[0] * (n + 1) for _ in range(n_chunks)]
-    for j in range(1, n + 1):
-        best[0][j] = cost(0, 0, j)
-    for k in range(1, n_chunks):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], cost(k, i, j))
-                if value < best[k][j] - 1e-9:
-                    best[k][j], cut[k][j] = value, i
-    sizes, j = [], n
-    for k in range(n_chunks - 1, 0, -1):
-        i = cut[k][j]
-        sizes.append(j - i)
-        j = i
-    sizes.append(j)
-    return sizes[::-1]
+
+    def solve(score, combine) -> tuple[float, list[int]]:
+        """DP over (chunks used, blocks placed); returns the best score and the cut points."""
+        best = [[inf] * (n + 1) for _ in range(n_chunks)]
+        cut = [[0] * (n + 1) for _ in range(n_chunks)]
+        for j in range(1, n + 1):
+            best[0][j] = score(cost(0, 0, j))
+        for k in range(1, n_chunks):
+            for j in range(k + 1, n + 1):
+                for i in range(k, j):
+                    value = combine(best[k - 1][i], score(cost(k, i, j)))
+                    if value < best[k][j] - 1e-9:
+                        best[k][j], cut[k][j] = value, i
+        sizes, j = [], n
+        for k in range(n_chunks - 1, 0, -1):
+            sizes.append(j - cut[k][j])
+            j = cut[k][j]
+        sizes.append(j)
+        return best[n_chunks - 1][n], sizes[::-1]
+
+    # First the smallest possible costliest chunk M; then, among splits within M, the most even
+    # one (least sum of squared chunk costs), so ties do not leave one chunk needlessly light.
+    limit, _ = solve(lambda c: c, max)
+    _, sizes = solve(lambda c: c * c if c <= limit + 1e-9 * max(1.0, limit) else inf,
+                     lambda a, b: a + b)
+    return sizes
 
 
 def partition(cfg: ModelConfig, n_chunks: int, seq_len: int | None = None,
