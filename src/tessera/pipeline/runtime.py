@@ -109,11 +109,14 @@ class PipelineRuntime:
         self.group, self.device, self.d_model = group, device, d_model
         self.autocast = autocast or contextlib.nullcontext
         self.measure_memory = measure_memory
-        self._lowered: dict[int, Schedule] = {}
+        self._lowered: dict[tuple, Schedule] = {}
 
     def lowered(self, schedule: Schedule) -> Schedule:
-        key = id(schedule)
+        """The validated lowered form, cached by content (the same schedule every step)."""
+        key = (schedule.to_string(), schedule.chunk_rank)
         if key not in self._lowered:
+            if len(self._lowered) >= 16:
+                self._lowered.clear()
             self._lowered[key] = validate(lower_comms(schedule))
         return self._lowered[key]
 
@@ -150,9 +153,9 @@ class PipelineRuntime:
         def op_for(c: Action) -> dist.P2POp:
             peer = self.pp_ranks[owner[c.chunk + 1 if c.kind in (Kind.SEND_F, Kind.RECV_B)
                                        else c.chunk - 1]]
-            if c.kind is Kind.SEND_F:
+            if c.kind is Kind.SEND_F:  # activations travel in fp32, whatever autocast made
                 key = (c.chunk, c.microbatch)
-                tensor = (outputs[key] if training else outputs.pop(key)).detach()
+                tensor = (outputs[key] if training else outputs.pop(key)).detach().float()
             elif c.kind is Kind.SEND_B:
                 tensor = grads_in.pop((c.chunk, c.microbatch))
             else:
@@ -205,7 +208,7 @@ class PipelineRuntime:
                     x = received.pop(Action(c, Kind.RECV_F, mb))
                 else:
                     prev = outputs[(c - 1, mb)] if training else outputs.pop((c - 1, mb))
-                    x = prev.detach()
+                    x = prev.detach().float()
                 if training and c > 0:
                     x.requires_grad_()
                 counter = None
@@ -235,7 +238,7 @@ class PipelineRuntime:
                 else:
                     grad = received.pop(Action(c, Kind.RECV_B, mb)) if owner[c + 1] != me else \
                         grads_in.pop((c + 1, mb))
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, grad.to(out.dtype))
                 x = inputs.pop((c, mb))
                 if c > 0:
                     grads_in[(c, mb)] = x.grad

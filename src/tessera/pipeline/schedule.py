@@ -396,6 +396,7 @@ def _simulate_blocking(s: Schedule) -> None:
     """Run the schedule symbolically; raise if some rank can never make progress."""
     n, owner = s.n_chunks, s.chunk_rank
     steps = [batches(acts) for acts in s.actions]
+    lowered = s.is_lowered
     pc = [0] * s.n_ranks
     done: set[Action] = set()
     posted: dict[int, bool] = defaultdict(bool)  # rank -> its current batch is posted
@@ -417,7 +418,7 @@ def _simulate_blocking(s: Schedule) -> None:
                 if step[0].kind.is_compute:
                     a = step[0]
                     local = [d for d in inputs_of(a, n) if owner[d.chunk] == r]
-                    remote_ok = (s.is_lowered or
+                    remote_ok = (lowered or
                                  all(d in done for d in inputs_of(a, n) if owner[d.chunk] != r))
                     if not (all(d in done for d in local) and remote_ok):
                         break

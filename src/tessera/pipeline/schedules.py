@@ -26,6 +26,7 @@ it up by name.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,7 +81,16 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> S
     why = spec.microbatch_rule(pp, microbatches, virtual)
     if why:
         raise ConfigError("microbatches", microbatches, why)
-    schedule = Schedule(name, spec.generate(pp, microbatches, virtual), pp * virtual,
+    cached = _validated(spec, pp, microbatches, virtual)
+    return Schedule(cached.name, [list(acts) for acts in cached.actions], cached.n_chunks,
+                    cached.n_microbatches, cached.chunk_rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _validated(spec: ScheduleSpec, pp: int, microbatches: int, virtual: int) -> Schedule:
+    """Generate and validate once per arguments (the planner asks for many); callers get
+    copies, so the cached lists are never mutated."""
+    schedule = Schedule(spec.name, spec.generate(pp, microbatches, virtual), pp * virtual,
                         microbatches, tuple(c % pp for c in range(pp * virtual)))
     return validate(schedule)
 
