@@ -110,6 +110,9 @@ class PipelineRuntime:
         self.autocast = autocast or contextlib.nullcontext
         self.measure_memory = measure_memory
         self._lowered: dict[tuple, Schedule] = {}
+        # gloo returns one request per operation, so receives can be posted ahead and waited
+        # for later; a coalescing backend (NCCL) returns one request for the whole batch.
+        self.post_ahead = dist.is_initialized() and dist.get_backend(group) == "gloo"
 
     def lowered(self, schedule: Schedule) -> Schedule:
         """The validated lowered form, cached by content (the same schedule every step)."""
@@ -172,7 +175,7 @@ class PipelineRuntime:
                 # Posting a receive early never blocks, and the waits stay where the validated
                 # schedule has them.
                 ahead = [c for c in steps[next_comm[index]] if not c.kind.is_send] \
-                    if index in next_comm else []
+                    if index in next_comm and self.post_ahead else []
                 todo = [c for c in step if c not in posted] + ahead
                 ops = [op_for(c) for c in todo]
                 t0 = time.perf_counter()
