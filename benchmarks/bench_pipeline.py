@@ -143,7 +143,7 @@ class Torch:
         kwargs = dict(target=y, losses=losses) if self.last else {}
         self.schedule.step(*args, **kwargs)
         if self.last:
-            self.last_loss = float(sum(losses)) / self.m
+            self.last_loss = float(sum(loss.detach() for loss in losses)) / self.m
 
 
 def timed_steps(runner, steps: int, first_step: int, a) -> tuple[list[float], list[float],
