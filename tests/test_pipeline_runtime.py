@@ -2,9 +2,9 @@
 
 Every schedule at pp ∈ {2, 4}, v ∈ {1, 2} where the schedule has chunks, m ∈ {1, p, 2p+1}
 where allowed (interleaved needs m a multiple of p: m ∈ {p, 2p}); tied and untied embeddings;
-pp=2 × dp=2. Each case trains 10 AdamW steps with gradient clipping next to the reference model
-and compares the loss, the gradient norm and every gradient at every step, and all weights at
-the end (gathered with full_state_dict).
+pp=2 × dp=2; a custom V-shaped schedule. Each case trains 10 AdamW steps with gradient clipping
+next to the reference model and compares the loss, the gradient norm and every gradient at
+every step, and all weights at the end (gathered with full_state_dict).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tessera.config import make_config
 from tessera.engine import adamw
 from tessera.model import build_model, cross_entropy
 from tessera.pipeline.engine import PipelineEngine
+from tessera.pipeline.schedule import parse
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
@@ -27,7 +28,7 @@ MBS, SEQ, VOCAB = 2, 16, 64
 
 
 def case_config(schedule: str, pp: int, m: int, v: int = 1, dp: int = 1, tie: bool = False,
-                layers: int = 4):
+                layers: int = 4, custom: str | None = None):
     return make_config(
         "tiny",
         model=dict(vocab_size=VOCAB, d_model=32, n_layers=layers, n_heads=2, n_kv_heads=1,
@@ -92,7 +93,8 @@ def run_parity_cases(cases, references):
         if (p.pp, p.dp) not in topos:
             topos[(p.pp, p.dp)] = Topology.build(p)
         topo = topos[(p.pp, p.dp)]
-        engine = PipelineEngine(cfg, topo, torch.device("cpu"))
+        custom = parse(case["custom"]) if "custom" in case else None
+        engine = PipelineEngine(cfg, topo, torch.device("cpu"), schedule=custom)
         engine.cfg.train.steps = STEPS + 1  # no timeline pictures from this test
         opt = engine.optimizer(cfg.train)
         ref_steps, ref_state = references[reference_key(case)]
@@ -170,6 +172,13 @@ def first_stage_activation_peaks(pp: int = 2) -> dict[tuple[str, int], int]:
     return peaks
 
 
+# A custom schedule with V-shaped placement (chunks 0 and 3 on rank 0, 1 and 2 on rank 1, as
+# in zero-bubble V schedules): the first and last chunks share a rank, so a tied embedding is
+# one parameter there. Breadth-first order over that placement.
+V_SHAPE = ("rank 0: 0F0 0F1 0F2 3F0 3F1 3F2 3B0 3B1 3B2 0B0 0B1 0B2\n"
+           "rank 1: 1F0 1F1 1F2 2F0 2F1 2F2 2B0 2B1 2B2 1B0 1B1 1B2")
+
+
 def pp2_checks(cases, references):
     return run_parity_cases(cases, references), first_stage_activation_peaks()
 
@@ -177,7 +186,8 @@ def pp2_checks(cases, references):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_every_schedule_matches_reference_pp2_and_memory():
-    cases = parity_cases(2)
+    cases = parity_cases(2) + [dict(schedule="bfs", pp=2, m=3, v=2, tie=True,
+                                    custom=V_SHAPE)]
     results = run_ranks(pp2_checks, 2, args=(cases, references_for(cases)), timeout=300)
     for per_rank, _ in results:
         assert [c for c, _ in per_rank] == cases

@@ -36,7 +36,7 @@ from tessera.model import Transformer, cross_entropy
 from tessera.parallel.ddp import DataParallel
 from tessera.pipeline.partition import Chunk, partition
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
-from tessera.pipeline.schedule import F, Schedule, forward_only
+from tessera.pipeline.schedule import F, Schedule, forward_only, validate
 from tessera.pipeline.schedules import build_schedule
 from tessera.pipeline.simulator import StageCosts, TimelineEvent, simulate
 from tessera.topology import Topology
@@ -79,12 +79,24 @@ class PipelineEngine(Engine):
     """Pipeline parallel over the pp axis, data parallel over dp (see module doc)."""
 
     def __init__(self, cfg: Config, topo: Topology, device: torch.device,
-                 split: Sequence[int] | None = None, measure_memory: bool = False):
+                 split: Sequence[int] | None = None, measure_memory: bool = False,
+                 schedule: Schedule | None = None):
+        """`split`: blocks per chunk (default: cost-balanced). `schedule`: a custom schedule
+        (any placement of chunks on ranks) instead of parallel.schedule; it is validated here,
+        before any communication."""
         super().__init__(cfg, topo, device)
         self.pp_rank = topo.coords()["pp"]
         self.pp_group = topo.group("pp")
         self.dp_group = topo.group("dp")
         self._schedules: dict[int, Schedule] = {}
+        self.custom = schedule is not None
+        if schedule is not None:
+            validate(schedule)
+            if schedule.n_ranks != topo.pp:
+                raise ConfigError("schedule", schedule.name, f"is for {schedule.n_ranks} "
+                                  f"ranks, but parallel.pp={topo.pp}")
+            self._schedules[schedule.n_microbatches] = schedule
+            cfg.train.grad_accum = schedule.n_microbatches
         schedule = self.schedule_for(cfg.train.grad_accum)
         owner = schedule.chunk_rank
         specs = partition(cfg.model, len(owner), cfg.data.seq_len, split)
@@ -102,6 +114,9 @@ class PipelineEngine(Engine):
 
     def schedule_for(self, microbatches: int) -> Schedule:
         p = self.cfg.parallel
+        if self.custom and microbatches not in self._schedules:
+            raise ConfigError("micro-batches", microbatches, "the custom schedule is for "
+                              f"{next(iter(self._schedules))}")
         if microbatches not in self._schedules:
             self._schedules[microbatches] = build_schedule(p.schedule, p.pp, microbatches,
                                                            p.virtual_stages)
