@@ -9,6 +9,7 @@ from torch import nn
 
 from dp_parity import (
     GLOBAL_BATCH,
+    STEPS,
     assert_matches_reference,
     distributed_run,
     reference_run,
@@ -29,6 +30,13 @@ def ddp_cases(world: int) -> dict:
         engine, run = distributed_run(cfg)
         out[f"backend accum={accum}"] = run
     out["n_buckets"] = len(engine.ddp.buckets)
+    # Our point-to-point all-reduces, run from the background thread.
+    for algorithm in ("ring", "rabenseifner"):
+        cfg = tiny_config(dp=world, accum=2, bucket_mb=SMALL_BUCKET_MB,
+                          allreduce_algorithm=algorithm)
+        engine, run = distributed_run(cfg)
+        run["bytes_sent"] = engine.ddp.comm_stats.bytes_sent
+        out[f"{algorithm} accum=2"] = run
     out["overlap"] = launched_before_backward_ends(engine)
     out["unused"] = unused_parameter_grads()
     out["double_backward"] = second_backward_error()
@@ -120,8 +128,14 @@ def test_ddp_matches_single_process(world, reference):
     assert GLOBAL_BATCH % (world * 2) == 0
     for rank, res in enumerate(results):
         assert res["n_buckets"] > 3, "the test must exercise several buckets"
-        for label in ("backend accum=1", "backend accum=2"):
+        for label in ("backend accum=1", "backend accum=2", "ring accum=2",
+                      "rabenseifner accum=2"):
             assert_matches_reference(res[label], reference, f"N={world} rank {rank} {label}")
+        # Ring: each rank sends 2(N-1)/N of every bucket (+ its flags), once per step.
+        ring_bytes = res["ring accum=2"]["bytes_sent"]
+        model_bytes = 4 * sum(p.numel() for p in res["ring accum=2"]["params"].values())
+        assert 2 * (world - 1) / world * model_bytes <= ring_bytes / STEPS
+        assert ring_bytes / STEPS <= 2 * (world - 1) / world * model_bytes * 1.01
         # Replicas stay bit-identical: the same reduced gradients and the same optimizer steps.
         for name, p in res["backend accum=1"]["params"].items():
             assert torch.equal(p, results[0]["backend accum=1"]["params"][name]), name

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from dp_parity import STEPS, assert_matches_reference, distributed_run, reference_run, tiny_config
+from tessera.collectives import CommStats, all_reduce
 from tessera.config import ConfigError
 from tessera.engine import check_supported
 from tessera.model import build_model, param_count
 from tessera.testing import run_ranks
 
 ASYNC_TRAIN_STEPS = 40
+WORLDS = (2, 4)
 
 
 def ps_cases(world: int) -> dict:
@@ -33,6 +35,11 @@ def ps_cases(world: int) -> dict:
                                   steps=ASYNC_TRAIN_STEPS, pattern=True)
     out["async losses"] = run["losses"]
     out["async applied"] = (engine.ps.staleness.applied, engine.ps.staleness.dropped)
+
+    # The peer: one ring all-reduce of the same S gradient elements, bytes counted.
+    stats = CommStats()
+    all_reduce(torch.ones(param_count(engine.cfg.model)), op="sum", algorithm="ring", stats=stats)
+    out["ring bytes"] = stats.bytes_sent + stats.bytes_received
     return out
 
 
@@ -41,16 +48,16 @@ def reference():
     return reference_run()
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def results(request):
-    world = request.param
-    return world, run_ranks(ps_cases, world, args=(world,))
+@pytest.fixture(scope="module")
+def results_by_world() -> dict[int, list[dict]]:
+    return {world: run_ranks(ps_cases, world, args=(world,)) for world in WORLDS}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_sync_parameter_server_matches_single_process(results, reference):
-    world, res = results
+@pytest.mark.parametrize("world", WORLDS)
+def test_sync_parameter_server_matches_single_process(world, results_by_world, reference):
+    res = results_by_world[world]
     for rank, r in enumerate(res):
         for accum in (1, 2):
             run = r[f"sync accum={accum}"]
@@ -64,23 +71,33 @@ def test_sync_parameter_server_matches_single_process(results, reference):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_server_traffic_grows_with_workers(results):
-    world, res = results
+def test_server_traffic_grows_with_n_while_ring_stays_flat(results_by_world):
     cfg = tiny_config()
     S = param_count(cfg.model)
     P = len(list(build_model(cfg.model).parameters()))
-    # Per step the server receives N-1 pushes [grads | used flags | loss | version] and sends
-    # N-1 pulls [params | loss | norm | version], float32: exactly (N-1)(2S + P + 5)·4 bytes.
-    expected = (world - 1) * (2 * S + P + 5) * 4
-    assert res[0]["sync accum=1"]["traffic_per_step"] == expected
-    # A worker moves one push and one pull whatever N is.
-    assert res[1]["sync accum=1"]["traffic_per_step"] == (2 * S + P + 5) * 4
+    server, ring = {}, {}
+    for world, res in results_by_world.items():
+        server[world] = res[0]["sync accum=1"]["traffic_per_step"]
+        # Per step the server receives N-1 pushes [grads | used flags | loss | version] and sends
+        # N-1 pulls [params | loss | norm | version], float32: (N-1)(2S + P + 5)·4 bytes.
+        assert server[world] == (world - 1) * (2 * S + P + 5) * 4
+        # A worker moves one push and one pull whatever N is.
+        assert res[1]["sync accum=1"]["traffic_per_step"] == (2 * S + P + 5) * 4
+        # A ring all-reduce rank sends and receives 2(N-1)/N·S elements each way: under 4S.
+        ring[world] = max(r["ring bytes"] for r in res)
+        assert ring[world] == pytest.approx(4 * (world - 1) / world * S * 4, rel=1e-3)
+        assert ring[world] < 4 * S * 4
+    # From 2 to 4 ranks: the server's traffic triples (N-1), a ring rank's grows by 1.5x
+    # ((N-1)/N, bounded by 2x for any N).
+    assert server[4] / server[2] == pytest.approx(3.0, rel=1e-9)
+    assert ring[4] / ring[2] == pytest.approx(1.5, rel=1e-3)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_async_staleness_bound_and_training(results):
-    world, res = results
+@pytest.mark.parametrize("world", WORLDS)
+def test_async_staleness_bound_and_training(world, results_by_world):
+    res = results_by_world[world]
     server = res[0]
     applied, dropped = server["bound"]
     assert all(0 <= tau <= 1 for tau in applied), applied

@@ -150,7 +150,11 @@ class DataParallel(nn.Module):
         self.algorithm = algorithm
         self.bucket_mb = bucket_mb
         self.comm_stats: Any = None
-        """Byte and round counters of our algorithms (tessera.collectives), when one is used."""
+        """This rank's bytes and rounds (a tessera.collectives.CommStats) with our algorithms."""
+        if algorithm != "backend":
+            from tessera.collectives import CommStats
+
+            self.comm_stats = CommStats()
         self._sync = True
         self._params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = build_buckets(self._params, int(bucket_mb * MIB))
