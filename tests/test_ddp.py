@@ -84,14 +84,21 @@ def unused_parameter_grads() -> dict:
     # A tiny bucket size puts every parameter in its own bucket; reverse order makes `c`'s
     # buckets come right after `d`'s, so a never-ready bucket sits before the others.
     ddp = DataParallel(Branchy(), dist.group.WORLD, bucket_mb=1e-6)
-    for _ in range(2):  # the second step checks no stale slot leaks in
+    got = {}
+    # Two steps: the last backward synchronized, then every backward under no_sync and the
+    # reduction in finish_gradient_sync(). The second also checks that no stale slot leaks in.
+    for pattern in ("last synced", "all no_sync"):
         ddp.module.zero_grad(set_to_none=True)
         (x0, u0), (x1, u1) = branchy_inputs(rank)
         with ddp.no_sync():
             ddp(x0, u0).sum().backward()
-        ddp(x1, u1).sum().backward()
+            if pattern == "all no_sync":
+                ddp(x1, u1).sum().backward()
+        if pattern == "last synced":
+            ddp(x1, u1).sum().backward()
         ddp.finish_gradient_sync()
-    got = {n: None if p.grad is None else p.grad.clone() for n, p in ddp.module.named_parameters()}
+        got[pattern] = {n: None if p.grad is None else p.grad.clone()
+                        for n, p in ddp.module.named_parameters()}
     # Reference: one process, every rank's micro-batches, gradients of the mean over ranks.
     ref = Branchy()
     for r in range(world):
@@ -143,11 +150,13 @@ def test_ddp_matches_single_process(world, reference):
         # Overlap: the first bucket (LM head) was in flight before backward reached the embedding.
         assert res["overlap"][0], res["overlap"]
 
-        got, want = res["unused"]["got"], res["unused"]["want"]
-        assert got["c.weight"] is None and got["c.bias"] is None  # used on no rank
-        for name in ("a.weight", "a.bias", "b.weight", "b.bias", "d.weight", "d.bias"):
-            # Sums of a few products of O(1) numbers in float32: rounding ~1e-7.
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+        want = res["unused"]["want"]
+        for pattern, got in res["unused"]["got"].items():
+            assert got["c.weight"] is None and got["c.bias"] is None  # used on no rank
+            for name in ("a.weight", "a.bias", "b.weight", "b.bias", "d.weight", "d.bias"):
+                # Sums of a few products of O(1) numbers in float32: rounding ~1e-7.
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
+                                           msg=f"{pattern}: {name}")
 
         assert "no_sync" in res["double_backward"]
 

@@ -40,7 +40,8 @@ other, only for the server's answer to their own push. With N ranks of equal spe
 steady-state staleness is N-1 (every other rank updates once between a worker's pull and its
 next push), so s >= N-1 uses every gradient and a smaller s keeps only the fresher ones; the
 bound's real job is to discard stragglers' gradients. Versions are sent as float32, exact up to
-2**24 updates.
+2**24 updates. The asynchronous server receives from any source, which gloo supports and NCCL
+does not.
 """
 
 from __future__ import annotations
@@ -101,16 +102,17 @@ class ParameterServer:
         self.staleness = StalenessLog()
         self.numel = sum(p.numel() for p in self.params)
         S, P = self.numel, len(self.params)
-        self.push_buf = torch.zeros(S + P + 2)  # gradients | used | loss | version
-        self.pull_buf = torch.zeros(S + 3)  # parameters | loss | grad norm | version
+        device = self.params[0].device
+        self.push_buf = torch.zeros(S + P + 2, device=device)  # grads | used | loss | version
+        self.pull_buf = torch.zeros(S + 3, device=device)  # params | loss | grad norm | version
         self._offsets = [0]
         for p in self.params:
             self._offsets.append(self._offsets[-1] + p.numel())
         if self.is_server:
-            self.grad_flat = torch.zeros(S, dtype=self.params[0].dtype)
+            self.grad_flat = torch.zeros(S, dtype=self.params[0].dtype, device=device)
             self.grad_views = [self._slice(self.grad_flat, j) for j in range(P)]
             if not asynchronous:
-                self.inboxes = torch.zeros(self.world - 1, S + P + 2)
+                self.inboxes = torch.zeros(self.world - 1, S + P + 2, device=device)
         self.served_losses: list[float] = []
 
     def _slice(self, flat: torch.Tensor, j: int) -> torch.Tensor:
