@@ -203,6 +203,11 @@ class DataParallel(nn.Module):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: move the gradient into its bucket slot; maybe launch."""
         bucket, j = self._slot[p]
+        if bucket.work is not None:  # its buffer is being reduced: changing it would race
+            raise RuntimeError(
+                f"DataParallel: a parameter of bucket {bucket.index} received a gradient after the "
+                "bucket's all-reduce started; wrap every backward but the step's last in "
+                "no_sync()")
         view = bucket.views[j]
         if p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
@@ -210,11 +215,6 @@ class DataParallel(nn.Module):
         self._used[p] = True
         if not self._sync:
             return
-        if bucket.work is not None:
-            raise RuntimeError(
-                f"DataParallel: a parameter of bucket {bucket.index} received a gradient after the "
-                "bucket's all-reduce started; wrap every backward but the step's last in "
-                "no_sync()")
         if not self._ready[p]:
             self._ready[p] = True
             bucket.pending -= 1
