@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from tessera import collectives as C
+from tessera.collectives import algorithms as A
 from tessera.collectives.algorithms import fold_layout
+from tessera.collectives.p2p import PeerGroup
+from tessera.collectives.rooted import binomial_reduce_
 from tessera.config import ConfigError
 from tessera.testing import run_ranks
 
@@ -361,11 +364,41 @@ def _check_subgroup_and_errors(n: int, me: int) -> int:
     return len(bad_calls) + 1
 
 
+def _check_segmented(n: int, me: int) -> int:
+    """Messages cut into 64-byte segments give the same bits and bytes as whole messages."""
+    checks = 0
+    for numel, dtype in ((1001, torch.float32), (77, torch.bfloat16)):
+        x = _data(numel, dtype, 600, me)
+        blocks = C.shard_bounds(numel, n)
+        for alg, fn in A._ALL_REDUCE.items():
+            small, whole = C.CommStats(), C.CommStats()
+            got = x.clone()
+            fn(PeerGroup(None, small, segment_bytes=64), got, "sum")
+            want = C.all_reduce(x.clone(), algorithm=alg, stats=whole)
+            assert torch.equal(got, want), f"segmented {alg} {dtype}"
+            assert small.bytes_sent == whole.bytes_sent and small.rounds == whole.rounds
+            assert small.messages_sent >= whole.messages_sent
+            checks += 1
+        for alg, fn in A._REDUCE_SCATTER.items():
+            shard = fn(PeerGroup(None, None, segment_bytes=64), x, blocks, "sum", inplace=False)
+            assert torch.equal(shard, C.reduce_scatter(x, algorithm=alg)), f"segmented {alg}"
+            checks += 1
+        root = n - 1
+        got = binomial_reduce_(PeerGroup(None, None, order=[(root + i) % n for i in range(n)],
+                                         segment_bytes=64), x, "sum")
+        want = C.reduce(x.clone(), root)
+        if me == root:
+            assert torch.equal(got, want), f"segmented reduce {dtype}"
+        checks += 1
+    return checks
+
+
 def check_world(n: int) -> tuple[int, list[str]]:
     me = dist.get_rank()
     digests: list[str] = []
     checks = (_check_all_reduce(n, me, digests) + _check_reduce_scatter_all_gather(n, me)
-              + _check_rooted(n, me) + _check_subgroup_and_errors(n, me))
+              + _check_rooted(n, me) + _check_segmented(n, me)
+              + _check_subgroup_and_errors(n, me))
     return checks, digests
 
 

@@ -63,21 +63,27 @@ def _span(blocks: Blocks, first: int, stop: int) -> tuple[int, int]:
     return blocks[first][0], blocks[stop - 1][1]
 
 
-def ring_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks, op: str) -> None:
-    """After N-1 rounds, buf[blocks[me]] holds the reduction of that block over all ranks.
+def ring_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks, op: str,
+                         inplace: bool = True) -> torch.Tensor:
+    """N-1 rounds; returns block `me` reduced over all ranks.
 
     Round k: send block (me-k-1) to the right neighbour, receive block (me-k-2) from the left
     and fold it into ours. Each rank sends every block but its own: S - |block me| elements.
+    In place, partial sums overwrite buf's blocks; otherwise buf is only read and partial sums
+    alternate between two block-sized buffers (2S/N extra memory instead of S).
     """
     n, me = pg.size, pg.rank
     right, left = (me + 1) % n, (me - 1) % n
-    incoming_buf = torch.empty(max(b - a for a, b in blocks), dtype=buf.dtype)
+    widest = max(b - a for a, b in blocks)
+    partial = [] if inplace else [torch.empty(widest, dtype=buf.dtype) for _ in range(2)]
+    a, b = blocks[(me - 1) % n]
+    outgoing = buf[a:b]
     for k in range(n - 1):
-        s0, s1 = blocks[(me - k - 1) % n]
-        r0, r1 = blocks[(me - k - 2) % n]
-        incoming = incoming_buf[: r1 - r0]
-        pg.round(sends=[(right, buf[s0:s1])], recvs=[(left, incoming)])
-        combine_(buf[r0:r1], incoming, op)
+        a, b = blocks[(me - k - 2) % n]
+        dst = buf[a:b] if inplace else partial[k % 2][: b - a]
+        pg.reduce_round((right, outgoing), left, src=buf[a:b], dst=dst, op=op)
+        outgoing = dst
+    return outgoing if n > 1 else buf[blocks[me][0]:blocks[me][1]]
 
 
 def ring_all_gather_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks) -> None:
@@ -109,31 +115,35 @@ def _virtual_rank(me: int, r: int) -> int:
     return me // 2 if me < 2 * r else me - r
 
 
-def halving_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, vblocks: Blocks, v: int,
-                            vpos: list[int], op: str) -> None:
+def halving_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, owned: bool, vblocks: Blocks,
+                            v: int, vpos: list[int], op: str) -> tuple[torch.Tensor, int]:
     """Recursive halving over p = len(vblocks) (a power of two) virtual ranks.
 
     Each round halves the range of blocks this rank is responsible for: it sends the half its
     partner (v xor mask) keeps and folds in the partner's copy of the half it keeps. After
-    log2 p rounds buf[vblocks[v]] is reduced.
+    log2 p rounds vblock v is reduced. Returns (tensor, offset): the tensor holds elements
+    [offset, offset + len) and covers vblock v. If `owned`, buf is reduced in place; otherwise
+    buf is only read and the first kept half goes to a new buffer (S/2).
     """
     p = len(vblocks)
     lo, hi = 0, p
+    cur, base = buf, 0
     mask = p // 2
-    incoming_buf: torch.Tensor | None = None
     while mask:
         partner = v ^ mask
         mid = lo + mask
         keep, give = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
         k0, k1 = _span(vblocks, *keep)
         g0, g1 = _span(vblocks, *give)
-        if incoming_buf is None:  # the first kept half is the largest
-            incoming_buf = torch.empty(k1 - k0, dtype=buf.dtype)
-        incoming = incoming_buf[: k1 - k0]
-        pg.round(sends=[(vpos[partner], buf[g0:g1])], recvs=[(vpos[partner], incoming)])
-        combine_(buf[k0:k1], incoming, op)
+        src = cur[k0 - base:k1 - base]
+        dst = src if owned else torch.empty(k1 - k0, dtype=buf.dtype)
+        pg.reduce_round((vpos[partner], cur[g0 - base:g1 - base]), vpos[partner], src=src,
+                        dst=dst, op=op)
+        if not owned:
+            cur, base, owned = dst, k0, True
         lo, hi = keep
         mask //= 2
+    return cur, base
 
 
 def doubling_all_gather_(pg: PeerGroup, buf: torch.Tensor, vblocks: Blocks, v: int,
@@ -150,25 +160,30 @@ def doubling_all_gather_(pg: PeerGroup, buf: torch.Tensor, vblocks: Blocks, v: i
         mask *= 2
 
 
-def recursive_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks,
-                              op: str) -> None:
-    """Recursive halving with MPICH's fold; afterwards buf[blocks[me]] is reduced."""
+def recursive_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks, op: str,
+                              inplace: bool = True) -> torch.Tensor:
+    """Recursive halving with MPICH's fold; returns block `me` reduced over all ranks."""
     n, me = pg.size, pg.rank
     p, r, vpos = fold_layout(n)
+    a, b = blocks[me]
     if me < 2 * r and me % 2 == 0:
+        mine = buf[a:b] if inplace else torch.empty(b - a, dtype=buf.dtype)
         pg.round(sends=[(me + 1, buf)])  # fold: my whole buffer to my odd partner
-        pg.round(recvs=[(me + 1, buf[blocks[me][0]:blocks[me][1]])])  # unfold: my shard
-        return
+        pg.round(recvs=[(me + 1, mine)])  # unfold: my reduced shard
+        return mine
+    owned = inplace
     if me < 2 * r:
-        incoming = torch.empty_like(buf)
-        pg.round(recvs=[(me - 1, incoming)])
-        combine_(buf, incoming, op)
+        dst = buf if inplace else torch.empty_like(buf)
+        pg.reduce_round(None, me - 1, src=buf, dst=dst, op=op)
+        buf, owned = dst, True
     # virtual rank v < r owns the shards of both positions 2v and 2v+1
     vblocks = [(blocks[2 * v][0], blocks[2 * v + 1][1]) if v < r else blocks[v + r]
                for v in range(p)]
-    halving_reduce_scatter_(pg, buf, vblocks, _virtual_rank(me, r), vpos, op)
+    cur, base = halving_reduce_scatter_(pg, buf, owned, vblocks, _virtual_rank(me, r), vpos, op)
     if me < 2 * r:
-        pg.round(sends=[(me - 1, buf[blocks[me - 1][0]:blocks[me - 1][1]])])
+        e0, e1 = blocks[me - 1]
+        pg.round(sends=[(me - 1, cur[e0 - base:e1 - base])])
+    return cur[a - base:b - base]
 
 
 def recursive_all_gather_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks) -> None:
@@ -200,12 +215,12 @@ def naive_all_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> None:
         pg.round(sends=[(0, buf)])
         pg.round(recvs=[(0, buf)])
         return
-    acc = wide_accumulator(buf, op)
-    incoming = torch.empty_like(buf)
+    widen = op in ("sum", "avg") and buf.dtype in (torch.bfloat16, torch.float16)
+    acc = wide_accumulator(buf, op) if widen else buf
     for src in range(1, n):
-        pg.round(recvs=[(src, incoming)])
-        combine_(acc, incoming, op)
-    buf.copy_(acc)
+        pg.reduce_round(None, src, src=acc, dst=acc, op=op, wire=buf.dtype)
+    if acc is not buf:
+        buf.copy_(acc)
     for dst in range(1, n):
         pg.round(sends=[(dst, buf)])
 
@@ -218,13 +233,13 @@ def parallel_all_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> None:
     inbox[me].copy_(buf)
     acc = wide_accumulator(inbox[0], op)
     for src in range(1, n):  # same order on every rank -> bit-identical results
-        combine_(acc, inbox[src], op)
+        combine_(acc, acc, inbox[src], op)
     buf.copy_(acc)
 
 
 def ring_all_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> None:
     blocks = shard_bounds(buf.numel(), pg.size)
-    ring_reduce_scatter_(pg, buf, blocks, op)
+    ring_reduce_scatter_(pg, buf, blocks, op, inplace=True)
     ring_all_gather_(pg, buf, blocks)
 
 
@@ -236,12 +251,10 @@ def rabenseifner_all_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> None:
         pg.round(recvs=[(me + 1, buf)])
         return
     if me < 2 * r:
-        incoming = torch.empty_like(buf)
-        pg.round(recvs=[(me - 1, incoming)])
-        combine_(buf, incoming, op)
+        pg.reduce_round(None, me - 1, src=buf, dst=buf, op=op)
     vblocks = shard_bounds(buf.numel(), p)
     v = _virtual_rank(me, r)
-    halving_reduce_scatter_(pg, buf, vblocks, v, vpos, op)
+    halving_reduce_scatter_(pg, buf, True, vblocks, v, vpos, op)
     doubling_all_gather_(pg, buf, vblocks, v, vpos)
     if me < 2 * r:
         pg.round(sends=[(me - 1, buf)])
@@ -320,7 +333,8 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
     The shard of group rank r is ``torch.tensor_split(flat, N)[r]``: with n elements the first
     n % N ranks get n // N + 1 elements, the others n // N (see :func:`shard_bounds`). When N
     divides n this is exactly ``reduce_scatter_tensor``'s output. `tensor` is not modified; the
-    result is a new 1-D tensor. algorithm: "ring", "recursive", "auto" or "backend".
+    result is a new 1-D tensor. algorithm: "ring", "recursive", "auto" or "backend". Scratch
+    memory: 2S/N for ring, S/2 for recursive (S when N is not a power of two).
     """
     _check_reduce_args(tensor, op, algorithm, REDUCE_SCATTER_ALGORITHMS)
     world = dist.get_world_size(group)
@@ -340,13 +354,16 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
             out = full[start:stop].clone()
     else:
         pg = PeerGroup(group, stats)
-        work = flat.clone()
-        if pg.size > 1:
+        start, stop = blocks[pg.rank]
+        if pg.size == 1:
+            out = flat.clone()
+        else:
             nbytes = flat.numel() * flat.element_size()
             algorithm = _resolve("reduce_scatter", algorithm, nbytes, pg.size, model)
-            _REDUCE_SCATTER[algorithm](pg, work, blocks, op)
-        start, stop = blocks[pg.rank]
-        out = work[start:stop].clone()
+            shard = _REDUCE_SCATTER[algorithm](pg, flat.contiguous(), blocks, op, inplace=False)
+            # a view into scratch of S/N (ring) or up to S (recursive fold): keep only the shard
+            out = shard.clone() if shard.untyped_storage().nbytes() > 2 * shard.nbytes \
+                else shard
     if op == "avg":
         out.div_(world)
     return out

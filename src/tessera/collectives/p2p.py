@@ -12,8 +12,10 @@ Counting rules (what :class:`CommStats` records, and what the tests check agains
   fixes the round count, so round formulas hold for every size.
 - ``bytes_sent`` / ``bytes_received``: payload bytes actually put on / taken off the wire by
   this rank (``numel * element_size``); empty chunks are not sent at all.
-- ``messages_sent``: non-empty sends. The alpha-beta model charges one alpha per message on the
-  critical path.
+- ``messages_sent``: point-to-point sends posted. A message longer than ``SEGMENT_BYTES`` goes
+  as several sends of at most that size (both ends cut it the same way), so that reductions
+  overlap the transfer and scratch buffers stay small; the alpha-beta model charges one alpha
+  per logical message on the critical path.
 
 Sharding rule used by reduce-scatter, all-gather (with ``numel``) and the ring/recursive
 algorithms: a flat buffer of ``n`` elements over ``N`` ranks is cut like
@@ -34,6 +36,9 @@ import torch.distributed as dist
 from tessera.config import ConfigError
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+SEGMENT_BYTES = 1 << 20
+"""Longest single send. Fresh multi-MiB buffers cost page faults on every call, and a fold can
+start on the first segment while later ones are still on the wire."""
 
 
 @dataclass
@@ -71,18 +76,18 @@ def check_choice(field_name: str, value: str, allowed: Sequence[str]) -> None:
         raise ConfigError(field_name, value, f"must be one of {', '.join(allowed)}")
 
 
-def combine_(acc: torch.Tensor, x: torch.Tensor, op: str) -> None:
-    """``acc <- acc (op) x`` in place. avg sums here; the caller divides once at the end.
+def combine_(dst: torch.Tensor, src: torch.Tensor, x: torch.Tensor, op: str) -> None:
+    """``dst <- src (op) x`` (dst may be src). avg sums here; the caller divides at the end.
 
-    For a bfloat16 ``acc`` torch computes the add in float32 and rounds once, so a two-operand
+    For bfloat16 operands torch computes the add in float32 and rounds once, so a two-operand
     step loses at most one bf16 rounding.
     """
     if op in ("sum", "avg"):
-        acc.add_(x)
+        torch.add(src, x, out=dst)
     elif op == "max":
-        torch.maximum(acc, x, out=acc)
+        torch.maximum(src, x, out=dst)
     else:
-        torch.minimum(acc, x, out=acc)
+        torch.minimum(src, x, out=dst)
 
 
 def wide_accumulator(t: torch.Tensor, op: str) -> torch.Tensor:
@@ -100,11 +105,12 @@ class PeerGroup:
     """A process group seen by one collective call: ranks by group position, plus rounds.
 
     ``order`` optionally renumbers the group (position ``i`` is group rank ``order[i]``), which
-    is how rooted algorithms work in ranks relative to their root.
+    is how rooted algorithms work in ranks relative to their root. Tensors handed to a round
+    are 1-D and contiguous (slices of flat buffers).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, stats: CommStats | None,
-                 order: Sequence[int] | None = None):
+                 order: Sequence[int] | None = None, segment_bytes: int = SEGMENT_BYTES):
         self.group = group if group is not None else dist.group.WORLD
         self.size = dist.get_world_size(self.group)
         group_rank = dist.get_rank(self.group)
@@ -114,20 +120,65 @@ class PeerGroup:
         self.global_ranks = [dist.get_global_rank(self.group, g) for g in order]
         self.rank = order.index(group_rank)
         self.stats = stats
+        self.segment_bytes = segment_bytes
         if stats is not None:
             stats.calls += 1
+
+    def _segments(self, t: torch.Tensor, wire: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Cut `t` as a message of dtype `wire` (default t's) is cut on the wire."""
+        step = max(1, self.segment_bytes // (wire or t.dtype).itemsize)
+        return [t[i:i + step] for i in range(0, t.numel(), step)]
+
+    def _isend(self, peer: int, t: torch.Tensor) -> list[dist.Work]:
+        return [dist.isend(seg, self.global_ranks[peer], group=self.group)
+                for seg in self._segments(t)]
+
+    def _irecv(self, peer: int, t: torch.Tensor) -> dist.Work:
+        return dist.irecv(t, self.global_ranks[peer], group=self.group)
+
+    def _record(self, sends: Sequence[tuple[int, torch.Tensor]], received: int) -> None:
+        if self.stats is None:
+            return
+        self.stats.rounds += 1
+        self.stats.messages_sent += sum(len(self._segments(t)) for _, t in sends)
+        self.stats.bytes_sent += sum(t.numel() * t.element_size() for _, t in sends)
+        self.stats.bytes_received += received
 
     def round(self, sends: Sequence[tuple[int, torch.Tensor]] = (),
               recvs: Sequence[tuple[int, torch.Tensor]] = ()) -> None:
         """One schedule step: post every receive and send (peer positions), wait for all."""
-        works = [dist.irecv(t, self.global_ranks[p], group=self.group)
-                 for p, t in recvs if t.numel() > 0]
-        works += [dist.isend(t, self.global_ranks[p], group=self.group)
-                  for p, t in sends if t.numel() > 0]
+        works = [self._irecv(p, seg) for p, t in recvs for seg in self._segments(t)]
+        works += [w for p, t in sends for w in self._isend(p, t)]
         for w in works:
             w.wait()
-        if self.stats is not None and (sends or recvs):
-            self.stats.rounds += 1
-            self.stats.messages_sent += sum(1 for _, t in sends if t.numel() > 0)
-            self.stats.bytes_sent += sum(t.numel() * t.element_size() for _, t in sends)
-            self.stats.bytes_received += sum(t.numel() * t.element_size() for _, t in recvs)
+        if sends or recvs:
+            self._record(sends, sum(t.numel() * t.element_size() for _, t in recvs))
+
+    def reduce_round(self, send: tuple[int, torch.Tensor] | None, recv_peer: int,
+                     src: torch.Tensor, dst: torch.Tensor, op: str,
+                     wire: torch.dtype | None = None) -> None:
+        """One step that sends `send` and folds a message from `recv_peer` into the data:
+        ``dst <- src (op) received`` (dst may be src), one segment at a time as each arrives,
+        through two segment-sized scratch buffers. The message has dtype `wire` (default
+        src's; a float32 accumulator folds in bfloat16 messages)."""
+        wire = wire or src.dtype
+        sends = self._isend(*send) if send is not None else []
+        pieces = self._segments(src, wire)
+        if pieces:
+            scratch = [torch.empty(pieces[0].numel(), dtype=wire)
+                       for _ in range(min(2, len(pieces)))]
+            pending = {j: self._irecv(recv_peer, scratch[j][: pieces[j].numel()])
+                       for j in range(len(scratch))}
+            start = 0
+            for j, piece in enumerate(pieces):
+                pending.pop(j).wait()
+                incoming = scratch[j % 2][: piece.numel()]
+                stop = start + piece.numel()
+                combine_(dst[start:stop], piece, incoming, op)
+                start = stop
+                if j + 2 < len(pieces):  # the buffer is free again: take the next segment
+                    pending[j + 2] = self._irecv(recv_peer,
+                                                 scratch[j % 2][: pieces[j + 2].numel()])
+        for w in sends:
+            w.wait()
+        self._record([send] if send is not None else [], src.numel() * wire.itemsize)

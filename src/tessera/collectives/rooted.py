@@ -30,7 +30,6 @@ from tessera.collectives.p2p import (
     CommStats,
     PeerGroup,
     check_choice,
-    combine_,
     shard_bounds,
     wide_accumulator,
 )
@@ -121,7 +120,6 @@ def binomial_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> torch.Tensor:
     """
     n, me = pg.size, pg.rank
     acc: torch.Tensor | None = None
-    incoming: torch.Tensor | None = None
     mask = 1
     while mask < n:
         if me & mask:
@@ -130,9 +128,8 @@ def binomial_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> torch.Tensor:
             return partial
         if me + mask < n:
             if acc is None:
-                acc, incoming = wide_accumulator(buf, op), torch.empty_like(buf)
-            pg.round(recvs=[(me + mask, incoming)])
-            combine_(acc, incoming, op)
+                acc = wide_accumulator(buf, op)
+            pg.reduce_round(None, me + mask, src=acc, dst=acc, op=op, wire=buf.dtype)
         mask <<= 1
     return buf.clone() if acc is None else acc.to(buf.dtype)
 
