@@ -79,10 +79,10 @@ def default_model() -> AlphaBeta:
     """The model "auto" uses when none is passed: gloo over loopback on a 2-core CPU machine.
 
     Rounded from four :func:`measure_alpha_beta` runs (2 and 4 ranks) on the machine the
-    benchmark ran on: alpha 70-105 us, beta 0.13-0.19 ns/B, gamma 0.022-0.025 ns/B (see
+    benchmark ran on: alpha 64-69 us, beta 0.21-0.44 ns/B, gamma 0.031-0.040 ns/B (see
     docs/collectives.md). Measure your own and pass it as ``model=`` on other machines.
     """
-    return AlphaBeta(alpha=80e-6, beta=0.15e-9, gamma=0.025e-9)
+    return AlphaBeta(alpha=70e-6, beta=0.3e-9, gamma=0.035e-9)
 
 
 def log2_ceil(n: int) -> int:
@@ -193,14 +193,15 @@ def _reduction_seconds_per_byte(sizes: Sequence[int], repeats: int) -> float:
 
 
 def measure_alpha_beta(group: dist.ProcessGroup | None = None, *,
-                       sizes: Sequence[int] = tuple(4 ** k for k in range(2, 11)),
-                       repeats: int = 15, warmup: int = 3) -> AlphaBeta:
+                       sizes: Sequence[int] = tuple(4 ** k for k in range(2, 13)),
+                       repeats: int = 10, warmup: int = 2) -> AlphaBeta:
     """Measure this machine's alpha, beta (and gamma) on `group`; every rank gets the same.
 
     Group ranks 0 and 1 ping-pong messages of each size in `sizes` (bytes; default 16 B to
-    4 MiB), take the fastest one-way time of `repeats`, and fit ``t = alpha + beta * n``
-    (:func:`fit_alpha_beta`); rank 0 also times a float32 add for gamma. Rank 0 then sends the
-    numbers to every rank, so "auto" choices agree. All ranks must call.
+    16 MiB, so that beta sees buffers larger than the caches), take the fastest one-way time
+    of `repeats`, and fit ``t = alpha + beta * n`` (:func:`fit_alpha_beta`); rank 0 also times
+    a float32 add on 1 to 64 MiB buffers for gamma. Rank 0 then sends the numbers to every
+    rank, so "auto" choices agree. All ranks must call; it takes a second or two.
     """
     pg = PeerGroup(group, None)
     if pg.size < 2:
@@ -214,7 +215,7 @@ def measure_alpha_beta(group: dist.ProcessGroup | None = None, *,
                    for s in sizes]
         if pg.rank == 0:
             alpha, beta = fit_alpha_beta(sizes, seconds)
-            gamma = _reduction_seconds_per_byte([1 << 16, 1 << 18, 1 << 20, 1 << 22], repeats)
+            gamma = _reduction_seconds_per_byte([1 << 20, 1 << 22, 1 << 24, 1 << 26], repeats)
             params = torch.tensor([alpha, beta, gamma], dtype=torch.float64)
     others = range(1, pg.size)  # one round: rank 0 hands the fit to every rank
     if pg.rank == 0:
