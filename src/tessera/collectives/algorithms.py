@@ -55,7 +55,7 @@ Blocks = list[tuple[int, int]]
 
 
 # ---------------------------------------------------------------------------------------------
-# Building blocks: each works in place on a flat buffer, addressed by PeerGroup positions.
+# Building blocks: each works on a flat buffer, addressed by PeerGroup positions.
 
 
 def _span(blocks: Blocks, first: int, stop: int) -> tuple[int, int]:
