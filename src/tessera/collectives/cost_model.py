@@ -145,17 +145,27 @@ def choose_algorithm(collective: str, nbytes: float, world: int, model: AlphaBet
     return min(times)[2]
 
 
-def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + beta * n, weighted by 1/t.
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float],
+                   large: float = 1 << 16) -> tuple[float, float]:
+    """Fit t = alpha + beta * n in two regimes, as Hockney's model is usually measured.
 
-    Weighting by relative error keeps the tiny messages (which fix alpha) from being drowned by
-    the large ones (which fix beta). Negative estimates (noise) are clamped to zero.
+    beta is the least-squares slope over the messages of at least `large` bytes, where
+    bandwidth dominates (all messages if fewer than two are that large); alpha is then the
+    median of t - beta * n over the remaining small messages, where latency dominates. A
+    single fit over all sizes lets a few milliseconds of scheduling noise on a shared machine
+    drag the slope to zero; the split keeps each parameter fixed by the sizes that carry it.
+    Negative estimates (noise) are clamped to zero.
     """
     n = torch.tensor(sizes, dtype=torch.float64)
     t = torch.tensor(seconds, dtype=torch.float64)
-    design = torch.stack([torch.ones_like(n), n], dim=1) / t[:, None]  # (k, 2), rows / t
-    coef = torch.linalg.lstsq(design, torch.ones_like(t)[:, None]).solution[:, 0]
-    return max(coef[0].item(), 0.0), max(coef[1].item(), 0.0)
+    big = n >= large
+    if int(big.sum()) < 2:
+        big = torch.ones_like(n, dtype=torch.bool)
+    nb, tb = n[big], t[big]
+    beta = float(((nb - nb.mean()) * (tb - tb.mean())).sum() / ((nb - nb.mean()) ** 2).sum())
+    small = ~big if bool((~big).any()) else big
+    alpha = float((t[small] - beta * n[small]).median())
+    return max(alpha, 0.0), max(beta, 0.0)
 
 
 def _ping_pong(pg: PeerGroup, buf: torch.Tensor, repeats: int, warmup: int) -> float:
