@@ -171,10 +171,14 @@ class DataParallelEngine(Engine):
 def check_supported(cfg: Config) -> None:
     """Refuse, before any process group exists, layouts no engine here can run yet."""
     p = cfg.parallel
-    for name, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+    for name, value in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
         if value != 1:
             raise ConfigError(f"parallel.{name}", value,
-                              "this build of tessera runs only data parallelism (must be 1)")
+                              "this build of tessera runs only data and tensor parallelism "
+                              "(must be 1)")
+    from tessera.parallel.tp_engine import check_tensor_parallel_supported
+
+    check_tensor_parallel_supported(cfg)
     if p.zero_stage != 0:
         raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO is not available yet")
     if p.dp_mode != "allreduce":
@@ -183,4 +187,8 @@ def check_supported(cfg: Config) -> None:
 
 def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
     check_supported(cfg)
+    if cfg.parallel.tp > 1 or cfg.parallel.sequence_parallel:
+        from tessera.parallel.tp_engine import TensorParallelEngine
+
+        return TensorParallelEngine(cfg, topo, device)
     return DataParallelEngine(cfg, topo, device)
