@@ -123,8 +123,11 @@ class ReduceFromTensorParallelRegion(Function):
 
     @staticmethod
     def forward(ctx, x, group, stats, tag):
-        out = all_reduce(x, group, stats, tag, "forward", inplace=True)
-        if out is x:  # reduced in place: tell autograd (nothing saved x for backward)
+        # The input is a fresh matmul output that nothing saved: reduce it in place (a leaf,
+        # say in a test, cannot be modified in place and is copied).
+        inplace = not (x.is_leaf and x.requires_grad)
+        out = all_reduce(x, group, stats, tag, "forward", inplace=inplace)
+        if out is x:  # reduced in place: tell autograd
             ctx.mark_dirty(x)
         return out
 
