@@ -194,7 +194,7 @@ def _stages_case(dp, t, sequence_parallel) -> dict:
 
 
 def _conjugates(t: int) -> dict:
-    """f, g and SP's g, ḡ against their definitions, on a tp group of t ranks."""
+    """f, g, SP's g, ḡ and scatter against their definitions, on a tp group of t ranks."""
     topo = topology(4 // t, t, False)
     group, r = topo.group("tp"), topo.local_rank_in("tp")
     gen = torch.Generator().manual_seed(0)
@@ -209,6 +209,8 @@ def _conjugates(t: int) -> dict:
                  w_big.sum(0).chunk(t, 1)[r]),
         "sp.g_bar": (sp.g_bar, big[r], w_small[r], big.sum(0).chunk(t, 1)[r],
                      torch.cat(list(w_small), dim=1)),
+        "sp.scatter": (sp.scatter, big[0], w_small[r], big[0].chunk(t, 1)[r],
+                       torch.cat(list(w_small), dim=1)),
     }
     out = {}
     for name, (op, x, w, y_expected, grad_expected) in cases.items():
@@ -236,7 +238,8 @@ def parity() -> list[dict]:
 @pytest.mark.slow
 def test_conjugate_operators(parity):
     """f: identity / all-reduce; g: all-reduce / identity; SP's g: all-gather / reduce-scatter
-    along the sequence; ḡ: reduce-scatter / all-gather. Inputs are reconstructed exactly on
+    along the sequence; ḡ: reduce-scatter / all-gather; scatter (replicated to sequence chunks):
+    chunk / all-gather. Inputs are reconstructed exactly on
     every rank, so the only error is the order of summation (fp32 round-off)."""
     for rank_result in parity:
         for t, ops in rank_result["conjugates"].items():
@@ -439,3 +442,15 @@ def test_rope_tables_must_cover_the_full_sequence():
     h = model.tok_embeddings(x)
     with pytest.raises(ValueError, match="RoPE tables cover 8 positions but attention sees 16"):
         block(h, model.rope_cos[:8], model.rope_sin[:8])
+
+
+def test_apply_to_a_lone_embedding_or_head_returns_the_parallel_layer():
+    emb, head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB, bias=False)
+    new_emb = apply_tensor_parallel(emb, None)
+    new_head = apply_tensor_parallel(head, None)
+    assert type(new_emb).__name__ == "VocabParallelEmbedding"
+    assert type(new_head).__name__ == "ColumnParallelLinear"
+    tokens = torch.arange(6).view(1, 6)
+    torch.testing.assert_close(new_emb(tokens), emb(tokens), rtol=0, atol=0)
+    h = torch.randn(1, 6, 8)
+    torch.testing.assert_close(new_head(h), head(h), rtol=0, atol=0)

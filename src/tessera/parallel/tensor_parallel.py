@@ -466,33 +466,34 @@ def parallelize_block(block: Block, tp: TPContext, full: FullTensor, prefix: str
 
 
 def parallelize_embedding(emb: nn.Embedding, tp: TPContext, full: FullTensor,
-                          name: str = "tok_embeddings") -> VocabParallelEmbedding:
-    """Split the embedding by vocabulary rows (the vocabulary padded to a multiple of tp)."""
+                          name: str = "tok_embeddings",
+                          weight_name: str | None = None) -> VocabParallelEmbedding:
+    """Split the embedding by vocabulary rows (the vocabulary padded to a multiple of tp).
+    `name` tags its collectives; `weight_name` (default name + '.weight') is asked of `full`."""
     spec = ShardSpec(dim=0, chunks=tp.size, full_size=emb.num_embeddings, pad=True)
-    weight = shard(full(f"{name}.weight", tuple(emb.weight.shape)), spec, tp)
+    weight_name = weight_name or f"{name}.weight"
+    weight = shard(full(weight_name, tuple(emb.weight.shape)), spec, tp)
     return VocabParallelEmbedding(weight, tp, spec, name)
 
 
 def parallelize_head(head: nn.Linear, tp: TPContext, full: FullTensor, name: str = "output",
-                     tied_to: VocabParallelEmbedding | None = None) -> ColumnParallelLinear:
+                     tied_to: VocabParallelEmbedding | None = None,
+                     weight_name: str | None = None) -> ColumnParallelLinear:
     """The LM head as a column-parallel linear over (padded) vocabulary rows; logits stay split.
     With `tied_to`, the head uses that embedding's shard, whose rows are the same vocabulary."""
     _no_bias(head, name)
     spec = ShardSpec(dim=0, chunks=tp.size, full_size=head.out_features, pad=True)
     if tied_to is not None:
         return ColumnParallelLinear(tied_to.weight, tp, spec, name)
-    weight = shard(full(f"{name}.weight", tuple(head.weight.shape)), spec, tp)
+    weight_name = weight_name or f"{name}.weight"
+    weight = shard(full(weight_name, tuple(head.weight.shape)), spec, tp)
     return ColumnParallelLinear(weight, tp, spec, name)
-
-
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent), attr, new)
 
 
 def parallelize_module(module: nn.Module, tp: TPContext,
                        full_tensor: FullTensor | None = None) -> nn.Module:
-    """Make `module` tensor-parallel in place (the returned module is `module`).
+    """Make `module` tensor-parallel in place and return it (a new module only when `module`
+    itself is an embedding or a head).
 
     Every `Block` gets parallel attention and MLP; every `nn.Embedding` becomes vocab-parallel;
     every `nn.Linear` outside a block (the LM head) becomes a vocab-parallel column-parallel
@@ -511,18 +512,29 @@ def parallelize_module(module: nn.Module, tp: TPContext,
     def in_block(name: str) -> bool:
         return any(name == b or name.startswith(b + ".") or b == "" for b in blocks)
 
+    def replace(name: str, new: nn.Module) -> None:
+        nonlocal module
+        if not name:
+            module = new
+            return
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent), attr, new)
+
+    def param_name(owner: str) -> str:
+        return f"{owner}.weight" if owner else "weight"
+
     for name in blocks:
         parallelize_block(named[name], tp, full, name + "." if name else "")
     embeddings: dict[int, VocabParallelEmbedding] = {}
     for name, m in named.items():
         if isinstance(m, nn.Embedding) and not in_block(name):
-            new = parallelize_embedding(m, tp, full, name)
+            new = parallelize_embedding(m, tp, full, name, weight_name=param_name(name))
             embeddings[id(m.weight)] = new
-            _replace(module, name, new)
+            replace(name, new)
     for name, m in named.items():
         if isinstance(m, nn.Linear) and not in_block(name):
-            _replace(module, name, parallelize_head(m, tp, full, name,
-                                                    tied_to=embeddings.get(id(m.weight))))
+            replace(name, parallelize_head(m, tp, full, name, weight_name=param_name(name),
+                                           tied_to=embeddings.get(id(m.weight))))
     for name, p in list(module.named_parameters()):
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name)
