@@ -15,13 +15,14 @@ sequence is dim 1):
   tensor-parallel region: the row-parallel partial sums are summed and split in one collective.
 
 An all-reduce is a reduce-scatter plus an all-gather, so replacing each f/g all-reduce with one
-of these moves the same bytes: 8·b·s·h·(t−1)/t per layer per micro-batch in fp16-elements,
-forward and backward together (§4.2.3). `gather_then_linears` is the memory-saving form of ``g``
-followed by column-parallel linears: it keeps only this rank's s/t slice of the gathered input
-for backward and all-gathers it again there (the paper's "extra all-gather" of §4.2.2), which is
-what makes the per-layer activations s·b·h/t·(34 + 5·a·s/h). That extra all-gather costs
-2·b·s·h·(t−1)/t per layer; pass ``regather=False`` to the tensor-parallel layers to store the
-gathered input instead and move exactly the tensor-parallel volume.
+of these moves the same bytes: 8·b·s·h·(t−1)/t elements (times the element size) per layer per
+micro-batch, forward and backward together (§4.2.3). `gather_then_linears` is the memory-saving
+form of ``g`` followed by column-parallel linears: it keeps only this rank's s/t slice of the
+gathered input for backward and all-gathers it again there (the paper's "extra all-gather" of
+§4.2.2), which is what makes the per-layer activations s·b·h/t·(34 + 5·a·s/h). That extra
+all-gather costs 2·b·s·h·(t−1)/t elements per layer; pass ``regather=False`` to the
+tensor-parallel layers to store the gathered input instead and move exactly the
+tensor-parallel volume.
 
 Invariants: outside tensor-parallel regions every activation is (B, T/t, h) and rank r holds
 sequence chunk r; parameters of those regions (norm gains) are replicated, and each rank's
