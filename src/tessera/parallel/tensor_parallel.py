@@ -25,10 +25,10 @@ sums that ``sync_partial_grads`` adds up once per step.
 Vocabulary parallelism: the embedding and the LM head are split by vocabulary rows. The
 embedding looks up the rows it holds, zeroes the rest and leaves through g (or ḡ under SP); the
 head is column-parallel and its logits stay split: ``vocab_parallel_cross_entropy`` computes the
-loss with two all-reduces of b·s numbers (the max, then the sum of exponentials together with
-the target logit), never gathering the b·s·V logits. A vocabulary not divisible by t is padded
-with zero rows whose logits are masked to −inf, so padding changes neither the loss nor any
-gradient, and the padding rows' gradients are exactly zero.
+loss with two all-reduces, of the b·s row maxima and then of the b·s sums of exponentials
+stacked with the b·s target logits, never gathering the b·s·V logits. A vocabulary not
+divisible by t is padded with zero rows whose logits are masked to −inf, so padding changes
+neither the loss nor any gradient, and the padding rows' gradients are exactly zero.
 
 Invariants: the residual stream is replicated on every tp rank (without SP) or split by
 sequence (with SP); a parameter shard on rank r is rows/columns r of the reference tensor
