@@ -27,7 +27,6 @@ import time
 from datetime import date
 
 import torch
-import torch._dynamo  # noqa: F401  (AdamW imports it lazily; load before forking ranks)
 import torch.distributed as dist
 from torch import nn
 

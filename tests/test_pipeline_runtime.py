@@ -10,10 +10,10 @@ every step, and all weights at the end (gathered with full_state_dict).
 from __future__ import annotations
 
 import functools
+import pickle
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (AdamW imports it lazily: load it once here, not per rank)
 
 from tessera.config import make_config
 from tessera.engine import adamw
@@ -83,8 +83,9 @@ def reference_key(case: dict) -> tuple[int, bool, int]:
     return case.get("layers", 4), case.get("tie", False), case.get("dp", 1) * case["m"]
 
 
-def run_parity_cases(cases, references):
+def run_parity_cases(cases, references: bytes):
     """Train every case STEPS steps; return its largest differences from the reference."""
+    references = pickle.loads(references)
     topos: dict = {}
     out = []
     for case in cases:
@@ -154,8 +155,11 @@ def check_results(results):
         assert worst["loss"] < 1e-5, (case, worst)
 
 
-def references_for(cases):
-    return {reference_key(c): reference_trajectory(*reference_key(c)) for c in cases}
+def references_for(cases) -> bytes:
+    """The reference trajectories the cases need, pickled by value: handed to the ranks as
+    plain bytes, not as tensors (which multiprocessing would share through file descriptors)."""
+    return pickle.dumps({reference_key(c): reference_trajectory(*reference_key(c))
+                         for c in cases})
 
 
 def first_stage_activation_peaks(pp: int = 2) -> dict[tuple[str, int], int]:

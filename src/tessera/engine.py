@@ -132,7 +132,8 @@ class DataParallelEngine(Engine):
     def __init__(self, cfg: Config, topo: Topology, device: torch.device):
         super().__init__(cfg, topo, device)
         self.model: Transformer = build_model(cfg.model, cfg.train.seed, device)
-        self.ddp = DataParallel(self.model, topo.group("dp"))
+        self.ddp = DataParallel(self.model, topo.group("dp"), bucket_mb=cfg.parallel.bucket_mb,
+                                algorithm=cfg.parallel.allreduce_algorithm)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -168,27 +169,53 @@ class DataParallelEngine(Engine):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-def check_supported(cfg: Config) -> None:
-    """Refuse, before any process group exists, layouts no engine here can run yet."""
+def _mechanisms(cfg: Config) -> list[str]:
+    """The non-default parallel mechanisms a config asks for, by name."""
     p = cfg.parallel
+    return [name for name, on in (
+        ("tensor parallelism", p.tp > 1 or p.sequence_parallel),
+        ("pipeline parallelism", p.pp > 1),
+        ("a parameter server", p.dp_mode != "allreduce"),
+    ) if on]
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse, before any process group exists, layouts no engine here can run.
+
+    Each mechanism composes with plain data parallelism over the dp axis; mechanisms do not
+    yet compose with one another (that is the composition engine's job, still to come).
+    """
+    p = cfg.parallel
+    for name, value in (("cp", p.cp), ("ep", p.ep)):
+        if value != 1:
+            raise ConfigError(f"parallel.{name}", value,
+                              "this build of tessera has no engine for it yet (must be 1)")
+    if p.zero_stage != 0:
+        raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO is not available yet")
+    mechanisms = _mechanisms(cfg)
+    if len(mechanisms) > 1:
+        raise ConfigError("parallel", f"tp={p.tp} pp={p.pp} zero_stage={p.zero_stage} "
+                          f"dp_mode={p.dp_mode}", f"{mechanisms[0]} and {mechanisms[1]} do not "
+                          "compose yet; each composes with plain data parallelism (dp)")
     if p.pp > 1:
         from tessera.pipeline.engine import check_pipeline
 
         check_pipeline(cfg)
-    for name, value in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep)):
-        if value != 1:
-            raise ConfigError(f"parallel.{name}", value,
-                              "this build of tessera runs only data parallelism (must be 1)")
-    if p.zero_stage != 0:
-        raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO is not available yet")
-    if p.dp_mode != "allreduce":
-        raise ConfigError("parallel.dp_mode", p.dp_mode, "parameter server not available yet")
 
 
 def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
     check_supported(cfg)
-    if cfg.parallel.pp > 1:
+    mechanism = (_mechanisms(cfg) or ["data parallelism"])[0]
+    if mechanism == "tensor parallelism":
+        from tessera.parallel.tp_engine import TensorParallelEngine
+
+        return TensorParallelEngine(cfg, topo, device)
+    if mechanism == "pipeline parallelism":
         from tessera.pipeline.engine import PipelineEngine
 
         return PipelineEngine(cfg, topo, device)
+    if mechanism == "a parameter server":
+        from tessera.parallel.parameter_server import ParameterServerEngine
+
+        return ParameterServerEngine(cfg, topo, device)
     return DataParallelEngine(cfg, topo, device)
