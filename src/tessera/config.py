@@ -298,8 +298,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "model": dict(d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256),
         "data": dict(seq_len=128, val_tokens=65536),
         "parallel": dict(dp=2),
-        "train": dict(steps=600, micro_batch_size=16, lr=3e-3, warmup_steps=30,
-                      eval_interval=200, log_interval=25, sample_tokens=300),
+        "train": dict(steps=400, micro_batch_size=16, lr=3e-3, warmup_steps=30,
+                      eval_interval=100, log_interval=25, sample_tokens=300),
     },
     # GPT-2 small's shape in Llama form; SwiGLU inner size 2048 keeps its 124M parameters.
     "gpt2-124m": {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -123,7 +124,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
               f"{math.log(cfg.model.vocab_size):.4f})", flush=True)
 
-    bar = tqdm(range(cfg.train.steps), disable=not (rank0 and progress), unit="step",
+    # The bar only on a terminal: in a log file its redraws bury the metric lines.
+    show_bar = rank0 and progress and sys.stderr.isatty()
+    bar = tqdm(range(cfg.train.steps), disable=not show_bar, unit="step",
                dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
