@@ -175,12 +175,14 @@ def check_supported(cfg: Config) -> None:
         if value != 1:
             raise ConfigError(f"parallel.{name}", value,
                               "this build of tessera runs only data parallelism (must be 1)")
-    if p.zero_stage != 0:
-        raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO is not available yet")
     if p.dp_mode != "allreduce":
         raise ConfigError("parallel.dp_mode", p.dp_mode, "parameter server not available yet")
 
 
 def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
     check_supported(cfg)
+    if cfg.parallel.zero_stage > 0:
+        from tessera.parallel.zero_engine import ZeroEngine  # imports this module
+
+        return ZeroEngine(cfg, topo, device)
     return DataParallelEngine(cfg, topo, device)
