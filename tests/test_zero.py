@@ -5,8 +5,6 @@ and the command line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,9 +45,9 @@ def _my_micro_batches(step: int, rank: int, dp: int) -> list[tuple[torch.Tensor,
     return list(zip(x[rows].chunk(ACCUM), y[rows].chunk(ACCUM), strict=True))
 
 
-def _reference(cfg: Config) -> tuple[list[dict], torch.optim.Optimizer, torch.nn.Module]:
+def _reference(cfg: Config) -> tuple[list[dict], dict[str, dict[str, torch.Tensor]]]:
     """One process, whole batch, torch AdamW, torch's clip_grad_norm_: per step the loss, the
-    norm, the clipped gradients and the parameters after the step."""
+    norm, the clipped gradients and the parameters after the step; then Adam's moments."""
     model = build_model(cfg.model, cfg.train.seed)
     opt = adamw(model.parameters(), cfg.train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
@@ -65,7 +63,9 @@ def _reference(cfg: Config) -> tuple[list[dict], torch.optim.Optimizer, torch.nn
         sched.step()
         trace.append(dict(loss=loss.item(), norm=norm.item(), grads=grads,
                           params={k: v.clone() for k, v in model.state_dict().items()}))
-    return trace, opt, model
+    moments = {n: {k: opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
+               for n, p in model.named_parameters()}
+    return trace, moments
 
 
 def _unit_flat(u, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _unit_flat(u, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return flat
 
 
-def _check_stage(cfg: Config, trace: list[dict], ref_opt, ref_model) -> ZeroEngine:
+def _check_stage(cfg: Config, trace: list[dict], moments: dict) -> ZeroEngine:
     topo = Topology.build(cfg.parallel)
     engine = build_engine(cfg, topo, torch.device("cpu"))
     assert isinstance(engine, ZeroEngine) and engine.stage == cfg.parallel.zero_stage
@@ -115,20 +115,17 @@ def _check_stage(cfg: Config, trace: list[dict], ref_opt, ref_model) -> ZeroEngi
     # reasoning as the gradients: moments are running averages of them).
     full = engine.full_optimizer_state()
     assert full["step"] == STEPS
-    for name, p in ref_model.named_parameters():
+    for name, want in moments.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(full[key][name], ref_opt.state[p][key], rtol=1e-3,
-                                       atol=1e-7, msg=f"{stage} {key} {name}")
+            torch.testing.assert_close(full[key][name], want[key], rtol=1e-3, atol=1e-7,
+                                       msg=f"{stage} {key} {name}")
     return engine
 
 
-def _parity_rank(dp: int) -> None:
-    trace, ref_opt, ref_model = _reference(_cfg(dp, 1))
-    engines = {stage: _check_stage(_cfg(dp, stage), trace, ref_opt, ref_model)
-               for stage in (1, 2, 3)}
+def _parity_rank(dp: int, untied: tuple, tied: tuple) -> None:
+    engines = {stage: _check_stage(_cfg(dp, stage), *untied) for stage in (1, 2, 3)}
     if dp == 2:
         # Tied embeddings: the embedding and the head form one unit that stays gathered.
-        tied = _reference(_cfg(dp, 3, tie=True))
         _check_stage(_cfg(dp, 3, tie=True), *tied)
         _check_round_trip(dp, engines[3])
 
@@ -159,7 +156,10 @@ def _check_round_trip(dp: int, saved: ZeroEngine) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_stages_match_single_process(dp):
-    run_ranks(_parity_rank, dp, args=(dp,))
+    # The reference runs once, here; the ranks (forked) inherit its trace.
+    untied = _reference(_cfg(1, 0))
+    tied = _reference(_cfg(1, 0, tie=True)) if dp == 2 else None
+    run_ranks(_parity_rank, dp, args=(dp, untied, tied))
 
 
 def _memory_rank(dp: int) -> list[str]:
@@ -189,6 +189,9 @@ def _memory_rank(dp: int) -> list[str]:
                 slack = report[key] - formula[key]
                 bound = per_element * n_units * (1 if sharded else dp - 1)
                 assert 0 <= slack <= bound, (precision, stage, key, slack, bound)
+            if stage == 3:  # at most the unit in use and the one prefetched are gathered
+                sizes = sorted(u.padded * dtype.itemsize for u in engine.zero.units)
+                assert 0 < engine.zero.peak_gathered_bytes <= sizes[-1] + sizes[-2]
             total = sum(report.values())
             lines.append(f"{precision} stage {stage}: {total} bytes = "
                          f"{total / psi:.2f} bytes/param")
@@ -257,18 +260,20 @@ def test_trainer_runs_every_stage_with_the_same_losses(tiny_data, tmp_path):
     losses = run_ranks(_trainer_rank, 2, args=(tiny_data, str(tmp_path)))[0]
     # The trainer drives stage 0 (plain DDP) and ZeRO 1-3 through the same loop; they compute
     # the same mean loss (fp32, reduction order aside: 1e-4 after 4 Adam steps).
+    assert len(losses[0]) == 4 and losses[0][-1] < losses[0][0]
     for stage in (1, 2, 3):
         assert losses[stage] == pytest.approx(losses[0], abs=1e-4), stage
 
 
-@pytest.mark.slow
-def test_cli_trains_with_zero3(tiny_data, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--preset", "tiny",
-                           "--data", tiny_data, "--dp", "2", "--zero-stage", "3", "--steps", "3",
-                           "--out", str(tmp_path), "--no-progress", "--set", "data.seq_len=16",
-                           "--set", "data.val_tokens=256", "--set", "train.sample_tokens=8"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_cli_zero_stage_reaches_the_run(tiny_data, tmp_path):
+    # In-process, one rank (dp=2 goes through the launcher, which test_cli covers; the
+    # trainer test above runs every stage on two ranks).
+    result = CliRunner().invoke(app, [
+        "train", "--preset", "tiny", "--data", tiny_data, "--dp", "1", "--zero-stage", "3",
+        "--steps", "2", "--out", str(tmp_path), "--no-progress", "--set", "data.seq_len=16",
+        "--set", "data.val_tokens=256", "--set", "train.sample_tokens=8"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "config.json").read_text())["parallel"]["zero_stage"] == 3
     assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] > 0
 
 

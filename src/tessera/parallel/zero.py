@@ -108,6 +108,8 @@ class FlatUnit:
         self.resident = True             # full holds the gathered parameters
         self.pending: dist.Work | None = None
         self.grads_ready = 0             # parameters whose gradient this backward delivered
+        # An embedding's backward reads only the indices, not the weight: no gather for it.
+        self.gather_for_backward = not all(isinstance(m, nn.Embedding) for m in modules)
 
     def owned_grad(self) -> torch.Tensor:
         """The gradient of the elements the optimizer steps on this rank (compute dtype)."""
@@ -177,6 +179,8 @@ class ZeroModel(nn.Module):
         self.backward_order: list[int] = []   # unit indices by backward start, last forward
         self._seen: list[int] = []
         self._done: list[int] = []
+        self.peak_gathered_bytes = 0
+        """Stage 3: the most bytes of gathered unit parameters that existed at once."""
         self._install_hooks()
 
     # -- construction --------------------------------------------------------------------------
@@ -229,7 +233,7 @@ class ZeroModel(nn.Module):
         self._seen, self._done = [], []
         out = self.module(*args, **kwargs)
         self.forward_order = self._seen
-        self.backward_order = self._done[::-1]
+        self.backward_order = [i for i in self._done[::-1] if self.units[i].gather_for_backward]
         return out
 
     @contextlib.contextmanager
@@ -253,7 +257,7 @@ class ZeroModel(nn.Module):
 
     def _post_forward(self, i: int, out: torch.Tensor) -> torch.Tensor:
         self._done.append(i)
-        if not torch.is_grad_enabled():
+        if not (torch.is_grad_enabled() and self.units[i].gather_for_backward):
             self._free(self.units[i])
             return out
         if not (self.backward_order and self.backward_order[0] == i):
@@ -293,17 +297,18 @@ class ZeroModel(nn.Module):
         pad = u.padded - u.numel
         if pad:
             grads.append(torch.zeros(pad, dtype=self.dtype, device=u.grad.device))
-        full_grad = torch.cat(grads).div_(self.world)  # (padded,)
+        full_grad = torch.cat(grads)  # (padded,)
         for p in u.params:
             p.grad = None
+        # Sum, then divide the shard (1/N of the work of dividing the full gradient).
         if u.grad_fresh:  # first micro-batch of the step: reduce straight into the shard
             u.grad_fresh = False
             work = _reduce_scatter(u.grad, full_grad, group=self.group, async_op=True)
-            self._reduces.append((work, None, full_grad))
+            self._reduces.append((work, lambda: u.grad.div_(self.world), full_grad))
             return
         part = torch.empty_like(u.grad)
         work = _reduce_scatter(part, full_grad, group=self.group, async_op=True)
-        self._reduces.append((work, lambda: u.grad.add_(part), full_grad))
+        self._reduces.append((work, lambda: u.grad.add_(part, alpha=1 / self.world), full_grad))
 
     def _drain(self, limit: int) -> None:
         """Finish the oldest reductions until at most `limit` are in flight."""
@@ -327,6 +332,8 @@ class ZeroModel(nn.Module):
     def _start_gather(self, u: FlatUnit) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         u.pending = _all_gather(u.full, u.shard, group=self.group, async_op=True)
+        gathered = sum(v.full.untyped_storage().nbytes() for v in self.units)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
     def _gather(self, u: FlatUnit) -> None:
         if u.resident:
