@@ -22,7 +22,9 @@ Collectives, all on the dp group handed in (Psi = parameter count):
   next unit is prefetched with an asynchronous all-gather so the transfer overlaps compute) and
   freed after it; gathered again just before its backward (prefetching the unit whose backward
   comes next) and freed when its gradients are reduce-scattered. The unit whose backward runs
-  first stays gathered from its forward into the backward. No all-gather after the step.
+  first stays gathered from its forward into the backward, and an embedding-only unit is not
+  gathered for backward (an embedding's gradient needs the indices, not the weight). No
+  all-gather after the step: each rank's optimizer updates its parameter shard in place.
 
 Mechanism. Freeing resizes the unit buffer's storage to 0 bytes; gathering resizes it back and
 fills it. The parameter views, and the tensors autograd saved for backward, follow the storage,
