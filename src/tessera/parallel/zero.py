@@ -201,7 +201,8 @@ class ZeroModel(nn.Module):
         full32 = torch.zeros(u.padded, dtype=torch.float32, device=params[0].device)
         for s, p in zip(slots, params, strict=True):
             full32[s.offset:s.offset + s.numel].copy_(p.reshape(-1))
-        dist.broadcast(full32, src=dist.get_global_rank(self.group, 0), group=self.group)
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(full32, src=src, group=self.group)
         u.full = full32 if self.dtype == torch.float32 else full32.to(self.dtype)
         for s, p in zip(slots, params, strict=True):
             p.data = u.full[s.offset:s.offset + s.numel].view(s.shape)
