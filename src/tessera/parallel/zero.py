@@ -18,10 +18,11 @@ Collectives, all on the dp group handed in (Psi = parameter count):
   parameters are all-gathered (in place) after the optimizer step.
 - stage 2: each unit's gradient is reduce-scattered as soon as its backward ends (every
   micro-batch), the full gradient is dropped and only the shard is kept; all-gather after the step.
+  A reduction overlaps the next unit's backward until that unit's first gradient arrives.
 - stage 3: parameters live only as shards. A unit is all-gathered just before its forward (the
   next unit is prefetched with an asynchronous all-gather so the transfer overlaps compute) and
   freed after it; gathered again just before its backward (prefetching the unit whose backward
-  comes next) and freed when its gradients are reduce-scattered. The unit whose backward runs
+  comes next) and freed when its backward ends. The unit whose backward runs
   first stays gathered from its forward into the backward, and an embedding-only unit is not
   gathered for backward (an embedding's gradient needs the indices, not the weight). No
   all-gather after the step: each rank's optimizer updates its parameter shard in place.
@@ -57,10 +58,6 @@ from tessera.model import Transformer
 # torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-MAX_REDUCE_IN_FLIGHT = 2
-"""Gradient reductions allowed in flight; older ones are finished first, bounding the memory of
-full gradients that wait for their reduce-scatter."""
 
 
 def transformer_units(model: Transformer) -> list[tuple[str, list[nn.Module]]]:
@@ -280,6 +277,11 @@ class ZeroModel(nn.Module):
     def _grad_ready(self, i: int) -> None:
         u = self.units[i]
         u.grads_ready += 1
+        if u.grads_ready == 1:
+            # This unit's gradients start to pile up: finish the reduction of the unit before
+            # it (in flight since that unit's backward ended, overlapping the compute since) and
+            # drop its full gradient, so one unit's full gradient exists at a time.
+            self._drain(0)
         if u.grads_ready < len(u.params):
             return
         u.grads_ready = 0
@@ -288,11 +290,10 @@ class ZeroModel(nn.Module):
                 u.grad.div_(self.world)
                 work = dist.all_reduce(u.grad, group=self.group, async_op=True)
                 self._reduces.append((work, None, u.grad))
-        else:
-            self._reduce_scatter(u)
-            if self.stage == 3:
-                self._free(u)
-        self._drain(MAX_REDUCE_IN_FLIGHT)
+            return
+        if self.stage == 3:
+            self._free(u)  # before flattening the gradients: never params and two grad copies
+        self._reduce_scatter(u)
 
     @torch.no_grad()
     def _reduce_scatter(self, u: FlatUnit) -> None:
@@ -352,6 +353,14 @@ class ZeroModel(nn.Module):
             u.pending = None
         u.full.untyped_storage().resize_(0)
         u.resident = False
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """Every model-state tensor the wrapper holds now: parameters (gathered or not), shards,
+        gradients and gradient buffers, and full gradients waiting for their reduction."""
+        params = list(self.module.parameters())
+        return [*params, *(p.grad for p in params if p.grad is not None),
+                *(u.shard for u in self.units), *(u.grad for u in self.units),
+                *(buf for _, _, buf in self._reduces)]
 
     # -- around the optimizer ------------------------------------------------------------------
     @torch.no_grad()
