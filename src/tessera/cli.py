@@ -43,16 +43,18 @@ def resolve_config(preset: str | None, config_file: str | None, sets: list[str] 
                    flags: dict[str, dict], nproc: int | None = None) -> Config:
     """Preset < file < flags < --set. With --nproc and no explicit --dp, dp fills the world."""
     sections = {k: {f: v for f, v in d.items() if v is not None} for k, d in flags.items()}
-    cfg = make_config(preset if preset or not config_file else None, config_file, sets or [],
-                      **sections)
-    if nproc is not None and "dp" not in sections.get("parallel", {}) and not any(
-            s.startswith("parallel.dp=") for s in sets or []):
-        p = cfg.parallel
+    preset = preset if preset or not config_file else None
+    fill_dp = nproc is not None and "dp" not in sections.get("parallel", {}) and not any(
+        s.startswith("parallel.dp=") for s in sets or [])
+    if fill_dp:
+        # A first build with dp = nproc reads tp, pp and cp (no rule on dp gets harder as dp
+        # grows: a parameter server needs dp >= 2, so dp = 1 must not be tried first).
+        trial = {**sections, "parallel": {**sections.get("parallel", {}), "dp": nproc}}
+        p = make_config(preset, config_file, sets or [], **trial).parallel
         others = p.tp * p.pp * p.cp
         if nproc % others == 0:
             sections.setdefault("parallel", {})["dp"] = nproc // others
-            cfg = make_config(preset if preset or not config_file else None, config_file,
-                              sets or [], **sections)
+    cfg = make_config(preset, config_file, sets or [], **sections)
     return cfg
 
 
@@ -70,6 +72,12 @@ def train(
     cp: Annotated[int | None, typer.Option(help="Context-parallel degree.")] = None,
     zero_stage: Annotated[int | None, typer.Option(help="ZeRO stage 0-3.")] = None,
     dp_mode: Annotated[str | None, typer.Option(help="allreduce, ps or ps-async.")] = None,
+    bucket_mb: Annotated[float | None, typer.Option(
+        help="DDP gradient bucket size in MiB.")] = None,
+    allreduce_algorithm: Annotated[str | None, typer.Option(
+        help="DDP all-reduce: backend, auto, naive, parallel, ring, rabenseifner.")] = None,
+    max_staleness: Annotated[int | None, typer.Option(
+        help="ps-async: drop gradients more than this many server updates old.")] = None,
     sequence_parallel: Annotated[bool | None, typer.Option(
         "--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.")
     ] = None,
@@ -93,6 +101,8 @@ def train(
     """Train a model; launches --nproc ranks itself unless already under torchrun."""
     flags = {
         "parallel": dict(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, dp_mode=dp_mode,
+                         bucket_mb=bucket_mb, allreduce_algorithm=allreduce_algorithm,
+                         max_staleness=max_staleness,
                          sequence_parallel=sequence_parallel, schedule=schedule,
                          virtual_stages=virtual),
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,

@@ -132,7 +132,8 @@ class DataParallelEngine(Engine):
     def __init__(self, cfg: Config, topo: Topology, device: torch.device):
         super().__init__(cfg, topo, device)
         self.model: Transformer = build_model(cfg.model, cfg.train.seed, device)
-        self.ddp = DataParallel(self.model, topo.group("dp"))
+        self.ddp = DataParallel(self.model, topo.group("dp"), bucket_mb=cfg.parallel.bucket_mb,
+                                algorithm=cfg.parallel.allreduce_algorithm)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
@@ -175,8 +176,9 @@ def check_supported(cfg: Config) -> None:
         if value != 1:
             raise ConfigError(f"parallel.{name}", value,
                               "this build of tessera runs only data parallelism (must be 1)")
-    if p.dp_mode != "allreduce":
-        raise ConfigError("parallel.dp_mode", p.dp_mode, "parameter server not available yet")
+    if p.dp_mode != "allreduce" and (p.tp, p.pp, p.cp) != (1, 1, 1):
+        raise ConfigError("parallel.dp_mode", p.dp_mode, "the parameter server replicates the "
+                          f"whole model: needs tp=pp=cp=1, got tp={p.tp} pp={p.pp} cp={p.cp}")
 
 
 def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
@@ -185,4 +187,8 @@ def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
         from tessera.parallel.zero_engine import ZeroEngine  # imports this module
 
         return ZeroEngine(cfg, topo, device)
+    if cfg.parallel.dp_mode != "allreduce":
+        from tessera.parallel.parameter_server import ParameterServerEngine
+
+        return ParameterServerEngine(cfg, topo, device)
     return DataParallelEngine(cfg, topo, device)
