@@ -56,8 +56,8 @@ from torch import nn
 from tessera.model import Transformer
 
 # torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def transformer_units(model: Transformer) -> list[tuple[str, list[nn.Module]]]:
@@ -307,11 +307,11 @@ class ZeroModel(nn.Module):
         # Sum, then divide the shard (1/N of the work of dividing the full gradient).
         if u.grad_fresh:  # first micro-batch of the step: reduce straight into the shard
             u.grad_fresh = False
-            work = _reduce_scatter(u.grad, full_grad, group=self.group, async_op=True)
+            work = reduce_scatter_into(u.grad, full_grad, group=self.group, async_op=True)
             self._reduces.append((work, lambda: u.grad.div_(self.world), full_grad))
             return
         part = torch.empty_like(u.grad)
-        work = _reduce_scatter(part, full_grad, group=self.group, async_op=True)
+        work = reduce_scatter_into(part, full_grad, group=self.group, async_op=True)
         self._reduces.append((work, lambda: u.grad.add_(part, alpha=1 / self.world), full_grad))
 
     def _drain(self, limit: int) -> None:
@@ -335,7 +335,7 @@ class ZeroModel(nn.Module):
     # -- gathering (stage 3) -------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.pending = _all_gather(u.full, u.shard, group=self.group, async_op=True)
+        u.pending = all_gather_into(u.full, u.shard, group=self.group, async_op=True)
         gathered = sum(v.full.untyped_storage().nbytes() for v in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
@@ -394,40 +394,6 @@ class ZeroModel(nn.Module):
             if target.data_ptr() != u.master.data_ptr():
                 target.copy_(u.master)
             if self.stage in (1, 2):
-                works.append(_all_gather(u.full, u.shard, group=self.group, async_op=True))
+                works.append(all_gather_into(u.full, u.shard, group=self.group, async_op=True))
         for w in works:
             w.wait()
-
-    # -- checkpoint hooks ----------------------------------------------------------------------
-    @torch.no_grad()
-    def gather_owned(self, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
-        """The full (padded,) fp32 tensor of which `t` is this rank's owned part."""
-        if self.stage == 0:
-            return t.clone()
-        out = torch.empty(u.padded, dtype=t.dtype, device=t.device)
-        _all_gather(out, t.contiguous(), group=self.group)
-        return out
-
-    def unflatten(self, u: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in u.slots}
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Reference-named fp32 weights gathered from the master shards, on every rank."""
-        by_id: dict[int, torch.Tensor] = {}
-        for u in self.units:
-            full = self.gather_owned(u, u.master)
-            for s, p in zip(u.slots, u.params, strict=True):
-                by_id[id(p)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-        return {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
-                for k, v in self.module.state_dict(keep_vars=True).items()}
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Set the masters (and compute parameters) from a reference-named state dict."""
-        for u in self.units:
-            flat = torch.zeros(u.padded, dtype=torch.float32, device=u.master.device)
-            for s in u.slots:
-                flat[s.offset:s.offset + s.numel].copy_(state[s.name].reshape(-1))
-            u.master.copy_(flat[u.own_lo:u.own_hi])
-        self.publish_parameters()

@@ -19,7 +19,13 @@ from tessera.config import Config, TrainConfig
 from tessera.engine import Engine, MicroBatch, all_reduce_sum
 from tessera.model import build_model, cross_entropy
 from tessera.parallel.zero import ZeroModel
-from tessera.parallel.zero_state import ShardedAdamW, allocated_model_state, memory_report
+from tessera.parallel.zero_state import (
+    ShardedAdamW,
+    allocated_model_state,
+    full_state_dict,
+    load_full_state_dict,
+    memory_report,
+)
 from tessera.topology import Topology
 
 
@@ -84,10 +90,11 @@ class ZeroEngine(Engine):
         return loss_sum, int(count)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.zero.full_state_dict()
+        return full_state_dict(self.zero)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.zero.load_full_state_dict(state)
+        """Take this rank's shard of a reference-named state dict (from any layout)."""
+        load_full_state_dict(self.zero, state)
 
     def full_optimizer_state(self) -> dict:
         """Adam moments and step by reference name, gathered on every rank (see ShardedAdamW)."""

@@ -1,4 +1,4 @@
-"""ZeRO's optimizer over flat shards, its full-state gather, and model-state memory accounting.
+"""ZeRO's optimizer over flat shards, checkpoint gathering, and model-state memory accounting.
 
 ``ShardedAdamW`` steps each unit's fp32 master shard with exactly the arithmetic of
 ``torch.optim.AdamW`` (single-tensor path: decoupled weight decay, then the bias-corrected
@@ -17,6 +17,10 @@ master copy and Adam's m and v), so per rank
 In plain fp32 the weight is its own master copy: 4 (weight) + 4 (gradient) + 8 (m and v), the
 same 16 bytes per parameter split (P, G, K) = (4, 4, 8) instead of (2, 2, 12); the formulas
 keep their shape with those numbers (stage 1: 8 Psi + 8 Psi / N, and so on).
+
+Checkpoint hooks: ``full_state_dict`` all-gathers the fp32 master shards into the reference
+model's state dict and ``ShardedAdamW.full_state`` the Adam moments by reference name; the
+``load_*`` counterparts cut a rank's shard out of full ones (any dp size, any stage).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Iterable
 import torch
 
 from tessera.config import TrainConfig
-from tessera.parallel.zero import ZeroModel
+from tessera.parallel.zero import FlatUnit, ZeroModel, all_gather_into
 
 BYTES_PER_PARAM = {torch.bfloat16: (2, 2, 12), torch.float32: (4, 4, 8)}
 """(parameter, gradient, optimizer-state) bytes per parameter by compute dtype: (P, G, K)."""
@@ -84,7 +88,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             state = self.state[u.master]
             out["step"] = state["step"]
             for key in ("exp_avg", "exp_avg_sq"):
-                out[key].update(self.zero.unflatten(u, self.zero.gather_owned(u, state[key])))
+                out[key].update(unflatten(u, gather_owned(self.zero, u, state[key])))
         return out
 
     @torch.no_grad()
@@ -94,10 +98,55 @@ class ShardedAdamW(torch.optim.Optimizer):
             state = self.state[u.master]
             state["step"] = int(full["step"])
             for key in ("exp_avg", "exp_avg_sq"):
-                flat = torch.zeros(u.padded, dtype=torch.float32, device=u.master.device)
-                for s in u.slots:
-                    flat[s.offset:s.offset + s.numel].copy_(full[key][s.name].reshape(-1))
-                state[key].copy_(flat[u.own_lo:u.own_hi])
+                state[key].copy_(flatten(u, full[key])[u.own_lo:u.own_hi])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint hooks
+
+
+@torch.no_grad()
+def gather_owned(zero: ZeroModel, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
+    """The full (padded,) tensor of which `t` is this rank's owned part of unit `u`."""
+    if zero.stage == 0:
+        return t.clone()
+    out = torch.empty(u.padded, dtype=t.dtype, device=t.device)
+    all_gather_into(out, t.contiguous(), group=zero.group)
+    return out
+
+
+def unflatten(u: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Unit-flat (padded,) tensor -> {reference name: tensor shaped like the parameter}."""
+    return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in u.slots}
+
+
+def flatten(u: FlatUnit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """{reference name: tensor} -> the unit's padded fp32 flat layout."""
+    flat = torch.zeros(u.padded, dtype=torch.float32, device=u.master.device)
+    for s in u.slots:
+        flat[s.offset:s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
+    return flat
+
+
+@torch.no_grad()
+def full_state_dict(zero: ZeroModel) -> dict[str, torch.Tensor]:
+    """Reference-named fp32 weights gathered from the master shards, on every rank (every key
+    of the model's state dict, a tied weight under both names)."""
+    by_id: dict[int, torch.Tensor] = {}
+    for u in zero.units:
+        weights = unflatten(u, gather_owned(zero, u, u.master))
+        for s, p in zip(u.slots, u.params, strict=True):
+            by_id[id(p)] = weights[s.name]
+    return {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
+            for k, v in zero.module.state_dict(keep_vars=True).items()}
+
+
+@torch.no_grad()
+def load_full_state_dict(zero: ZeroModel, state: dict[str, torch.Tensor]) -> None:
+    """Set the masters, then the compute parameters, from a reference-named state dict."""
+    for u in zero.units:
+        u.master.copy_(flatten(u, state)[u.own_lo:u.own_hi])
+    zero.publish_parameters()
 
 
 # ---------------------------------------------------------------------------------------------
