@@ -27,7 +27,7 @@ BIG = 1 << 20  # 4 MiB in float32: the "few MB" case, float32 all-reduce only (k
 
 def _numels(n: int) -> list[int]:
     """1 element, sizes around N (empty shards, uneven shards), divisible and odd mid sizes."""
-    return sorted({1, 2, n - 1, n, n + 1, 3 * n + 2, 840, 1001, 4099, 24 * 1024 + 5})
+    return sorted({1, 2, n - 1, n, n + 1, 3 * n + 2, 840, 4099, 24 * 1024 + 5})
 
 
 def _data(numel: int, dtype: torch.dtype, seed: int, rank: int) -> torch.Tensor:
@@ -171,6 +171,8 @@ def _check_all_reduce(n: int, me: int, digests: list[str]) -> int:
         algorithms = list(C.ALL_REDUCE_ALGORITHMS)
         if numel not in (1, 4099, BIG):  # auto only dispatches; backend is the reference
             algorithms = [a for a in algorithms if a not in ("auto", "backend")]
+        if numel == BIG and n > 4:  # naive/parallel move (N-1)S: 4 MiB only up to N = 4
+            algorithms = [a for a in algorithms if a not in ("naive", "parallel")]
         for alg in algorithms:
             what = f"all_reduce {alg} {op} numel={numel} {dtype}"
             stats = C.CommStats()
@@ -192,8 +194,11 @@ def _check_all_reduce(n: int, me: int, digests: list[str]) -> int:
     x = _data(6 * n, torch.float32, 999, me).view(n, 6).t()
     ref = x.clone()
     dist.all_reduce(ref)
+    scale = x.double().abs()
+    dist.all_reduce(scale)
     got = C.all_reduce(x, algorithm="rabenseifner")
-    assert got is x and torch.allclose(x, ref, rtol=0, atol=1e-5)
+    assert got is x
+    _assert_sum_close(x, ref, scale, n, "non-contiguous all_reduce")
     return checks + 1
 
 
@@ -334,9 +339,11 @@ def _check_subgroup_and_errors(n: int, me: int) -> int:
         x = _data(1003, torch.float32, 500, me)
         ref = x.clone()
         dist.all_reduce(ref, group=sub)
+        scale = x.double().abs()
+        dist.all_reduce(scale, group=sub)
         for alg in ("naive", "parallel", "ring", "rabenseifner"):
             got = C.all_reduce(x.clone(), group=sub, algorithm=alg)
-            assert torch.allclose(got, ref, rtol=0, atol=1e-4), f"subgroup {alg}"
+            _assert_sum_close(got, ref, scale, len(members), f"subgroup {alg}")
         root = len(members) - 1
         b = x.clone()
         C.broadcast(b, root, group=sub)
@@ -367,7 +374,7 @@ def _check_subgroup_and_errors(n: int, me: int) -> int:
 def _check_segmented(n: int, me: int) -> int:
     """Messages cut into 64-byte segments give the same bits and bytes as whole messages."""
     checks = 0
-    for numel, dtype in ((1001, torch.float32), (77, torch.bfloat16)):
+    for numel, dtype in ((40 * n + 3, torch.float32), (77, torch.bfloat16)):  # ring: 3 segments
         x = _data(numel, dtype, 600, me)
         blocks = C.shard_bounds(numel, n)
         for alg, fn in A._ALL_REDUCE.items():
@@ -403,7 +410,11 @@ def check_world(n: int) -> tuple[int, list[str]]:
 
 
 def measure_on_ranks() -> tuple[float, float, float]:
-    model = C.measure_alpha_beta(sizes=(64, 4096, 1 << 18), repeats=5, warmup=1)
+    # Messages of 1-8 MiB fix beta: at ~0.3 ns/B they take ~0.3-2.5 ms, above most of
+    # the scheduling noise of a loaded 2-core machine (the fastest of 15 is kept); 64 B and
+    # 1 KiB fix alpha.
+    model = C.measure_alpha_beta(sizes=(64, 1024, 1 << 20, 1 << 21, 1 << 22, 1 << 23),
+                                 repeats=15, warmup=1)
     return model.alpha, model.beta, model.gamma
 
 

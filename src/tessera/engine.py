@@ -169,25 +169,46 @@ class DataParallelEngine(Engine):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-def check_supported(cfg: Config) -> None:
-    """Refuse, before any process group exists, layouts no engine here can run yet."""
+def _mechanisms(cfg: Config) -> list[str]:
+    """The non-default parallel mechanisms a config asks for, by name."""
     p = cfg.parallel
-    for name, value in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+    return [name for name, on in (
+        ("tensor parallelism", p.tp > 1 or p.sequence_parallel),
+        ("a parameter server", p.dp_mode != "allreduce"),
+        ("ZeRO", p.zero_stage > 0),
+    ) if on]
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse, before any process group exists, layouts no engine here can run.
+
+    Each mechanism composes with plain data parallelism over the dp axis; mechanisms do not
+    yet compose with one another (that is the composition engine's job, still to come).
+    """
+    p = cfg.parallel
+    for name, value in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
         if value != 1:
             raise ConfigError(f"parallel.{name}", value,
-                              "this build of tessera runs only data parallelism (must be 1)")
-    if p.dp_mode != "allreduce" and (p.tp, p.pp, p.cp) != (1, 1, 1):
-        raise ConfigError("parallel.dp_mode", p.dp_mode, "the parameter server replicates the "
-                          f"whole model: needs tp=pp=cp=1, got tp={p.tp} pp={p.pp} cp={p.cp}")
+                              "this build of tessera has no engine for it yet (must be 1)")
+    mechanisms = _mechanisms(cfg)
+    if len(mechanisms) > 1:
+        raise ConfigError("parallel", f"tp={p.tp} pp={p.pp} zero_stage={p.zero_stage} "
+                          f"dp_mode={p.dp_mode}", f"{mechanisms[0]} and {mechanisms[1]} do not "
+                          "compose yet; each composes with plain data parallelism (dp)")
 
 
 def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
     check_supported(cfg)
-    if cfg.parallel.zero_stage > 0:
+    mechanism = (_mechanisms(cfg) or ["data parallelism"])[0]
+    if mechanism == "tensor parallelism":
+        from tessera.parallel.tp_engine import TensorParallelEngine
+
+        return TensorParallelEngine(cfg, topo, device)
+    if mechanism == "ZeRO":
         from tessera.parallel.zero_engine import ZeroEngine  # imports this module
 
         return ZeroEngine(cfg, topo, device)
-    if cfg.parallel.dp_mode != "allreduce":
+    if mechanism == "a parameter server":
         from tessera.parallel.parameter_server import ParameterServerEngine
 
         return ParameterServerEngine(cfg, topo, device)

@@ -9,8 +9,11 @@ that rank's traceback; if ranks are still running after `timeout` seconds they a
 ``RankFailure`` says which ones hung.
 
 The rendezvous store lives in the parent on a port the OS picks, so parallel tests never race
-for a free port. Processes are forked by default (no re-import of torch: a rank starts in
-milliseconds); pass ``start_method="spawn"`` for code that must not inherit the parent's state.
+for a free port. Ranks start from a fork server that has imported torch once: a rank starts in
+a fraction of a second, and it is forked from a clean single-threaded process. Forking the test
+process itself is not safe: its store server thread (or a thread a library started) may hold a
+lock at the moment of the fork, and the child then hangs in ``init_process_group``. So `fn` and
+its arguments must be picklable: a module-level function in an importable module.
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size
 
 def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | None = None,
               *, timeout: float = 180.0, backend: str = "gloo", threads: int = 1,
-              start_method: str = "fork") -> list[Any]:
+              start_method: str = "forkserver") -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on `world_size` ranks; return the per-rank results."""
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "tessera.testing"])
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                            timeout=timedelta(seconds=60), wait_for_workers=False)
     pipes, procs = [], []

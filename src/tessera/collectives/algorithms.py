@@ -55,7 +55,7 @@ Blocks = list[tuple[int, int]]
 
 
 # ---------------------------------------------------------------------------------------------
-# Building blocks: each works in place on a flat buffer, addressed by PeerGroup positions.
+# Building blocks: each works on a flat buffer, addressed by PeerGroup positions.
 
 
 def _span(blocks: Blocks, first: int, stop: int) -> tuple[int, int]:
@@ -226,14 +226,25 @@ def naive_all_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> None:
 
 
 def parallel_all_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> None:
+    """One round: send buf to every rank, fold all N buffers in rank order (0, 1, ..., N-1) on
+    every rank, so all ranks compute the same sums bit for bit. Messages are folded segment by
+    segment as they arrive, so the scratch is one S-sized accumulator, not N buffers."""
     n, me = pg.size, pg.rank
-    inbox = torch.empty((n, buf.numel()), dtype=buf.dtype)  # (N, S): every rank's buffer
-    others = [p for p in range(n) if p != me]
-    pg.round(sends=[(p, buf) for p in others], recvs=[(p, inbox[p]) for p in others])
-    inbox[me].copy_(buf)
-    acc = wide_accumulator(inbox[0], op)
-    for src in range(1, n):  # same order on every rank -> bit-identical results
-        combine_(acc, acc, inbox[src], op)
+    sends = [(p, buf) for p in range(n) if p != me]
+    works = pg.post_sends(sends)
+    widen = op in ("sum", "avg") and buf.dtype in (torch.bfloat16, torch.float16)
+    acc = torch.empty(buf.numel(), dtype=torch.float32 if widen else buf.dtype)
+    for src in range(n):
+        if src == me:
+            if src == 0:
+                acc.copy_(buf)
+            else:
+                combine_(acc, acc, buf, op)
+        else:
+            pg.fold_from(src, acc, acc, "copy" if src == 0 else op, wire=buf.dtype)
+    for w in works:
+        w.wait()
+    pg.record_round(sends, (n - 1) * buf.numel() * buf.element_size())
     buf.copy_(acc)
 
 

@@ -78,10 +78,11 @@ class AlphaBeta:
 def default_model() -> AlphaBeta:
     """The model "auto" uses when none is passed: gloo over loopback on a 2-core CPU machine.
 
-    Fitted with :func:`measure_alpha_beta` on the machine the benchmark ran on (see
-    docs/collectives.md); measure your own and pass it as ``model=`` for other machines.
+    Rounded from four :func:`measure_alpha_beta` runs (2 and 4 ranks) on the machine the
+    benchmark ran on: alpha 64-69 us, beta 0.21-0.44 ns/B, gamma 0.031-0.040 ns/B (see
+    docs/collectives.md). Measure your own and pass it as ``model=`` on other machines.
     """
-    return AlphaBeta(alpha=40e-6, beta=0.5e-9, gamma=0.25e-9)
+    return AlphaBeta(alpha=70e-6, beta=0.3e-9, gamma=0.035e-9)
 
 
 def log2_ceil(n: int) -> int:
@@ -144,21 +145,35 @@ def choose_algorithm(collective: str, nbytes: float, world: int, model: AlphaBet
     return min(times)[2]
 
 
-def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + beta * n, weighted by 1/t.
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float],
+                   large: float = 1 << 16) -> tuple[float, float]:
+    """Fit t = alpha + beta * n in two regimes, as Hockney's model is usually measured.
 
-    Weighting by relative error keeps the tiny messages (which fix alpha) from being drowned by
-    the large ones (which fix beta). Negative estimates (noise) are clamped to zero.
+    beta is the least-squares slope over the messages of at least `large` bytes, where
+    bandwidth dominates (all messages if fewer than two are that large); alpha is then the
+    median of t - beta * n over the remaining small messages, where latency dominates. A
+    single fit over all sizes lets a few milliseconds of scheduling noise on a shared machine
+    drag the slope to zero; the split keeps each parameter fixed by the sizes that carry it.
+    Negative estimates (noise) are clamped to zero.
     """
     n = torch.tensor(sizes, dtype=torch.float64)
     t = torch.tensor(seconds, dtype=torch.float64)
-    design = torch.stack([torch.ones_like(n), n], dim=1) / t[:, None]  # (k, 2), rows / t
-    coef = torch.linalg.lstsq(design, torch.ones_like(t)[:, None]).solution[:, 0]
-    return max(coef[0].item(), 0.0), max(coef[1].item(), 0.0)
+    big = n >= large
+    if int(big.sum()) < 2:
+        big = torch.ones_like(n, dtype=torch.bool)
+    nb, tb = n[big], t[big]
+    beta = float(((nb - nb.mean()) * (tb - tb.mean())).sum() / ((nb - nb.mean()) ** 2).sum())
+    small = ~big if bool((~big).any()) else big
+    alpha = float((t[small] - beta * n[small]).median())
+    return max(alpha, 0.0), max(beta, 0.0)
 
 
 def _ping_pong(pg: PeerGroup, buf: torch.Tensor, repeats: int, warmup: int) -> float:
-    """Median one-way time of `buf` between positions 0 and 1 (half a round trip)."""
+    """One-way time of `buf` between positions 0 and 1: the fastest half round trip.
+
+    The minimum, not the median: on a shared machine a round trip is now and then slowed by
+    milliseconds when a rank waits to be scheduled, which is not a property of the network.
+    """
     samples = []
     for i in range(warmup + repeats):
         start = time.perf_counter()
@@ -170,7 +185,7 @@ def _ping_pong(pg: PeerGroup, buf: torch.Tensor, repeats: int, warmup: int) -> f
             pg.round(sends=[(0, buf)])
         if i >= warmup:
             samples.append((time.perf_counter() - start) / 2)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _reduction_seconds_per_byte(sizes: Sequence[int], repeats: int) -> float:
@@ -188,14 +203,15 @@ def _reduction_seconds_per_byte(sizes: Sequence[int], repeats: int) -> float:
 
 
 def measure_alpha_beta(group: dist.ProcessGroup | None = None, *,
-                       sizes: Sequence[int] = tuple(4 ** k for k in range(2, 11)),
-                       repeats: int = 15, warmup: int = 3) -> AlphaBeta:
+                       sizes: Sequence[int] = tuple(4 ** k for k in range(2, 13)),
+                       repeats: int = 10, warmup: int = 2) -> AlphaBeta:
     """Measure this machine's alpha, beta (and gamma) on `group`; every rank gets the same.
 
     Group ranks 0 and 1 ping-pong messages of each size in `sizes` (bytes; default 16 B to
-    4 MiB), take the median one-way time, and fit ``t = alpha + beta * n``
-    (:func:`fit_alpha_beta`); rank 0 also times a float32 add for gamma. Rank 0 then sends the
-    numbers to every rank, so "auto" choices agree. All ranks must call.
+    16 MiB, so that beta sees buffers larger than the caches), take the fastest one-way time
+    of `repeats`, and fit ``t = alpha + beta * n`` (:func:`fit_alpha_beta`); rank 0 also times
+    a float32 add on 1 to 64 MiB buffers for gamma. Rank 0 then sends the numbers to every
+    rank, so "auto" choices agree. All ranks must call; it takes a second or two.
     """
     pg = PeerGroup(group, None)
     if pg.size < 2:
@@ -209,7 +225,7 @@ def measure_alpha_beta(group: dist.ProcessGroup | None = None, *,
                    for s in sizes]
         if pg.rank == 0:
             alpha, beta = fit_alpha_beta(sizes, seconds)
-            gamma = _reduction_seconds_per_byte([1 << 16, 1 << 18, 1 << 20, 1 << 22], repeats)
+            gamma = _reduction_seconds_per_byte([1 << 20, 1 << 22, 1 << 24, 1 << 26], repeats)
             params = torch.tensor([alpha, beta, gamma], dtype=torch.float64)
     others = range(1, pg.size)  # one round: rank 0 hands the fit to every rank
     if pg.rank == 0:

@@ -136,14 +136,6 @@ class PeerGroup:
     def _irecv(self, peer: int, t: torch.Tensor) -> dist.Work:
         return dist.irecv(t, self.global_ranks[peer], group=self.group)
 
-    def _record(self, sends: Sequence[tuple[int, torch.Tensor]], received: int) -> None:
-        if self.stats is None:
-            return
-        self.stats.rounds += 1
-        self.stats.messages_sent += sum(len(self._segments(t)) for _, t in sends)
-        self.stats.bytes_sent += sum(t.numel() * t.element_size() for _, t in sends)
-        self.stats.bytes_received += received
-
     def round(self, sends: Sequence[tuple[int, torch.Tensor]] = (),
               recvs: Sequence[tuple[int, torch.Tensor]] = ()) -> None:
         """One schedule step: post every receive and send (peer positions), wait for all."""
@@ -152,33 +144,58 @@ class PeerGroup:
         for w in works:
             w.wait()
         if sends or recvs:
-            self._record(sends, sum(t.numel() * t.element_size() for _, t in recvs))
+            self.record_round(sends, sum(t.numel() * t.element_size() for _, t in recvs))
 
     def reduce_round(self, send: tuple[int, torch.Tensor] | None, recv_peer: int,
                      src: torch.Tensor, dst: torch.Tensor, op: str,
                      wire: torch.dtype | None = None) -> None:
         """One step that sends `send` and folds a message from `recv_peer` into the data:
-        ``dst <- src (op) received`` (dst may be src), one segment at a time as each arrives,
-        through two segment-sized scratch buffers. The message has dtype `wire` (default
-        src's; a float32 accumulator folds in bfloat16 messages)."""
-        wire = wire or src.dtype
-        sends = self._isend(*send) if send is not None else []
-        pieces = self._segments(src, wire)
-        if pieces:
-            scratch = [torch.empty(pieces[0].numel(), dtype=wire)
-                       for _ in range(min(2, len(pieces)))]
-            pending = {j: self._irecv(recv_peer, scratch[j][: pieces[j].numel()])
-                       for j in range(len(scratch))}
-            start = 0
-            for j, piece in enumerate(pieces):
-                pending.pop(j).wait()
-                incoming = scratch[j % 2][: piece.numel()]
-                stop = start + piece.numel()
-                combine_(dst[start:stop], piece, incoming, op)
-                start = stop
-                if j + 2 < len(pieces):  # the buffer is free again: take the next segment
-                    pending[j + 2] = self._irecv(recv_peer,
-                                                 scratch[j % 2][: pieces[j + 2].numel()])
+        ``dst <- src (op) received`` (dst may be src), one segment at a time as each arrives
+        (see :meth:`fold_from`)."""
+        sends = self.post_sends([send] if send is not None else [])
+        self.fold_from(recv_peer, src, dst, op, wire)
         for w in sends:
             w.wait()
-        self._record([send] if send is not None else [], src.numel() * wire.itemsize)
+        self.record_round([send] if send is not None else [],
+                          src.numel() * (wire or src.dtype).itemsize)
+
+    def post_sends(self, sends: Sequence[tuple[int, torch.Tensor]]) -> list[dist.Work]:
+        """Start sends (peer position, tensor) without waiting; wait on what comes back."""
+        return [w for p, t in sends for w in self._isend(p, t)]
+
+    def fold_from(self, peer: int, src: torch.Tensor, dst: torch.Tensor, op: str,
+                  wire: torch.dtype | None = None) -> None:
+        """Receive a message shaped like `src` from `peer`; ``dst <- src (op) message``.
+
+        Segment by segment through two segment-sized scratch buffers, so the fold of one
+        segment overlaps the arrival of the next. The message has dtype `wire` (default src's:
+        a float32 accumulator folds in bfloat16 messages). op "copy" stores the message.
+        """
+        wire = wire or src.dtype
+        pieces = self._segments(src, wire)
+        if not pieces:
+            return
+        scratch = [torch.empty(pieces[0].numel(), dtype=wire) for _ in range(min(2, len(pieces)))]
+        pending = {j: self._irecv(peer, scratch[j][: pieces[j].numel()])
+                   for j in range(len(scratch))}
+        start = 0
+        for j, piece in enumerate(pieces):
+            pending.pop(j).wait()
+            incoming = scratch[j % 2][: piece.numel()]
+            stop = start + piece.numel()
+            if op == "copy":
+                dst[start:stop].copy_(incoming)
+            else:
+                combine_(dst[start:stop], piece, incoming, op)
+            start = stop
+            if j + 2 < len(pieces):  # the buffer is free again: take the next segment
+                pending[j + 2] = self._irecv(peer, scratch[j % 2][: pieces[j + 2].numel()])
+
+    def record_round(self, sends: Sequence[tuple[int, torch.Tensor]], received: int) -> None:
+        """Count one schedule step with these sends and `received` bytes into the stats."""
+        if self.stats is None:
+            return
+        self.stats.rounds += 1
+        self.stats.messages_sent += sum(len(self._segments(t)) for _, t in sends)
+        self.stats.bytes_sent += sum(t.numel() * t.element_size() for _, t in sends)
+        self.stats.bytes_received += received

@@ -134,7 +134,7 @@ class BatchLoader:
                              generator=g)
 
     def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of `step`: `grad_accum` pairs of (inputs, targets), (mbs, T)."""
+        """This rank's `grad_accum` micro-batches of `step`: (inputs, targets), each (mbs, T)."""
         per_rank = self.grad_accum * self.micro_batch_size
         mine = self.starts(step)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         rows = torch.from_numpy(np.stack([self.split.window(int(s), self.seq_len + 1)

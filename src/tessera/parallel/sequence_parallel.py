@@ -1,0 +1,162 @@
+"""Megatron sequence parallelism: the conjugate collectives along the sequence dimension.
+
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, §4.2.
+Tensor parallelism (Shoeybi et al. 2019, see ``tensor_parallel.py``) leaves the norms, residual
+adds and dropouts replicated on every tensor-parallel rank; they are cheap in FLOPs but their
+activations are the replicated 10·s·b·h of the per-layer memory. Sequence parallelism splits
+those regions along the sequence: each rank holds tokens [r·s/t, (r+1)·s/t) of every sequence.
+
+The paper's conjugate pair replaces Megatron's f/g (activations are (B, T, h) here, so the
+sequence is dim 1):
+
+- ``g``: all-gather along the sequence forward, reduce-scatter backward. Enters a tensor-parallel
+  region (attention, MLP, LM head) from a sequence-parallel one.
+- ``g_bar``: reduce-scatter along the sequence forward, all-gather backward. Leaves a
+  tensor-parallel region: the row-parallel partial sums are summed and split in one collective.
+
+An all-reduce is a reduce-scatter plus an all-gather, so replacing each f/g all-reduce with one
+of these moves the same bytes: 8·b·s·h·(t−1)/t elements (times the element size) per layer per
+micro-batch, forward and backward together (§4.2.3). `gather_then_linears` is the memory-saving
+form of ``g`` followed by column-parallel linears: it keeps only this rank's s/t slice of the
+gathered input for backward and all-gathers it again there (the paper's "extra all-gather" of
+§4.2.2), which is what makes the per-layer activations s·b·h/t·(34 + 5·a·s/h). That extra
+all-gather costs 2·b·s·h·(t−1)/t elements per layer; pass ``regather=False`` to the
+tensor-parallel layers to store the gathered input instead and move exactly the
+tensor-parallel volume.
+
+Invariants: outside tensor-parallel regions every activation is (B, T/t, h) and rank r holds
+sequence chunk r; parameters of those regions (norm gains) are replicated, and each rank's
+gradient for them covers only its tokens, so those gradients are summed over the tp group once
+per step (``tensor_parallel.sync_partial_grads``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from tessera.parallel.comm import CommStats, all_gather, group_rank, group_size, reduce_scatter
+
+SEQ_DIM = 1
+"""Activations are (batch, sequence, hidden), as in tessera.model."""
+
+
+class GatherFromSequenceParallelRegion(Function):
+    """Korthikanti's g: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats, tag):
+        ctx.group, ctx.stats, ctx.tag = group, stats, tag
+        return all_gather(x, SEQ_DIM, group, stats, tag, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, SEQ_DIM, ctx.group, ctx.stats, ctx.tag, "backward"), None, \
+            None, None
+
+
+class ReduceScatterToSequenceParallelRegion(Function):
+    """Korthikanti's ḡ: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats, tag):
+        ctx.group, ctx.stats, ctx.tag = group, stats, tag
+        return reduce_scatter(x, SEQ_DIM, group, stats, tag, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, SEQ_DIM, ctx.group, ctx.stats, ctx.tag, "backward"), None, \
+            None, None
+
+
+class ScatterToSequenceParallelRegion(Function):
+    """Keep this rank's sequence chunk of a replicated tensor (no communication); the backward
+    all-gathers the chunks' gradients. Enters sequence parallelism from replicated activations."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats, tag):
+        ctx.group, ctx.stats, ctx.tag = group, stats, tag
+        return sequence_chunk(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, SEQ_DIM, ctx.group, ctx.stats, ctx.tag, "backward"), None, \
+            None, None
+
+
+def g(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
+      tag: str = "") -> torch.Tensor:
+    """(B, T/t, h) -> (B, T, h): all-gather forward, reduce-scatter backward."""
+    if group_size(group) == 1:
+        return x
+    return GatherFromSequenceParallelRegion.apply(x, group, stats, tag)
+
+
+def g_bar(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
+          tag: str = "") -> torch.Tensor:
+    """(B, T, h) partial sums -> (B, T/t, h) summed: reduce-scatter forward, all-gather backward."""
+    if group_size(group) == 1:
+        return x
+    return ReduceScatterToSequenceParallelRegion.apply(x, group, stats, tag)
+
+
+def scatter(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
+            tag: str = "") -> torch.Tensor:
+    """(B, T, h) replicated -> (B, T/t, h): this rank's chunk; all-gather backward."""
+    if group_size(group) == 1:
+        return x
+    return ScatterToSequenceParallelRegion.apply(x, group, stats, tag)
+
+
+def sequence_chunk(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's contiguous 1/t of `x` along the sequence dimension (a copy)."""
+    t = group_size(group)
+    if x.shape[SEQ_DIM] % t:
+        raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by tp={t}")
+    return x.chunk(t, SEQ_DIM)[group_rank(group)].contiguous()
+
+
+class GatherThenLinears(Function):
+    """y_i = g(x)·W_iᵀ for several column-parallel weights reading the same gathered input,
+    storing only the local (B, T/t, h) input and all-gathering it again in backward.
+
+    Backward overlaps that all-gather with the input-gradient matmuls, and the reduce-scatter of
+    the input gradient with the weight-gradient matmuls (Korthikanti et al. §4.2.2). Under
+    autocast the matmuls run in the forward's compute dtype in both directions.
+    """
+
+    @staticmethod
+    def forward(ctx, x_local, group, stats, tag, *weights):
+        ctx.group, ctx.stats, ctx.tag = group, stats, tag
+        x_full = all_gather(x_local, SEQ_DIM, group, stats, tag, "forward")  # (B, T, h)
+        outs = tuple(F.linear(x_full, w) for w in weights)
+        ctx.compute_dtype = outs[0].dtype
+        ctx.save_for_backward(x_local, *weights)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        x_local, *weights = ctx.saved_tensors
+        dtype = ctx.compute_dtype
+        finish_gather = all_gather(x_local, SEQ_DIM, ctx.group, ctx.stats, ctx.tag + ":regather",
+                                   "backward", async_op=True)
+        grads = [torch.zeros_like(w, dtype=dtype) if gy is None else gy.to(dtype)
+                 for gy, w in zip(grad_outs, weights, strict=True)]
+        grad_x = sum(gy @ w.to(dtype) for gy, w in zip(grads, weights, strict=True))  # (B, T, h)
+        x_full = finish_gather().to(dtype).flatten(0, -2)  # (B·T, h)
+        finish_scatter = reduce_scatter(grad_x, SEQ_DIM, ctx.group, ctx.stats, ctx.tag,
+                                        "backward", async_op=True)
+        grad_ws = [(gy.flatten(0, -2).t() @ x_full).to(w.dtype)  # (out, B·T) @ (B·T, h)
+                   for gy, w in zip(grads, weights, strict=True)]
+        return finish_scatter().to(x_local.dtype), None, None, None, *grad_ws
+
+
+def gather_then_linears(x_local: torch.Tensor, weights: list[torch.Tensor],
+                        group: dist.ProcessGroup | None, stats: CommStats | None = None,
+                        tag: str = "") -> tuple[torch.Tensor, ...]:
+    """``[F.linear(g(x_local), w) for w in weights]`` keeping only x_local for backward."""
+    if group_size(group) == 1:
+        return tuple(F.linear(x_local, w) for w in weights)
+    return GatherThenLinears.apply(x_local, group, stats, tag, *weights)
