@@ -16,7 +16,14 @@ on this shared machine from landing on one side only. Recorded per candidate:
   time hides how much work each candidate does;
 - peak RSS of fresh ranks that run only this candidate (max over ranks), and its growth over
   the RSS before the candidate was built: model, gradients, optimizer, buckets, activations;
-- the global batch's loss at the last step, which must agree between candidate and peer.
+- the global batch's loss at the last step, which must agree between candidate and peer;
+- peak model state per rank (max over ranks, fresh ranks): bytes of parameters, gradients and
+  optimizer state counted from the tensors themselves (each storage once, a DTensor by its
+  local shard), sampled whenever autograd saves or unpacks a tensor during one more step, and
+  after it. For ZeRO-3 and FSDP2 this includes gathered (unsharded) parameters and gradients
+  waiting for their reduce-scatter (our wrapper's live tensors; FSDP2's all-gather outputs and
+  retained reduce-scatter inputs). DDP bucket buffers are not counted (torch's are not
+  visible); activations are not model state.
 
 The ratio of a pair of blocks is candidate/peer; the summary gives the median ratio and its
 range. To add a candidate, register its setup function in CANDIDATES and its peer in PAIRS.
@@ -41,11 +48,43 @@ from tessera.config import ModelConfig, TrainConfig
 from tessera.engine import adamw
 from tessera.model import build_model, cross_entropy, param_count
 from tessera.parallel.ddp import DataParallel
+from tessera.parallel.zero import ZeroModel
+from tessera.parallel.zero_state import ShardedAdamW
 from tessera.testing import run_ranks
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], float]
 """One optimizer step on this rank's (x, y); returns the local loss."""
 Setup = Callable[[nn.Module, dist.ProcessGroup, TrainConfig, argparse.Namespace], StepFn]
+"""Returns the step function, whose `model_state()` attribute lists the model-state tensors
+the candidate holds at the moment it is called."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def storage_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the distinct allocated storages behind `tensors` (DTensors: the local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = _local(t).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def module_state(model: nn.Module | None, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Registered parameters, their gradients, and the optimizer's parameters and state."""
+    params = list(model.parameters()) if model is not None else []
+    return [*params, *(p.grad for p in params),
+            *(p for g in opt.param_groups for p in g["params"]),
+            *(v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))]
 
 
 def setup_ours_ddp(model: nn.Module, group: dist.ProcessGroup, train: TrainConfig,
@@ -61,6 +100,7 @@ def setup_ours_ddp(model: nn.Module, group: dist.ProcessGroup, train: TrainConfi
         opt.step()
         return float(loss.detach())
 
+    step.model_state = lambda: module_state(model, opt)
     return step
 
 
@@ -78,14 +118,80 @@ def setup_torch_ddp(model: nn.Module, group: dist.ProcessGroup, train: TrainConf
         opt.step()
         return float(loss.detach())
 
+    step.model_state = lambda: module_state(model, opt)
+    return step
+
+
+def setup_ours_zero3(model: nn.Module, group: dist.ProcessGroup, train: TrainConfig,
+                     args: argparse.Namespace) -> StepFn:
+    zero = ZeroModel(model, group, stage=3)  # units: the embedding, each block, the head
+    opt = ShardedAdamW(zero, train)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        opt.zero_grad()
+        loss = cross_entropy(zero(x), y)
+        loss.backward()
+        zero.finish_gradient_sync()
+        opt.step()
+        return float(loss.detach())
+
+    step.model_state = lambda: [*zero.live_tensors(), *module_state(None, opt)]
+    return step
+
+
+def fsdp2_internal_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP2's all-gather outputs (flat and per parameter) and retained reduce-scatter inputs.
+
+    Private attributes of torch.distributed.fsdp as of torch 2.13; where one is missing the
+    count falls back to the registered parameters, their gradients and the optimizer state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        if group is None:
+            continue
+        result = getattr(group, "_all_gather_result", None)
+        if result is not None:
+            out.append(result.all_gather_output)
+        for fsdp_param in group.fsdp_params:
+            out += list(getattr(fsdp_param, "all_gather_outputs", []))
+        for rs in getattr(getattr(group, "comm_ctx", None), "reduce_scatter_states", []):
+            out.append(rs.reduce_scatter_input)
+    return out
+
+
+def setup_torch_fsdp2(model: nn.Module, group: dist.ProcessGroup, train: TrainConfig,
+                      args: argparse.Namespace) -> StepFn:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for block in model.layers:  # one FSDP unit per block, the rest at the root: as ours
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = adamw(model.parameters(), train)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    step.model_state = lambda: [*module_state(model, opt), *fsdp2_internal_tensors(model)]
     return step
 
 
 CANDIDATES: dict[str, Setup] = {
     "ours-ddp": setup_ours_ddp,
     "torch-ddp": setup_torch_ddp,
+    "ours-zero3": setup_ours_zero3,
+    "torch-fsdp2": setup_torch_fsdp2,
 }
-PAIRS: list[tuple[str, str]] = [("ours-ddp", "torch-ddp")]
+PAIRS: list[tuple[str, str]] = [("ours-ddp", "torch-ddp"), ("ours-zero3", "torch-fsdp2")]
 """(candidate, PyTorch-native peer) pairs compared head to head."""
 
 
@@ -144,14 +250,32 @@ def rank_timing(names: list[str], model_cfg: ModelConfig, args: argparse.Namespa
 
 
 def rank_memory(name: str, model_cfg: ModelConfig, args: argparse.Namespace) -> dict:
-    """Peak RSS of fresh ranks running one candidate for warm-up + 1 steps."""
+    """Peak RSS of fresh ranks running one candidate for warm-up + 1 steps; then the peak
+    model state over one more step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rss_before = rss_mib()
     step = CANDIDATES[name](build_model(model_cfg, seed=0), dist.group.WORLD,
                             TrainConfig(lr=1e-3, warmup_steps=0), args)
     for i in range(args.warmup + 1):
         step(*batch(i, model_cfg, args, rank, world))
-    return dict(peak=peak_rss_mib(), growth=peak_rss_mib() - rss_before)
+    peak, growth = peak_rss_mib(), peak_rss_mib() - rss_before
+    state = peak_model_state(step, *batch(args.warmup + 1, model_cfg, args, rank, world))
+    return dict(peak=peak, growth=growth, state=state)
+
+
+def peak_model_state(step: StepFn, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The most model-state bytes held at once during one step (sampled, untimed)."""
+    peak = 0
+
+    def sample(t: torch.Tensor) -> torch.Tensor:
+        nonlocal peak
+        peak = max(peak, storage_bytes(step.model_state()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(sample, sample):
+        step(x, y)
+    sample(x)
+    return peak
 
 
 def compare(cand: str, peer: str, world: int, model_cfg: ModelConfig, args: argparse.Namespace
@@ -168,17 +292,20 @@ def compare(cand: str, peer: str, world: int, model_cfg: ModelConfig, args: argp
                                       for b in range(args.pairs))
     ratios = [a / b for a, b in zip(block_ms[cand], block_ms[peer], strict=True)]
     finals = {n: sum(r["loss"][n] for r in res) / world for n in (cand, peer)}  # global loss
+    state = {}
     for name in (cand, peer):
         mem = run_ranks(rank_memory, world, args=(name, model_cfg, args), timeout=600)
         ms = block_ms[name]
+        state[name] = max(m["state"] for m in mem) / 2**20
         rows.append(f"{world:>5} {name:<12} {statistics.median(ms):>8.1f} "
                     f"{f'{min(ms):.0f}-{max(ms):.0f}':>15} {cpu[name]:>10.3f} "
                     f"{max(m['peak'] for m in mem):>12.0f} {max(m['growth'] for m in mem):>10.0f} "
-                    f"{finals[name]:>10.5f}")
+                    f"{state[name]:>9.2f} {finals[name]:>10.5f}")
     summary = (f"world {world}: {cand}/{peer} step time ratio {statistics.median(ratios):.3f} "
                f"(median of {len(ratios)} alternating pairs, range {min(ratios):.3f}-"
-               f"{max(ratios):.3f}); CPU time ratio {cpu[cand] / cpu[peer]:.3f}; final loss "
-               f"{finals[cand]:.5f} vs {finals[peer]:.5f}")
+               f"{max(ratios):.3f}); CPU time ratio {cpu[cand] / cpu[peer]:.3f}; model-state "
+               f"ratio {state[cand] / state[peer]:.3f}; final loss {finals[cand]:.5f} vs "
+               f"{finals[peer]:.5f}")
     return rows, summary
 
 
@@ -217,7 +344,8 @@ def main() -> None:
         f"# load average at start {load_average()} on {os.cpu_count()} cores (other jobs share "
         "this machine when it exceeds the ranks running here)",
         f"{'world':>5} {'candidate':<12} {'step ms':>8} {'blocks min-max':>15} "
-        f"{'cpu s/step':>10} {'peak RSS MiB':>12} {'growth MiB':>10} {'final loss':>10}",
+        f"{'cpu s/step':>10} {'peak RSS MiB':>12} {'growth MiB':>10} {'state MiB':>9} "
+        f"{'final loss':>10}",
     ]
     for line in lines:
         print(line, flush=True)

@@ -176,6 +176,7 @@ def _mechanisms(cfg: Config) -> list[str]:
         ("tensor parallelism", p.tp > 1 or p.sequence_parallel),
         ("pipeline parallelism", p.pp > 1),
         ("a parameter server", p.dp_mode != "allreduce"),
+        ("ZeRO", p.zero_stage > 0),
     ) if on]
 
 
@@ -190,8 +191,6 @@ def check_supported(cfg: Config) -> None:
         if value != 1:
             raise ConfigError(f"parallel.{name}", value,
                               "this build of tessera has no engine for it yet (must be 1)")
-    if p.zero_stage != 0:
-        raise ConfigError("parallel.zero_stage", p.zero_stage, "ZeRO is not available yet")
     mechanisms = _mechanisms(cfg)
     if len(mechanisms) > 1:
         raise ConfigError("parallel", f"tp={p.tp} pp={p.pp} zero_stage={p.zero_stage} "
@@ -214,6 +213,10 @@ def build_engine(cfg: Config, topo: Topology, device: torch.device) -> Engine:
         from tessera.pipeline.engine import PipelineEngine
 
         return PipelineEngine(cfg, topo, device)
+    if mechanism == "ZeRO":
+        from tessera.parallel.zero_engine import ZeroEngine  # imports this module
+
+        return ZeroEngine(cfg, topo, device)
     if mechanism == "a parameter server":
         from tessera.parallel.parameter_server import ParameterServerEngine
 

@@ -1,0 +1,399 @@
+"""ZeRO stages 0-3: shard optimizer state, gradients and parameters over the data-parallel group.
+
+Rajbhandari, Rasley, Ruwase and He, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020 (arXiv:1910.02054). Stage 1 is the paper's P_os, stage 2 P_os+g,
+stage 3 P_os+g+p; stage 0 is plain data parallelism on the same flat buffers (the baseline).
+
+Units. The model is cut into units: the token embedding, each transformer block, and the head
+(final norm + LM head); with tied embeddings the embedding and the head share a weight and form
+one unit. A unit's parameters are flattened into one buffer padded to a multiple of N (the dp
+world size); rank r owns elements [r*S, (r+1)*S), S = padded / N: its shard. The model's
+parameters become views into the unit buffer (``p.data = flat[offset:offset+n].view(shape)``),
+so the model code and autograd see ordinary parameters.
+
+Collectives, all on the dp group handed in (Psi = parameter count):
+
+- stage 0: all-reduce each unit's gradient after the step's last backward (2 Psi per rank).
+- stage 1: the same all-reduce; each rank steps only its fp32 master shard, then the unit's
+  parameters are all-gathered (in place) after the optimizer step.
+- stage 2: each unit's gradient is reduce-scattered as soon as its backward ends (every
+  micro-batch), the full gradient is dropped and only the shard is kept; all-gather after the step.
+  A reduction overlaps the next unit's backward until that unit's first gradient arrives.
+- stage 3: parameters live only as shards. A unit is all-gathered just before its forward (the
+  next unit is prefetched with an asynchronous all-gather so the transfer overlaps compute) and
+  freed after it; gathered again just before its backward (prefetching the unit whose backward
+  comes next) and freed when its backward ends. The unit whose backward runs
+  first stays gathered from its forward into the backward, and an embedding-only unit is not
+  gathered for backward (an embedding's gradient needs the indices, not the weight). No
+  all-gather after the step: each rank's optimizer updates its parameter shard in place.
+
+Mechanism. Freeing resizes the unit buffer's storage to 0 bytes; gathering resizes it back and
+fills it. The parameter views, and the tensors autograd saved for backward, follow the storage,
+and because the collective writes through the flat buffer (its own version counter) the saved
+parameters do not look modified in place. Module forward pre-hooks gather, a forward hook on
+the unit's last module frees; the autograd function ``GatherBeforeBackward`` sits on each
+unit's output and gathers the unit when that output's gradient arrives, i.e. just before the
+unit's backward; per-parameter post-accumulate-grad hooks tell when a unit's backward is done.
+
+Invariants. After ``finish_gradient_sync()`` the gradient slice a rank owns is the mean over dp
+ranks (stages 0-1 hold it in full, 2-3 only the shard); after the optimizer's step every rank's
+compute parameters equal the cast of the fp32 masters (gathered, for stages 0-2). Mixed
+precision keeps bf16 parameters and gradients and fp32 master weights and Adam moments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.model import Transformer
+
+# torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def transformer_units(model: Transformer) -> list[tuple[str, list[nn.Module]]]:
+    """The ZeRO units of the reference model in forward order: (name, modules)."""
+    head = [model.norm, model.output]
+    blocks = [(f"layers.{i}", [layer]) for i, layer in enumerate(model.layers)]
+    if model.cfg.tie_embeddings:
+        return [("embed_head", [model.tok_embeddings, *head]), *blocks]
+    return [("tok_embeddings", [model.tok_embeddings]), *blocks, ("head", head)]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in its unit's flat buffer."""
+
+    name: str
+    """Reference name (the first one, for a tied weight)."""
+    offset: int
+    shape: torch.Size
+    decay: bool
+    """AdamW weight decay applies (matrices; norm gains are not decayed)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class FlatUnit:
+    """A unit's flat buffers on one rank; which exist depends on the stage (see module doc)."""
+
+    def __init__(self, name: str, modules: list[nn.Module], slots: list[Slot],
+                 params: list[nn.Parameter], *, stage: int, world: int, rank: int,
+                 dtype: torch.dtype):
+        self.name, self.modules, self.slots, self.params = name, modules, slots, params
+        self.stage, self.dtype = stage, dtype
+        self.numel = sum(s.numel for s in slots)
+        self.padded = math.ceil(self.numel / world) * world
+        self.shard_numel = self.padded // world
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        # The optimizer's range: the whole unit at stage 0, the shard otherwise.
+        self.own_lo, self.own_hi = (0, self.padded) if stage == 0 else (self.lo, self.hi)
+        self.full: torch.Tensor          # (padded,) compute dtype; 0 bytes when freed (stage 3)
+        self.shard: torch.Tensor         # (shard_numel,) compute dtype
+        self.master: torch.Tensor        # (own_hi - own_lo,) fp32; aliases full/shard in fp32
+        self.grad: torch.Tensor          # (padded,) stages 0-1, (shard_numel,) stages 2-3
+        self.grad_fresh = True           # grad holds nothing of this step yet (stages 2-3)
+        self.resident = True             # full holds the gathered parameters
+        self.pending: dist.Work | None = None
+        self.grads_ready = 0             # parameters whose gradient this backward delivered
+        # An embedding's backward reads only the indices, not the weight: no gather for it.
+        self.gather_for_backward = not all(isinstance(m, nn.Embedding) for m in modules)
+
+    def owned_grad(self) -> torch.Tensor:
+        """The gradient of the elements the optimizer steps on this rank (compute dtype)."""
+        return self.grad[self.own_lo:self.own_hi] if self.stage < 2 else self.grad
+
+    def dp_grad_slice(self) -> torch.Tensor:
+        """This rank's dp slice of the reduced gradient: each element counted on one rank."""
+        return self.grad[self.lo:self.hi] if self.stage < 2 else self.grad
+
+    def decay_ranges(self) -> list[tuple[int, int]]:
+        """Ranges of the master tensor (merged) whose elements get weight decay."""
+        out: list[tuple[int, int]] = []
+        for s in self.slots:
+            a = max(s.offset, self.own_lo) - self.own_lo
+            b = min(s.offset + s.numel, self.own_hi) - self.own_lo
+            if s.decay and a < b:
+                if out and out[-1][1] == a:
+                    out[-1] = (out[-1][0], b)
+                else:
+                    out.append((a, b))
+        return out
+
+
+class GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's output; its backward gathers the unit before the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, hook: Callable[[], None], x: torch.Tensor) -> torch.Tensor:
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.hook()
+        return None, grad
+
+
+class ZeroModel(nn.Module):
+    """Wraps a model for ZeRO `stage` over `group`; see the module docstring.
+
+    Every rank must start from the same weights (tessera's initialization depends only on the
+    seed and the parameter's name); rank 0's are broadcast anyway. Parameters and gradients are
+    kept in `dtype` (float32 or bfloat16), master weights in float32.
+    """
+
+    def __init__(self, module: Transformer, group: dist.ProcessGroup | None, *, stage: int,
+                 dtype: torch.dtype = torch.float32,
+                 units: list[tuple[str, list[nn.Module]]] | None = None):
+        super().__init__()
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage={stage!r}: must be 0, 1, 2 or 3")
+        self.module, self.group, self.stage, self.dtype = module, group, stage, dtype
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.units: list[FlatUnit] = []
+        names = {id(p): n for n, p in module.named_parameters()}
+        for name, modules in units or transformer_units(module):
+            self.units.append(self._build_unit(name, modules, names))
+        covered = {id(p) for u in self.units for p in u.params}
+        missing = [n for n, p in module.named_parameters() if id(p) not in covered]
+        if missing:
+            raise ValueError(f"parameters in no ZeRO unit: {', '.join(missing)}")
+        self._sync = True
+        # (work, what to do when it is done, the buffer it reads, kept alive until then)
+        self._reduces: deque[tuple[dist.Work, Callable[[], object] | None, torch.Tensor]] = deque()
+        self.forward_order: list[int] = []    # unit indices by first use in the last forward
+        self.backward_order: list[int] = []   # unit indices by backward start, last forward
+        self._seen: list[int] = []
+        self._done: list[int] = []
+        self.peak_gathered_bytes = 0
+        """Stage 3: the most bytes of gathered unit parameters that existed at once."""
+        self._install_hooks()
+
+    # -- construction --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _build_unit(self, name: str, modules: list[nn.Module], names: dict[int, str]) -> FlatUnit:
+        params, slots, offset = [], [], 0
+        for m in modules:
+            for p in m.parameters():
+                if any(p is q for q in params):
+                    continue
+                params.append(p)
+                slots.append(Slot(names[id(p)], offset, p.shape, p.ndim >= 2))
+                offset += p.numel()
+        u = FlatUnit(name, modules, slots, params, stage=self.stage, world=self.world,
+                     rank=self.rank, dtype=self.dtype)
+        full32 = torch.zeros(u.padded, dtype=torch.float32, device=params[0].device)
+        for s, p in zip(slots, params, strict=True):
+            full32[s.offset:s.offset + s.numel].copy_(p.reshape(-1))
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(full32, src=src, group=self.group)
+        u.full = full32 if self.dtype == torch.float32 else full32.to(self.dtype)
+        for s, p in zip(slots, params, strict=True):
+            p.data = u.full[s.offset:s.offset + s.numel].view(s.shape)
+        mixed = self.dtype != torch.float32
+        if self.stage == 3:
+            u.shard = u.full[u.lo:u.hi].clone()
+            u.master = full32[u.lo:u.hi].clone() if mixed else u.shard
+            self._free(u)
+        else:
+            u.shard = u.full[u.lo:u.hi]
+            u.master = full32[u.own_lo:u.own_hi].clone() if mixed else u.full[u.own_lo:u.own_hi]
+        numel = u.padded if self.stage < 2 else u.shard_numel
+        u.grad = torch.zeros(numel, dtype=self.dtype, device=full32.device)
+        if self.stage < 2:
+            for s, p in zip(slots, params, strict=True):
+                p.grad = u.grad[s.offset:s.offset + s.numel].view(s.shape)
+        return u
+
+    def _install_hooks(self) -> None:
+        for i, u in enumerate(self.units):
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i))
+            if self.stage < 3:
+                continue
+            for m in u.modules:
+                m.register_forward_pre_hook(lambda _m, _a, i=i: self._pre_forward(i))
+            u.modules[-1].register_forward_hook(lambda _m, _a, out, i=i: self._post_forward(i, out))
+
+    # -- forward / backward --------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._seen, self._done = [], []
+        out = self.module(*args, **kwargs)
+        self.forward_order = self._seen
+        self.backward_order = [i for i in self._done[::-1] if self.units[i].gather_for_backward]
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stages 0-1: accumulate gradients locally, reduce on the next backward outside.
+
+        Stages 2-3 reduce-scatter every micro-batch anyway (keeping full gradients across
+        micro-batches would give up what those stages save)."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _pre_forward(self, i: int) -> None:
+        if i in self._seen:
+            return
+        self._seen.append(i)
+        self._gather(self.units[i])
+        self._prefetch_after(i, self.forward_order)
+
+    def _post_forward(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        self._done.append(i)
+        if not (torch.is_grad_enabled() and self.units[i].gather_for_backward):
+            self._free(self.units[i])
+            return out
+        if not (self.backward_order and self.backward_order[0] == i):
+            self._free(self.units[i])
+        return GatherBeforeBackward.apply(lambda: self._pre_backward(i), out)
+
+    def _pre_backward(self, i: int) -> None:
+        self._gather(self.units[i])
+        self._prefetch_after(i, self.backward_order)
+
+    def _prefetch_after(self, i: int, order: list[int]) -> None:
+        if i in order and order.index(i) + 1 < len(order):
+            u = self.units[order[order.index(i) + 1]]
+            if not u.resident and u.pending is None:
+                self._start_gather(u)
+
+    def _grad_ready(self, i: int) -> None:
+        u = self.units[i]
+        u.grads_ready += 1
+        if u.grads_ready == 1:
+            # This unit's gradients start to pile up: finish the reduction of the unit before
+            # it (in flight since that unit's backward ended, overlapping the compute since) and
+            # drop its full gradient, so one unit's full gradient exists at a time.
+            self._drain(0)
+        if u.grads_ready < len(u.params):
+            return
+        u.grads_ready = 0
+        if self.stage < 2:
+            if self._sync:
+                u.grad.div_(self.world)
+                work = dist.all_reduce(u.grad, group=self.group, async_op=True)
+                self._reduces.append((work, None, u.grad))
+            return
+        if self.stage == 3:
+            self._free(u)  # before flattening the gradients: never params and two grad copies
+        self._reduce_scatter(u)
+
+    @torch.no_grad()
+    def _reduce_scatter(self, u: FlatUnit) -> None:
+        grads = [p.grad.reshape(-1) for p in u.params]
+        pad = u.padded - u.numel
+        if pad:
+            grads.append(torch.zeros(pad, dtype=self.dtype, device=u.grad.device))
+        full_grad = torch.cat(grads)  # (padded,)
+        for p in u.params:
+            p.grad = None
+        # Sum, then divide the shard (1/N of the work of dividing the full gradient).
+        if u.grad_fresh:  # first micro-batch of the step: reduce straight into the shard
+            u.grad_fresh = False
+            work = reduce_scatter_into(u.grad, full_grad, group=self.group, async_op=True)
+            self._reduces.append((work, lambda: u.grad.div_(self.world), full_grad))
+            return
+        part = torch.empty_like(u.grad)
+        work = reduce_scatter_into(part, full_grad, group=self.group, async_op=True)
+        self._reduces.append((work, lambda: u.grad.add_(part, alpha=1 / self.world), full_grad))
+
+    def _drain(self, limit: int) -> None:
+        """Finish the oldest reductions until at most `limit` are in flight."""
+        while len(self._reduces) > limit:
+            work, on_done, _keep_alive = self._reduces.popleft()
+            work.wait()
+            if on_done is not None:
+                on_done()
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every gradient reduction of the step (call after the last backward)."""
+        self._drain(0)
+        for u in self.units:
+            if u.grads_ready:
+                raise RuntimeError(f"ZeRO unit {u.name}: only {u.grads_ready} of "
+                                   f"{len(u.params)} parameters received a gradient")
+            if self.stage == 3 and u.resident:
+                self._free(u)
+
+    # -- gathering (stage 3) -------------------------------------------------------------------
+    def _start_gather(self, u: FlatUnit) -> None:
+        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+        u.pending = all_gather_into(u.full, u.shard, group=self.group, async_op=True)
+        gathered = sum(v.full.untyped_storage().nbytes() for v in self.units)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
+
+    def _gather(self, u: FlatUnit) -> None:
+        if u.resident:
+            return
+        if u.pending is None:
+            self._start_gather(u)
+        u.pending.wait()
+        u.pending, u.resident = None, True
+
+    def _free(self, u: FlatUnit) -> None:
+        if u.pending is not None:
+            u.pending.wait()
+            u.pending = None
+        u.full.untyped_storage().resize_(0)
+        u.resident = False
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """Every model-state tensor the wrapper holds now: parameters (gathered or not), shards,
+        gradients and gradient buffers, and full gradients waiting for their reduction."""
+        params = list(self.module.parameters())
+        return [*params, *(p.grad for p in params if p.grad is not None),
+                *(u.shard for u in self.units), *(u.grad for u in self.units),
+                *(buf for _, _, buf in self._reduces)]
+
+    # -- around the optimizer ------------------------------------------------------------------
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if self.stage < 2:
+                u.grad.zero_()
+            else:
+                u.grad_fresh = True
+                u.grad.zero_()
+
+    @torch.no_grad()
+    def local_grad_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's dp slice of every unit's gradient (fp64)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.units[0].grad.device)
+        for u in self.units:
+            sq += u.dp_grad_slice().double().pow(2).sum()
+        return sq
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        for u in self.units:
+            u.grad.mul_(factor)
+
+    @torch.no_grad()
+    def publish_parameters(self) -> None:
+        """Make the compute parameters equal the (just stepped) fp32 masters on every rank."""
+        works = []
+        for u in self.units:
+            target = u.shard if self.stage == 3 else u.full[u.own_lo:u.own_hi]
+            if target.data_ptr() != u.master.data_ptr():
+                target.copy_(u.master)
+            if self.stage in (1, 2):
+                works.append(all_gather_into(u.full, u.shard, group=self.group, async_op=True))
+        for w in works:
+            w.wait()

@@ -1,0 +1,205 @@
+"""ZeRO's optimizer over flat shards, checkpoint gathering, and model-state memory accounting.
+
+``ShardedAdamW`` steps each unit's fp32 master shard with exactly the arithmetic of
+``torch.optim.AdamW`` (single-tensor path: decoupled weight decay, then the bias-corrected
+moment update), so on the elements it owns a rank computes what a replicated AdamW would. Weight
+decay applies to the ranges of the shard that hold matrices (as ``tessera.engine.adamw`` does).
+After the step it asks the ``ZeroModel`` to publish the new weights (cast, and all-gather at
+stages 1-2).
+
+Memory accounting follows the ZeRO paper (Rajbhandari et al. 2020, section 3 and figure 1): with
+mixed precision a parameter costs 2 bytes (bf16 weight) + 2 (bf16 gradient) + K = 12 (fp32
+master copy and Adam's m and v), so per rank
+
+    stage 0: (2 + 2 + K) Psi    stage 1: 4 Psi + K Psi / N
+    stage 2: 2 Psi + (2 + K) Psi / N    stage 3: (2 + 2 + K) Psi / N.
+
+In plain fp32 the weight is its own master copy: 4 (weight) + 4 (gradient) + 8 (m and v), the
+same 16 bytes per parameter split (P, G, K) = (4, 4, 8) instead of (2, 2, 12); the formulas
+keep their shape with those numbers (stage 1: 8 Psi + 8 Psi / N, and so on).
+
+Checkpoint hooks: ``full_state_dict`` all-gathers the fp32 master shards into the reference
+model's state dict and ``ShardedAdamW.full_state`` the Adam moments by reference name; the
+``load_*`` counterparts cut a rank's shard out of full ones (any dp size, any stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tessera.config import TrainConfig
+from tessera.parallel.zero import FlatUnit, ZeroModel, all_gather_into
+
+BYTES_PER_PARAM = {torch.bfloat16: (2, 2, 12), torch.float32: (4, 4, 8)}
+"""(parameter, gradient, optimizer-state) bytes per parameter by compute dtype: (P, G, K)."""
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW on each ZeRO unit's fp32 master shard; one param group (the lr scheduler's)."""
+
+    def __init__(self, zero: ZeroModel, cfg: TrainConfig, eps: float = 1e-8):
+        defaults = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=eps,
+                        weight_decay=cfg.weight_decay)
+        super().__init__([u.master for u in zero.units], defaults)
+        self.zero = zero
+        # Moments are allocated up front so memory accounting sees them from the start.
+        for u in zero.units:
+            self.state[u.master] = {"step": 0, "exp_avg": torch.zeros_like(u.master),
+                                    "exp_avg_sq": torch.zeros_like(u.master)}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the units' gradient buffers (they are reused, never set to None)."""
+        self.zero.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2) = group["lr"], group["betas"]
+            eps, weight_decay = group["eps"], group["weight_decay"]
+            for u in self.zero.units:
+                master, state = u.master, self.state[u.master]
+                state["step"] += 1
+                step = float(state["step"])
+                grad = u.owned_grad().float()  # a view in fp32, a cast copy in bf16
+                if weight_decay:
+                    for a, b in u.decay_ranges():
+                        master[a:b].mul_(1 - lr * weight_decay)
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step_size = lr / (1 - beta1 ** step)
+                bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+                denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
+                master.addcdiv_(state["exp_avg"], denom, value=-step_size)
+        self.zero.publish_parameters()
+        return loss
+
+    @torch.no_grad()
+    def full_state(self) -> dict:
+        """Reference-named Adam state gathered on every rank:
+        {"step": int, "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}."""
+        out: dict = {"step": 0, "exp_avg": {}, "exp_avg_sq": {}}
+        for u in self.zero.units:
+            state = self.state[u.master]
+            out["step"] = state["step"]
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[key].update(unflatten(u, gather_owned(self.zero, u, state[key])))
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict) -> None:
+        """Take this rank's shard of a state produced by `full_state` (any dp size)."""
+        for u in self.zero.units:
+            state = self.state[u.master]
+            state["step"] = int(full["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].copy_(flatten(u, full[key])[u.own_lo:u.own_hi])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint hooks
+
+
+@torch.no_grad()
+def gather_owned(zero: ZeroModel, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
+    """The full (padded,) tensor of which `t` is this rank's owned part of unit `u`."""
+    if zero.stage == 0:
+        return t.clone()
+    out = torch.empty(u.padded, dtype=t.dtype, device=t.device)
+    all_gather_into(out, t.contiguous(), group=zero.group)
+    return out
+
+
+def unflatten(u: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Unit-flat (padded,) tensor -> {reference name: tensor shaped like the parameter}."""
+    return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in u.slots}
+
+
+def flatten(u: FlatUnit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """{reference name: tensor} -> the unit's padded fp32 flat layout."""
+    flat = torch.zeros(u.padded, dtype=torch.float32, device=u.master.device)
+    for s in u.slots:
+        flat[s.offset:s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
+    return flat
+
+
+@torch.no_grad()
+def full_state_dict(zero: ZeroModel) -> dict[str, torch.Tensor]:
+    """Reference-named fp32 weights gathered from the master shards, on every rank (every key
+    of the model's state dict, a tied weight under both names)."""
+    by_id: dict[int, torch.Tensor] = {}
+    for u in zero.units:
+        weights = unflatten(u, gather_owned(zero, u, u.master))
+        for s, p in zip(u.slots, u.params, strict=True):
+            by_id[id(p)] = weights[s.name]
+    return {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
+            for k, v in zero.module.state_dict(keep_vars=True).items()}
+
+
+@torch.no_grad()
+def load_full_state_dict(zero: ZeroModel, state: dict[str, torch.Tensor]) -> None:
+    """Set the masters, then the compute parameters, from a reference-named state dict."""
+    for u in zero.units:
+        u.master.copy_(flatten(u, state)[u.own_lo:u.own_hi])
+    zero.publish_parameters()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory accounting
+
+
+def zero_formula_bytes(psi: int, stage: int, world: int,
+                       dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """The ZeRO paper's model-state bytes per rank for Psi parameters on N = world ranks."""
+    p, g, k = BYTES_PER_PARAM[dtype]
+    return {"params": p * psi / (world if stage >= 3 else 1),
+            "grads": g * psi / (world if stage >= 2 else 1),
+            "optimizer": k * psi / (world if stage >= 1 else 1)}
+
+
+def memory_report(zero: ZeroModel) -> dict[str, int]:
+    """Model-state bytes this rank holds between steps, from the unit layout."""
+    c = zero.dtype.itemsize
+    mixed = zero.dtype != torch.float32
+    params = grads = optimizer = 0
+    for u in zero.units:
+        owned = u.own_hi - u.own_lo
+        params += c * (u.shard_numel if zero.stage == 3 else u.padded)
+        grads += c * (u.shard_numel if zero.stage >= 2 else u.padded)
+        optimizer += 4 * owned * (3 if mixed else 2)  # (master +) m + v, fp32
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    """Bytes of the distinct, still allocated storages behind `tensors` not yet in `seen`."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def allocated_model_state(zero: ZeroModel, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the storages actually allocated for parameters, gradients and optimizer state.
+
+    Counts the model's parameters and the units' parameter shards, the parameters' .grad and
+    the units' gradient buffers, and the optimizer's parameters (the masters) and state tensors.
+    A storage is counted once, under the first of those it appears in (an fp32 master that is a
+    view of the parameter buffer counts as parameter memory)."""
+    seen: set[int] = set()
+    model_params = list(zero.module.parameters())
+    params = _storage_bytes([*model_params, *(u.shard for u in zero.units)], seen)
+    grads = _storage_bytes([*(p.grad for p in model_params), *(u.grad for u in zero.units)], seen)
+    opt_tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    opt_tensors += [v for s in optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)]
+    return {"params": params, "grads": grads, "optimizer": _storage_bytes(opt_tensors, seen)}
