@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,26 @@ class Engine(ABC):
                     p.grad.mul_(scale)
         return norm
 
+    @torch.no_grad()
+    def summed_loss(self, batches: Sequence[MicroBatch],
+                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    group: dist.ProcessGroup | None = None) -> tuple[float, int]:
+        """Token-summed `loss_fn(x, y)` (a mean over its tokens) and the token count, summed
+        over this rank's batches and over the dp group (or `group`): what eval_loss returns."""
+        loss_sum, count = 0.0, 0
+        for x, y in batches:
+            loss_sum += float(loss_fn(x.to(self.device), y.to(self.device))) * y.numel()
+            count += y.numel()
+        group = self.topo.group("dp") if group is None else group
+        loss_sum, count = all_reduce_sum([loss_sum, count], group, self.device)
+        return loss_sum, int(count)
+
+    def reference_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of a whole reference model, under autocast for bf16."""
+        with self.autocast_ctx():
+            logits = model(x)
+        return cross_entropy(logits, y)
+
     def autocast_ctx(self):
         if not self.autocast:
             return contextlib.nullcontext()
@@ -153,17 +173,9 @@ class DataParallelEngine(Engine):
         (mean,) = all_reduce_sum([float(total)], self.topo.group("dp"), self.device)
         return mean / self.topo.dp
 
-    @torch.no_grad()
     def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:
         self.model.eval()
-        loss_sum, count = 0.0, 0
-        for x, y in batches:
-            with self.autocast_ctx():
-                logits = self.model(x.to(self.device))
-            loss_sum += float(cross_entropy(logits, y.to(self.device))) * y.numel()
-            count += y.numel()
-        loss_sum, count = all_reduce_sum([loss_sum, count], self.topo.group("dp"), self.device)
-        return loss_sum, int(count)
+        return self.summed_loss(batches, lambda x, y: self.reference_loss(self.model, x, y))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import Config, TrainConfig
-from tessera.engine import Engine, MicroBatch, adamw, all_reduce_sum
+from tessera.engine import Engine, MicroBatch, adamw
 from tessera.model import Transformer, build_model, cross_entropy
 from tessera.topology import Topology
 
@@ -356,14 +356,7 @@ class ParameterServerEngine(Engine):
     def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:
         self._sync_replicas()
         self.model.eval()
-        loss_sum, count = 0.0, 0
-        for x, y in batches:
-            with self.autocast_ctx():
-                logits = self.model(x.to(self.device))
-            loss_sum += float(cross_entropy(logits, y.to(self.device))) * y.numel()
-            count += y.numel()
-        loss_sum, count = all_reduce_sum([loss_sum, count], self.topo.group("dp"), self.device)
-        return loss_sum, int(count)
+        return self.summed_loss(batches, lambda x, y: self.reference_loss(self.model, x, y))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         self._sync_replicas()

@@ -76,12 +76,7 @@ class TensorParallelEngine(Engine):
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:
         self.model.eval()
-        loss_sum, count = 0.0, 0
-        for x, y in batches:
-            loss_sum += float(self.loss(x, y)) * y.numel()
-            count += y.numel()
-        loss_sum, count = all_reduce_sum([loss_sum, count], self.topo.group("dp"), self.device)
-        return loss_sum, int(count)
+        return self.summed_loss(batches, self.loss)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return gather_state_dict(self.model, self.tp)

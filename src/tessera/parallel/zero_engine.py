@@ -81,13 +81,8 @@ class ZeroEngine(Engine):
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:
         self.zero.eval()
-        loss_sum, count = 0.0, 0
-        for x, y in batches:
-            logits = self.zero(x.to(self.device))
-            loss_sum += float(cross_entropy(logits, y.to(self.device))) * y.numel()
-            count += y.numel()
-        loss_sum, count = all_reduce_sum([loss_sum, count], self.zero.group, self.device)
-        return loss_sum, int(count)
+        return self.summed_loss(batches, lambda x, y: cross_entropy(self.zero(x), y),
+                                self.zero.group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.zero)
