@@ -1,0 +1,530 @@
+"""The cost model: FLOPs, memory and communication of one parallel layout, every formula cited.
+
+Notation: B global batch (sequences), b micro-batch size, s sequence length, l layers, h hidden
+size, a heads, V vocabulary, t tensor-parallel, p pipeline-parallel, d data-parallel, c
+context-parallel degree, v virtual stages per pipeline rank, m micro-batches per step per
+pipeline (m = B / (d·b)), P parameters, e bytes per activation element (2 in bf16).
+
+FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", §5.1):
+
+- model FLOPs per iteration, eq. (3) without recomputation:
+  ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` = 3 × (forward 24Bslh² + 4Bs²lh + 2BshV).
+  Generalized here to GQA and SwiGLU by counting the forward matrix multiplies, 2 FLOPs per
+  multiply-add: ``2·B·s·N_mm + 4·B·s²·l·h`` with N_mm = l·(h(h + 2·kv) + h² + k·h·f) + V·h
+  (k = 2 GeLU matrices or 3 SwiGLU matrices, kv the key/value width), times 3 for forward and
+  backward (PaLM, Chowdhery et al. 2022, App. B: 6·N + 12·l·h·s per token);
+- hardware FLOPs add recomputation. Full recomputation repeats every block's forward, giving
+  eq. (3)'s ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``; selective recomputation (Korthikanti et
+  al. 2022) repeats only attention's ``4·B·s²·l·h``.
+- MFU = model FLOP/s over peak; HFU = hardware FLOP/s over peak (Chowdhery et al. 2022).
+- parameters, eq. (2): ``P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))``; the exact count of a
+  ModelSpec is in :mod:`tessera.planner.models`.
+- time to train on T tokens, §5.1: ``8·T·P / (n·X)`` for n GPUs at X FLOP/s each (full
+  recomputation: 8 = 2·(forward + recompute + 2·backward) FLOPs per parameter per token).
+
+Memory (bytes per rank):
+
+- model state (Rajbhandari et al. 2020, "ZeRO", §3.1 and §5): mixed-precision Adam keeps
+  2Ψ parameters + 2Ψ gradients + KΨ optimizer state (K = 12: fp32 master weights, momentum,
+  variance); ZeRO-1 divides the K term by N_d, ZeRO-2 also the gradients, ZeRO-3 everything:
+  ``(2 + 2 + K)Ψ``, ``4Ψ + KΨ/N_d``, ``2Ψ + (2 + K)Ψ/N_d``, ``(2 + 2 + K)Ψ/N_d``;
+- activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", Table 2), in bytes with e = 2: no parallelism ``sbh(34 + 5as/h)``,
+  tensor parallel ``sbh(10 + 24/t + 5as/(ht))``, with sequence parallel ``sbh/t·(34 + 5as/h)``,
+  selective recomputation drops the ``5as/h`` term, full recomputation keeps ``2sbh`` (the
+  block's input). :func:`layer_activation_bytes` rebuilds these from the tensors each block
+  stores, so GQA, SwiGLU, no dropout and flash attention (no s² tensors) follow from the
+  same count; context parallelism divides s by c except the s² term, which is ``a·(s/c)·s``;
+- a stage holds the activations of as many (micro-batch, chunk) pairs as the schedule keeps in
+  flight on it, which the pipeline simulator reports (1F1B: at most p; GPipe: m; interleaving
+  holds more on the first rank); the first stage also holds the embedding, the last the final
+  norm, the LM head and fp32 logits ``4·s·b·V/t`` (Korthikanti et al. §4.3).
+
+Communication, α–β (Hockney) model, per rank, ring algorithms (Thakur et al. 2005):
+all-reduce of n bytes over N ranks ``2(N−1)·α + 2·(N−1)/N·n·β``; all-gather and reduce-scatter
+half of that; a point-to-point send ``α + n·β``. Link: intra-node (NVLink) when the group fits
+in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
+
+- tensor parallelism (Shoeybi et al. 2019; Narayanan et al. 2021 §3.3): two all-reduces of
+  b·s·h in forward and two in backward per layer per micro-batch, 8·b·s·h·(t−1)/t elements
+  per rank, plus two more when the forward is recomputed; with sequence parallelism each
+  all-reduce becomes an all-gather plus a reduce-scatter of the same volume (Korthikanti et al.);
+- pipeline: one send of b·s·h activations forward and of its gradient backward per
+  micro-batch per stage boundary; with the scatter/gather optimization (Narayanan et al.
+  §4.1) or sequence parallelism b·s·h/t per rank over the inter-node link, all-gathered on the
+  intra-node link;
+- data parallelism: one all-reduce of the gradients per step (Li et al. 2020, PyTorch DDP),
+  bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
+  it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
+  all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7);
+- context parallelism (ring attention, Liu et al. 2023): each of the c−1 ring steps passes a
+  K/V block of b·(s/c)·kv forward and K/V plus their gradients backward, overlapped with the
+  attention compute of the step;
+- the step: the pipeline simulator (``tessera.pipeline.simulator``) runs the chosen schedule
+  with per-chunk forward/backward times (compute + exposed TP and CP communication), the
+  point-to-point costs and each chunk's data-parallel reduction, and returns step time,
+  bubble and exposed DP time; the optimizer step (memory-bound) is added after.
+
+Compute time of a chunk: matrix multiplies at ``peak · matmul_efficiency``; attention at the
+attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
+memory-bound kernels move every stored activation byte ELEMENTWISE_PASSES times (written by the
+kernel that makes it, read by the one that consumes it) in forward and twice as much in
+backward, at the memory bandwidth; a fixed overhead per kernel (zero on GPUs in the catalog).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.config import ConfigError
+from tessera.planner.hardware import Hardware, Link
+from tessera.planner.models import ModelSpec
+
+ELEMENTWISE_PASSES = 2.0
+"""Times each stored activation byte crosses memory in a forward pass (one write, one read)."""
+OPS_PER_LAYER_FORWARD = 60
+"""Kernels in one block's forward: norms, projections, RoPE, attention, MLP, residual adds
+(tessera's reference block, counted with torch.profiler); backward runs about twice as many."""
+OPS_PER_TENSOR_ADAMW = 12
+"""Kernels per parameter tensor in one single-tensor (foreach=False) AdamW update."""
+
+PRECISIONS = {
+    # name: (parameter, gradient, optimizer-state bytes per parameter; activation bytes)
+    "bf16": (2, 2, 12, 2),  # mixed precision: fp32 master weights, momentum, variance
+    "fp32": (4, 4, 8, 4),  # everything fp32: Adam momentum and variance only
+}
+RECOMPUTE = ("none", "selective", "full")
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Closed forms from the papers (used by the tests and by --explain)
+
+
+def megatron_params(l: int, h: int, V: int, s: int) -> float:  # noqa: E741
+    """Narayanan et al. 2021, eq. (2): P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
+    return 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+
+
+def megatron_model_flops(B: int, s: int, l: int, h: int, V: int) -> float:  # noqa: E741
+    """Model FLOPs per iteration: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
+    return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def megatron_hardware_flops(B: int, s: int, l: int, h: int, V: int) -> float:  # noqa: E741
+    """Narayanan et al. 2021, eq. (3), full recomputation: 96·B·s·l·h²·(1 + s/(6h) + V/(16lh))."""
+    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def training_days(tokens: float, params: float, gpus: int, flops_per_gpu: float) -> float:
+    """Narayanan et al. 2021 §5.1: end-to-end training time ≈ 8·T·P / (n·X), in days."""
+    return 8 * tokens * params / (gpus * flops_per_gpu) / 86400
+
+
+def zero_model_state_bytes(params: float, zero_stage: int, n_d: int, k: int = 12,
+                           param_bytes: int = 2, grad_bytes: int = 2) -> float:
+    """Rajbhandari et al. 2020 §5, Figure 1: bytes of model state per data-parallel rank."""
+    p = param_bytes * params / (n_d if zero_stage >= 3 else 1)
+    g = grad_bytes * params / (n_d if zero_stage >= 2 else 1)
+    o = k * params / (n_d if zero_stage >= 1 else 1)
+    return p + g + o
+
+
+def zero_max_params(memory_bytes: float, zero_stage: int, n_d: int, k: int = 12) -> float:
+    """Largest Ψ whose model state fits `memory_bytes` per rank (inverse of the above)."""
+    return memory_bytes / zero_model_state_bytes(1.0, zero_stage, n_d, k)
+
+
+def bubble_fraction_closed_form(p: int, m: int, v: int = 1) -> float:
+    """Narayanan et al. 2021 §2.2: idle over ideal time, (p−1)/m; interleaved (p−1)/(v·m)."""
+    return (p - 1) / (v * m)
+
+
+# ---------------------------------------------------------------------------------------------
+# The problem and a layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What to train on what: the fixed part of a planning problem."""
+
+    model: ModelSpec
+    hardware: Hardware
+    gpus: int
+    global_batch: int
+    """Sequences per optimizer step (B)."""
+    seq_len: int
+    precision: str = "bf16"
+    """'bf16' (mixed precision, 2+2+12 bytes of model state per parameter) or 'fp32'."""
+    flash_attention: bool = True
+    """Attention never stores the s×s scores (FlashAttention, Dao et al. 2022)."""
+    scatter_gather: bool = True
+    """Pipeline sends b·s·h/t per tensor-parallel rank (Narayanan et al. 2021 §4.1)."""
+    tp_overlap: float = 0.0
+    """Fraction of tensor-parallel communication hidden behind compute (0: Megatron 2021)."""
+    reserve_gb: float = 0.0
+    """Memory per device kept free for the framework (context, workspace, fragmentation)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "global_batch", "seq_len"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"--{name.replace('_', '-')}", value,
+                                  "must be a positive integer")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("--precision", self.precision,
+                              f"must be one of {', '.join(PRECISIONS)}")
+        if not 0.0 <= self.tp_overlap <= 1.0:
+            raise ConfigError("tp_overlap", self.tp_overlap, "must be in [0, 1]")
+
+    @property
+    def bytes(self) -> tuple[int, int, int, int]:
+        """(parameter, gradient, optimizer-state, activation) bytes per element."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to split the work: degrees, micro-batching, ZeRO, recomputation, schedule."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    virtual: int = 1
+    """Model chunks per pipeline rank (interleaved and breadth-first schedules)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch (b)."""
+    zero: int = 0
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def microbatches(self, global_batch: int) -> int:
+        """m: micro-batches per step per pipeline."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        text = f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+        text += f" b={self.micro_batch} zero={self.zero} recompute={self.recompute}"
+        if self.sequence_parallel:
+            text += " sp"
+        return text
+
+    def key(self) -> tuple:
+        return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
+                self.recompute, self.schedule, self.sequence_parallel)
+
+
+def check_layout(w: Workload, L: Layout) -> str | None:
+    """Why `L` cannot run `w` (one line), or None if it can."""
+    spec = w.model
+    if L.gpus != w.gpus:
+        return f"dp*tp*pp*cp={L.gpus} must equal the {w.gpus} GPUs"
+    if L.recompute not in RECOMPUTE:
+        return f"recompute={L.recompute!r} must be one of {', '.join(RECOMPUTE)}"
+    if L.zero not in (0, 1, 2, 3):
+        return f"zero={L.zero} must be 0, 1, 2 or 3"
+    if w.global_batch % (L.dp * L.micro_batch):
+        return f"dp*micro_batch={L.dp * L.micro_batch} must divide the global batch " \
+               f"{w.global_batch}"
+    if spec.heads % L.tp or spec.ffn_hidden % L.tp or spec.vocab_size % L.tp and False:
+        return f"tp={L.tp} must divide heads={spec.heads} and ffn_hidden={spec.ffn_hidden}"
+    if spec.kv_heads % L.tp and L.tp % spec.kv_heads:
+        return f"tp={L.tp} must divide kv_heads={spec.kv_heads} or be a multiple of it"
+    if w.seq_len % L.cp or (L.sequence_parallel and (w.seq_len // L.cp) % L.tp):
+        return f"seq_len={w.seq_len} must be divisible by cp (and by tp with sequence parallel)"
+    if L.sequence_parallel and L.tp == 1:
+        return "sequence parallelism needs tp > 1"
+    if spec.layers % (L.pp * L.virtual):
+        return f"pp*virtual={L.pp * L.virtual} must divide layers={spec.layers}"
+    if L.pp == 1 and (L.virtual != 1 or L.schedule != "1f1b"):
+        return "without pipeline parallelism the schedule is 1f1b with virtual=1"
+    if L.virtual > 1 and L.schedule not in ("interleaved", "bfs"):
+        return f"virtual={L.virtual} needs schedule interleaved or bfs"
+    m = L.microbatches(w.global_batch)
+    if L.schedule == "interleaved" and m % L.pp:
+        return f"interleaved needs micro-batches m={m} to be a multiple of pp={L.pp}"
+    if L.schedule == "naive" and m != 1:
+        return "naive model parallelism runs the whole batch as one micro-batch"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer quantities
+
+
+def layer_activation_bytes(spec: ModelSpec, b: int, s: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", flash: bool = False, cp: int = 1,
+                           e: int = 2) -> float:
+    """Bytes one block keeps for its backward, per rank (Korthikanti et al. 2022, §4).
+
+    Counted tensor by tensor as in the paper's derivation; with GPT's shapes (MHA, 4h GeLU,
+    dropout) and e = 2 this is exactly Table 2. Replicated across tensor-parallel ranks unless
+    sequence parallel: the two norm inputs, the inputs of the QKV and first MLP projections
+    and the two residual dropout masks. Split over t: Q and K (inputs of QKᵀ), V, the attention
+    output, the MLP's inner activations, and the s×s score tensors unless flash attention or
+    selective recomputation avoids keeping them.
+    """
+    h, f = spec.hidden, spec.ffn_hidden
+    sl = s // cp  # this rank's tokens
+    tokens = sl * b
+    mask = 1 if spec.dropout else 0
+    if recompute == "full":
+        return e * tokens * h / (t if sp else 1)
+    replicated = tokens * (2 * e * h + 2 * e * h + 2 * mask * h)  # norms, proj inputs, masks
+    qk = e * tokens * (h + spec.kv_dim)
+    v = e * tokens * spec.kv_dim
+    attn_out = e * tokens * h
+    inner = (3 if spec.mlp == "swiglu" else 2) * e * tokens * f
+    scores = 0.0
+    if not flash and recompute != "selective":
+        # softmax output, and with dropout its mask and output: 2 + 1 + 2 bytes per score
+        per_score = e + (mask + e) * mask
+        scores = per_score * spec.heads * sl * s * b
+    split = qk + v + attn_out + inner + scores
+    return replicated / (t if sp else 1) + split / t
+
+
+def layer_forward_flops(spec: ModelSpec, b: int, s: int, cp: int = 1) -> tuple[float, float]:
+    """(matmul, attention-core) forward FLOPs of one block on b sequences of this rank's s/c
+    tokens, before tensor-parallel splitting: 2·tokens·N_mm_layer and 4·b·(s/c)·s·h."""
+    sl = s // cp
+    return 2 * b * sl * spec.layer_matmul_params, 4 * b * sl * s * spec.hidden
+
+
+def model_flops_per_step(spec: ModelSpec, B: int, s: int) -> float:
+    """Model FLOPs per iteration: 3·(2·B·s·N_mm + 4·B·s²·l·h), N_mm with the LM head."""
+    mm = spec.layers * spec.layer_matmul_params + spec.vocab_size * spec.hidden
+    return 3 * (2 * B * s * mm + 4 * B * s * s * spec.layers * spec.hidden)
+
+
+def hardware_flops_per_step(spec: ModelSpec, B: int, s: int, recompute: str) -> float:
+    """Model FLOPs plus what recomputation repeats (eq. 3's 96 for full recomputation)."""
+    mm_layer, attn = layer_forward_flops(spec, B, s)
+    extra = {"none": 0.0, "selective": attn, "full": mm_layer + attn}[recompute]
+    return model_flops_per_step(spec, B, s) + spec.layers * extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives, α–β
+
+
+def allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce: 2(n−1) steps of α plus 2(n−1)/n · bytes at the link bandwidth."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes * link.beta
+
+
+def allgather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of a `nbytes` result: half an all-reduce."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
+
+
+def group_link(hw: Hardware, span: int) -> Link:
+    """The link a group uses: intra-node when its `span` consecutive ranks fit in a node."""
+    return hw.link(intra_node=span <= hw.gpus_per_node)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-chunk costs of one layout
+
+
+@dataclass
+class ChunkCosts:
+    """Seconds per micro-batch on one chunk, split by cause, and its bytes."""
+
+    forward_compute: float = 0.0
+    backward_compute: float = 0.0
+    """Includes recomputation."""
+    recompute: float = 0.0
+    """The part of backward_compute that repeats forward work."""
+    tp_forward: float = 0.0
+    """Exposed tensor-parallel communication (forward and its recomputation)."""
+    tp_backward: float = 0.0
+    cp_forward: float = 0.0
+    """Exposed context-parallel ring communication."""
+    cp_backward: float = 0.0
+    cp_hidden: float = 0.0
+    tp_hidden: float = 0.0
+    params: float = 0.0
+    """Parameters held per tensor-parallel rank."""
+    tensors: int = 0
+    act_bytes: float = 0.0
+    """Activation bytes kept per micro-batch in flight."""
+    work_bytes: float = 0.0
+    """Transient bytes while this chunk runs (a recomputed layer's full activations)."""
+    dp_reduce: float = 0.0
+    """Seconds of this chunk's gradient reduction."""
+
+    @property
+    def forward(self) -> float:
+        return self.forward_compute + self.tp_forward + self.cp_forward
+
+    @property
+    def backward(self) -> float:
+        return self.backward_compute + self.tp_backward + self.cp_backward
+
+
+@dataclass
+class LayoutCosts:
+    """Everything about a layout that does not need the schedule's timing."""
+
+    chunks: list[ChunkCosts]
+    p2p_latency: float
+    p2p_bytes: float
+    p2p_bandwidth: float
+    dp_overlap: bool
+    optimizer_time: float
+    dp_time: float
+    """Total data-parallel communication seconds per step (all chunks of one rank)."""
+    state_bytes: dict[str, list[float]] = field(default_factory=dict)
+    """Per pipeline rank: params, grads, optimizer, zero3-buffer bytes."""
+
+
+def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
+    """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
+    spec, hw = w.model, w.hardware
+    pb, gb, ob, e = w.bytes
+    t, cp, b, s = L.tp, L.cp, L.micro_batch, w.seq_len
+    n_chunks = L.pp * L.virtual
+    per_chunk_layers = spec.layers // n_chunks
+    tp_link = group_link(hw, t)
+    cp_link = group_link(hw, t * cp)
+    dp_group = L.dp * cp
+    dp_link = group_link(hw, t * cp * L.dp)
+
+    # -- one block, one micro-batch, this rank ----------------------------------------------
+    mm, attn = layer_forward_flops(spec, b, s, cp)
+    mm_time = mm / t / hw.matmul_flops
+    attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
+    full_bytes = layer_activation_bytes(spec, b, s, t, L.sequence_parallel, "none",
+                                        w.flash_attention, cp, e)
+    score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, L.sequence_parallel,
+                                                      "selective", w.flash_attention, cp, e)
+    mem_time = ELEMENTWISE_PASSES * full_bytes / hw.memory_bw
+    ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
+    fwd = mm_time + attn_time + mem_time + ops_time
+    bwd = 2 * fwd
+    recompute = {"none": 0.0,
+                 "selective": attn_time + ELEMENTWISE_PASSES * score_bytes / hw.memory_bw,
+                 "full": fwd}[L.recompute]
+    # Tensor parallel: 2 all-reduces forward, 2 backward (or all-gather + reduce-scatter pairs
+    # with sequence parallelism: the same volume), 2 more when the forward is recomputed.
+    act_tensor = e * b * (s // cp) * spec.hidden
+    if L.sequence_parallel:
+        one = 2 * allgather_time(act_tensor, t, tp_link)
+    else:
+        one = allreduce_time(act_tensor, t, tp_link)
+    tp_fwd_total = 2 * one
+    tp_bwd_total = 2 * one + (2 * one if L.recompute == "full" else 0.0)
+    keep = 1.0 - w.tp_overlap
+    # Context parallel ring: c−1 steps passing K and V forward; K, V, dK, dV backward.
+    kv_block = 2 * e * b * (s // cp) * spec.kv_dim / min(t, spec.kv_heads)
+    cp_fwd_comm = (cp - 1) * (cp_link.alpha + kv_block * cp_link.beta) if cp > 1 else 0.0
+    cp_bwd_comm = 2 * cp_fwd_comm
+    cp_fwd_exposed = max(0.0, cp_fwd_comm - attn_time)
+    cp_bwd_exposed = max(0.0, cp_bwd_comm - 2 * attn_time)
+
+    act_layer = layer_activation_bytes(spec, b, s, t, L.sequence_parallel, L.recompute,
+                                       w.flash_attention, cp, e)
+    work = full_bytes if L.recompute == "full" else 0.0
+
+    # -- embedding (chunk 0) and head (last chunk) ----------------------------------------------
+    tokens = b * (s // cp)
+    head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
+    logits_bytes = 4 * tokens * spec.vocab_size / t  # fp32 logits for the loss
+    head_mem = ELEMENTWISE_PASSES * logits_bytes / hw.memory_bw
+    head_act = logits_bytes + 2 * e * tokens * spec.hidden / (t if L.sequence_parallel else 1)
+    embed_mem = ELEMENTWISE_PASSES * e * tokens * spec.hidden / hw.memory_bw
+    embed_act = (tokens * spec.hidden if spec.dropout else 0) / (
+        t if L.sequence_parallel else 1)
+
+    layer_tensors = (4 + spec.mlp_matrices) * (2 if spec.bias else 1) + 2 * (
+        2 if spec.norm == "layernorm" else 1)
+    chunks = []
+    for c in range(n_chunks):
+        ch = ChunkCosts()
+        nl = per_chunk_layers
+        ch.forward_compute = nl * fwd
+        ch.recompute = nl * recompute
+        ch.backward_compute = nl * (bwd + recompute)
+        ch.tp_forward = nl * tp_fwd_total * keep
+        ch.tp_backward = nl * tp_bwd_total * keep
+        ch.tp_hidden = nl * (tp_fwd_total + tp_bwd_total) * w.tp_overlap
+        ch.cp_forward = nl * cp_fwd_exposed
+        ch.cp_backward = nl * cp_bwd_exposed
+        ch.cp_hidden = nl * (cp_fwd_comm + cp_bwd_comm) - ch.cp_forward - ch.cp_backward
+        ch.params = nl * spec.layer_params / t
+        ch.tensors = nl * layer_tensors
+        ch.act_bytes = nl * act_layer
+        ch.work_bytes = work
+        if c == 0:
+            ch.forward_compute += embed_mem
+            ch.backward_compute += 2 * embed_mem
+            ch.params += spec.embedding_params / t
+            ch.tensors += 2 if spec.learned_positions else 1
+            ch.act_bytes += embed_act
+        if c == n_chunks - 1:
+            ch.forward_compute += head_mm + head_mem
+            ch.backward_compute += 2 * (head_mm + head_mem)
+            # A tied head on another rank than the embedding keeps its own copy.
+            tied_copy = spec.tied_embeddings and n_chunks > 1 and L.pp > 1
+            ch.params += spec.head_params / t + (
+                spec.vocab_size * spec.hidden / t if tied_copy else 0)
+            ch.tensors += 2
+            ch.act_bytes += head_act
+        chunks.append(ch)
+
+    # -- data parallel: each chunk's gradients, reduced once per step ---------------------------
+    volume = 1.5 if L.zero == 3 else 1.0
+    for ch in chunks:
+        ch.dp_reduce = volume * allreduce_time(gb * ch.params, dp_group, dp_link)
+    dp_time = sum(ch.dp_reduce for ch in chunks) / L.pp
+
+    # -- pipeline point-to-point ------------------------------------------------------------
+    p2p_bytes = float(act_tensor)
+    p2p_latency = 0.0
+    pp_span = t * cp * L.dp * L.pp
+    pp_link = group_link(hw, pp_span)
+    if L.pp > 1 and t > 1 and (w.scatter_gather or L.sequence_parallel):
+        p2p_bytes /= t
+        if not L.sequence_parallel:  # gather the full activation back on the fast link
+            p2p_latency += allgather_time(act_tensor, t, tp_link)
+    p2p_latency += pp_link.alpha if L.pp > 1 else 0.0
+
+    # -- model state per pipeline rank and the optimizer step -----------------------------------
+    shard = dp_group
+    state: dict[str, list[float]] = {k: [0.0] * L.pp for k in ("params", "grads", "optimizer",
+                                                               "zero3_buffer")}
+    opt_time = 0.0
+    for r in range(L.pp):
+        params_r = sum(ch.params for i, ch in enumerate(chunks) if i % L.pp == r)
+        tensors_r = sum(ch.tensors for i, ch in enumerate(chunks) if i % L.pp == r)
+        state["params"][r] = pb * params_r / (shard if L.zero >= 3 else 1)
+        state["grads"][r] = gb * params_r / (shard if L.zero >= 2 else 1)
+        state["optimizer"][r] = ob * params_r / (shard if L.zero >= 1 else 1)
+        if L.zero >= 3:  # two blocks gathered at a time (one computing, one prefetched)
+            state["zero3_buffer"][r] = 2 * pb * spec.layer_params / t
+        stepped = params_r / (shard if L.zero >= 1 else 1)
+        # Adam reads and writes its states, reads the gradient, writes the parameter.
+        traffic = stepped * (2 * ob + gb + 2 * pb)
+        t_r = traffic / hw.memory_bw + tensors_r * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
+        opt_time = max(opt_time, t_r)
+    return LayoutCosts(chunks=chunks, p2p_latency=p2p_latency, p2p_bytes=p2p_bytes,
+                       p2p_bandwidth=pp_link.bandwidth, dp_overlap=hw.dp_overlap > 0,
+                       optimizer_time=opt_time, dp_time=dp_time, state_bytes=state)
