@@ -1,0 +1,183 @@
+"""Schedule generators and their registry: each returns the action IR of ``schedule.py``.
+
+With p ranks, m micro-batches and v chunks per rank (chunk c on rank c mod p, "looping"
+placement), and equal forward/backward costs F, B per micro-batch per *rank's worth* of layers:
+
+- ``naive``: plain model parallelism. One micro-batch runs forward through every stage and back
+  before the next starts: with m = 1 the whole batch at once; with m > 1 it is gradient
+  accumulation without overlap. Bubble p-1, one activation set in flight.
+- ``gpipe`` (Huang et al., 2019): all m forwards, then all m backwards. Bubble (p-1)/m; a rank
+  holds all m micro-batches' activations at the turn.
+- ``1f1b`` (PipeDream-Flush; Narayanan et al., 2021, "Memory-efficient pipeline-parallel DNN
+  training"): rank r runs p-r-1 warm-up forwards, then alternates one forward and one backward,
+  then drains the remaining backwards. Same bubble (p-1)/m; at most p-r micro-batches in flight.
+- ``interleaved`` (Narayanan et al., SC 2021, Megatron-LM's depth-first interleaved 1F1B): each
+  rank holds v chunks; forwards walk the chunks in groups of p micro-batches, warm-up
+  2(p-r-1) + (v-1)p steps, then 1F1B. Bubble (p-1)/(v·m); needs m a multiple of p.
+- ``bfs`` (Lamy-Poirier, MLSys 2023, "Breadth-First Pipeline Parallelism"): each rank runs its
+  first chunk for every micro-batch, then its next chunk, ...; backwards in the reverse chunk
+  order. Bubble (p-1)/(v·m) once m >= p, activations of all v·m (chunk, micro-batch) pairs held,
+  but a chunk's gradients are complete early, so its data-parallel reduction overlaps compute.
+
+A new schedule plugs in with :func:`register`: give a generator ``(pp, m, v) -> per-rank
+orders of F/B actions`` and the rules it needs; the runtime, simulator, pictures and CLI pick
+it up by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tessera.config import ConfigError
+from tessera.pipeline.schedule import Action, B, F, Schedule, validate
+
+Orders = list[list[Action]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """How to build one family of schedules, and what it promises."""
+
+    name: str
+    """Registry key (the --schedule value)."""
+    generate: Callable[[int, int, int], Orders]
+    """(pp, microbatches, virtual) -> per-rank ordered F/B actions; chunk c runs on rank c % pp."""
+    description: str
+    """One line for help texts."""
+    virtual: bool = False
+    """Whether v > 1 chunks per rank are supported."""
+    microbatch_rule: Callable[[int, int, int], str | None] = lambda pp, m, v: None
+    """(pp, m, v) -> why m is not allowed, or None."""
+    closed_form_bubble: Callable[[int, int, int], float] | None = None
+    """(pp, m, v) -> bubble fraction with equal costs and free communication."""
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {}
+
+
+def register(spec: ScheduleSpec) -> ScheduleSpec:
+    """Add a schedule family to the registry (its name must be new)."""
+    if spec.name in SCHEDULES:
+        raise ValueError(f"schedule {spec.name!r} is already registered")
+    SCHEDULES[spec.name] = spec
+    return spec
+
+
+def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The validated compute-only schedule `name` for pp ranks, m micro-batches, v chunks/rank.
+
+    Bad arguments raise ConfigError with a one-line 'field=value: rule' message."""
+    if name not in SCHEDULES:
+        raise ConfigError("schedule", name, f"must be one of {', '.join(SCHEDULES)}")
+    spec = SCHEDULES[name]
+    for field_name, value in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(field_name, value, "must be a positive integer")
+    if virtual > 1 and not spec.virtual:
+        raise ConfigError("virtual", virtual, f"schedule {name!r} has one chunk per rank; "
+                          f"use interleaved or bfs for virtual stages")
+    why = spec.microbatch_rule(pp, microbatches, virtual)
+    if why:
+        raise ConfigError("microbatches", microbatches, why)
+    schedule = Schedule(name, spec.generate(pp, microbatches, virtual), pp * virtual,
+                        microbatches, tuple(c % pp for c in range(pp * virtual)))
+    return validate(schedule)
+
+
+def closed_form_bubble(name: str, pp: int, microbatches: int, virtual: int = 1) -> float | None:
+    spec = SCHEDULES[name]
+    return None if spec.closed_form_bubble is None else \
+        spec.closed_form_bubble(pp, microbatches, virtual)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generators
+
+
+def naive_orders(pp: int, m: int, v: int) -> Orders:
+    return [[a for mb in range(m) for a in (F(r, mb), B(r, mb))] for r in range(pp)]
+
+
+def gpipe_orders(pp: int, m: int, v: int) -> Orders:
+    return [[F(r, mb) for mb in range(m)] + [B(r, mb) for mb in range(m)] for r in range(pp)]
+
+
+def one_f_one_b_orders(pp: int, m: int, v: int) -> Orders:
+    orders = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        order = [F(r, mb) for mb in range(warmup)]
+        for i in range(m - warmup):
+            order += [F(r, warmup + i), B(r, i)]
+        order += [B(r, mb) for mb in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+
+
+def interleaved_orders(pp: int, m: int, v: int) -> Orders:
+    """Megatron-LM's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``)."""
+    total = m * v
+
+    def step(r: int, k: int, backward: bool) -> Action:
+        # Virtual step k walks micro-batches in groups of pp, all chunks of a group in turn.
+        group, within = divmod(k, pp * v)
+        local = within // pp
+        if backward:
+            local = v - 1 - local
+        mb = group * pp + within % pp
+        return (B if backward else F)(local * pp + r, mb)
+
+    orders = []
+    for r in range(pp):
+        if m == pp:  # Megatron: with m == p every forward goes first
+            warmup = total
+        else:
+            warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        order = [step(r, k, False) for k in range(warmup)]
+        for i in range(total - warmup):
+            order += [step(r, warmup + i, False), step(r, i, True)]
+        order += [step(r, k, True) for k in range(total - warmup, total)]
+        orders.append(order)
+    return orders
+
+
+def bfs_orders(pp: int, m: int, v: int) -> Orders:
+    """Breadth-first looping: every micro-batch through local chunk 0, then chunk 1, ..."""
+    orders = []
+    for r in range(pp):
+        chunks = [local * pp + r for local in range(v)]
+        order = [F(c, mb) for c in chunks for mb in range(m)]
+        order += [B(c, mb) for c in reversed(chunks) for mb in range(m)]
+        orders.append(order)
+    return orders
+
+
+def _bfs_bubble(pp: int, m: int, v: int) -> float:
+    # Each loop over the p ranks takes max(m, p) forward slots on rank 0 (the first micro-batch
+    # must come back around before the next chunk starts); backwards mirror the forwards.
+    loop = max(m, pp)
+    return ((v - 1) * loop + pp - 1 + m - v * m) / (v * m)
+
+
+register(ScheduleSpec(
+    name="naive", generate=naive_orders,
+    description="model parallel, one micro-batch at a time (no overlap)",
+    closed_form_bubble=lambda pp, m, v: float(pp - 1)))
+register(ScheduleSpec(
+    name="gpipe", generate=gpipe_orders, description="all forwards, then all backwards",
+    closed_form_bubble=lambda pp, m, v: (pp - 1) / m))
+register(ScheduleSpec(
+    name="1f1b", generate=one_f_one_b_orders,
+    description="PipeDream-Flush one-forward-one-backward",
+    closed_form_bubble=lambda pp, m, v: (pp - 1) / m))
+register(ScheduleSpec(
+    name="interleaved", generate=interleaved_orders, virtual=True,
+    description="Megatron interleaved 1F1B over v chunks per rank (depth-first)",
+    microbatch_rule=lambda pp, m, v: None if m % pp == 0 else
+    f"interleaved 1F1B needs micro-batches a multiple of pp={pp}",
+    closed_form_bubble=lambda pp, m, v: (pp - 1) / (v * m)))
+register(ScheduleSpec(
+    name="bfs", generate=bfs_orders, virtual=True,
+    description="breadth-first looping over v chunks per rank (Lamy-Poirier 2023)",
+    closed_form_bubble=_bfs_bubble))

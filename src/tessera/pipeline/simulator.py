@@ -1,0 +1,193 @@
+"""Time a schedule without running it: the same IR the runtime executes, with given costs.
+
+Model. Each rank runs its compute actions in its listed order, one at a time. A forward of
+micro-batch m on chunk c starts when the rank is free and the forward of (c-1, m) has finished,
+plus one point-to-point transfer if chunk c-1 lives on another rank; a backward of (c, m)
+needs its own forward and the backward of (c+1, m) (plus a transfer); the last chunk's backward
+starts from the loss, computed in its forward. Transfers cost ``p2p_latency + p2p_bytes /
+p2p_bandwidth`` and do not occupy the ranks (non-blocking sends, as in the runtime).
+
+Data-parallel gradient reduction: each chunk's gradients take ``dp_reduce[c]`` seconds to
+reduce over the dp group, on a per-rank communication channel that runs one reduction at a
+time. With ``dp_overlap`` a chunk's reduction may start as soon as its last backward is done
+(overlapping later compute, as bucketed DDP does); otherwise all start after the rank's last
+compute action. The step ends when every rank's compute and reductions are done.
+
+Definitions (shared with the planner and the runtime's measured numbers):
+
+- ``makespan``: the time until the last compute action finishes;
+- ``compute_time``: the largest per-rank busy compute time;
+- ``bubble_fraction = (makespan - compute_time) / compute_time``, so equal costs and free
+  communication give (p-1)/m for GPipe and 1F1B and (p-1)/(v·m) for interleaved 1F1B;
+- ``step_time``: the makespan plus the data-parallel reduction left exposed after it;
+- ``peak_inflight[r]``: the largest number of (micro-batch, chunk) activation sets rank r holds
+  at once (forward done, backward not yet).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tessera.pipeline.schedule import Action, Kind, Schedule, ScheduleError, inputs_of
+
+
+@dataclass(kw_only=True)
+class StageCosts:
+    """Costs in seconds; per-chunk sequences are indexed by chunk (0..p·v-1)."""
+
+    forward: float | Sequence[float]
+    """Forward time of one micro-batch on a chunk."""
+    backward: float | Sequence[float]
+    """Backward time of one micro-batch on a chunk."""
+    p2p_latency: float = 0.0
+    """Fixed cost of one point-to-point transfer between ranks."""
+    p2p_bytes: float = 0.0
+    """Activation (or activation-gradient) bytes per transfer."""
+    p2p_bandwidth: float = math.inf
+    """Point-to-point bandwidth in bytes/s."""
+    dp_reduce: float | Sequence[float] = 0.0
+    """Time to reduce one chunk's gradients across the data-parallel group."""
+    dp_overlap: bool = True
+    """A chunk's reduction may start once its last backward is done (else all at the end)."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "dp_reduce"):
+            values = getattr(self, name)
+            values = [values] if isinstance(values, int | float) else list(values)
+            if any(not math.isfinite(x) or x < 0 for x in values):
+                raise ValueError(f"StageCosts.{name}={getattr(self, name)!r}: must be finite "
+                                 f"and >= 0")
+        for name in ("p2p_latency", "p2p_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StageCosts.{name}={getattr(self, name)!r}: must be >= 0")
+        if self.p2p_bandwidth <= 0:
+            raise ValueError(f"StageCosts.p2p_bandwidth={self.p2p_bandwidth!r}: must be > 0")
+
+    @staticmethod
+    def _at(values: float | Sequence[float], chunk: int, name: str) -> float:
+        if isinstance(values, int | float):
+            return float(values)
+        if chunk >= len(values):
+            raise ValueError(f"StageCosts.{name} has {len(values)} entries; chunk {chunk} "
+                             f"needs one")
+        return float(values[chunk])
+
+    def compute(self, a: Action) -> float:
+        values, name = (self.forward, "forward") if a.kind is Kind.F else \
+            (self.backward, "backward")
+        return self._at(values, a.chunk, name)
+
+    def reduce(self, chunk: int) -> float:
+        return self._at(self.dp_reduce, chunk, "dp_reduce")
+
+    @property
+    def transfer(self) -> float:
+        return self.p2p_latency + (0.0 if self.p2p_bytes == 0 else
+                                   self.p2p_bytes / self.p2p_bandwidth)
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One box of the timeline: kind 'F', 'B' (compute) or 'dp' (gradient reduction of a
+    chunk, microbatch -1)."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    step_time: float
+    """Makespan including the exposed data-parallel reduction."""
+    compute_time: float
+    """Largest per-rank busy compute time."""
+    bubble_fraction: float
+    """(makespan - compute_time) / compute_time, without data-parallel reduction."""
+    peak_inflight: list[int]
+    """Per rank: peak number of (micro-batch, chunk) activation sets held."""
+    exposed_dp_time: float
+    """step_time - makespan: reduction time not hidden behind compute."""
+    makespan: float
+    """Time until the last compute action ends."""
+    busy: list[float] = field(default_factory=list)
+    """Per rank busy compute time."""
+    timeline: list[TimelineEvent] = field(default_factory=list)
+
+
+def peak_inflight(schedule: Schedule) -> list[int]:
+    """Per rank, the most (micro-batch, chunk) activation sets held at once."""
+    peaks = []
+    for acts in schedule.actions:
+        held = peak = 0
+        for a in acts:
+            if a.kind is Kind.F:
+                held += 1
+                peak = max(peak, held)
+            elif a.kind is Kind.B:
+                held -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
+    """Time `schedule` under `costs` (see module doc)."""
+    owner, n = schedule.chunk_rank, schedule.n_chunks
+    orders = [[a for a in acts if a.kind.is_compute] for acts in schedule.actions]
+    finish: dict[Action, float] = {}
+    free = [0.0] * schedule.n_ranks
+    busy = [0.0] * schedule.n_ranks
+    pc = [0] * schedule.n_ranks
+    timeline: list[TimelineEvent] = []
+    last_backward: dict[int, float] = {}
+
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(orders):
+            while pc[r] < len(order):
+                a = order[pc[r]]
+                deps = inputs_of(a, n)
+                if any(d not in finish for d in deps):
+                    break
+                ready = max([free[r]] + [finish[d] + (costs.transfer if owner[d.chunk] != r
+                                                      else 0.0) for d in deps])
+                cost = costs.compute(a)
+                finish[a] = ready + cost
+                free[r] = finish[a]
+                busy[r] += cost
+                timeline.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready,
+                                              finish[a]))
+                if a.kind is Kind.B:
+                    last_backward[a.chunk] = max(last_backward.get(a.chunk, 0.0), finish[a])
+                pc[r] += 1
+                progress = True
+    if any(pc[r] < len(o) for r, o in enumerate(orders)):
+        stuck = ", ".join(f"rank {r} at {o[pc[r]]}" for r, o in enumerate(orders)
+                          if pc[r] < len(o))
+        raise ScheduleError(f"schedule {schedule.name!r} cannot run: {stuck} waits forever")
+
+    makespan = max(free, default=0.0)
+    step_time = makespan
+    for r in range(schedule.n_ranks):
+        channel = 0.0
+        chunks = schedule.chunks_of(r)
+        ready = {c: last_backward.get(c, 0.0) if costs.dp_overlap else free[r] for c in chunks}
+        for c in sorted(chunks, key=lambda c: (ready[c], c)):
+            cost = costs.reduce(c)
+            if cost == 0:
+                continue
+            start = max(channel, ready[c])
+            channel = start + cost
+            timeline.append(TimelineEvent(r, "dp", -1, c, start, channel))
+        step_time = max(step_time, channel)
+    compute_time = max(busy, default=0.0)
+    bubble = (makespan - compute_time) / compute_time if compute_time > 0 else 0.0
+    return SimResult(step_time=step_time, compute_time=compute_time, bubble_fraction=bubble,
+                     peak_inflight=peak_inflight(schedule), exposed_dp_time=step_time - makespan,
+                     makespan=makespan, busy=busy, timeline=timeline)

@@ -1,0 +1,170 @@
+"""Pipeline schedules without processes: IR, string form, validator, simulator closed forms."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tessera.config import ConfigError
+from tessera.pipeline.schedule import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    lower_comms,
+    parse,
+    validate,
+)
+from tessera.pipeline.schedules import SCHEDULES, ScheduleSpec, build_schedule, register
+from tessera.pipeline.simulator import StageCosts, simulate
+
+VIRTUAL = {"interleaved": (1, 2, 3), "bfs": (1, 2, 3)}
+
+
+def grid_cases():
+    """(name, p, v, m) for every schedule over a grid, keeping only what the schedule allows."""
+    for name in SCHEDULES:
+        for p, m in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 5, 8, 9, 12)):
+            for v in VIRTUAL.get(name, (1,)):
+                if name == "interleaved" and m % p:
+                    continue
+                yield name, p, v, m
+
+
+def test_action_string_form():
+    assert str(Action(1, Kind.F, 0)) == "1F0"
+    assert Action.parse("12RECV_B3") == Action(12, Kind.RECV_B, 3)
+    with pytest.raises(ScheduleError, match="expected"):
+        Action.parse("F0")
+
+
+def test_every_generated_schedule_round_trips_through_the_string_form():
+    for name, p, v, m in grid_cases():
+        s = build_schedule(name, p, m, v)
+        assert (s.n_ranks, s.n_chunks, s.n_microbatches, s.virtual) == (p, p * v, m, v)
+        assert parse(s.to_string()) == s, (name, p, v, m)
+        low = lower_comms(s)
+        assert parse(low.to_string()) == low, (name, p, v, m)
+        validate(low)
+
+
+def test_simulated_bubble_equals_closed_forms():
+    # Equal costs, free communication; backward twice the forward (the closed forms do not
+    # depend on the ratio). Costs per chunk are 1/v of a rank's share, as with v chunks a rank.
+    for name, p, v, m in grid_cases():
+        r = simulate(build_schedule(name, p, m, v), StageCosts(forward=1 / v, backward=2 / v))
+        expected = {"naive": p - 1, "gpipe": (p - 1) / m, "1f1b": (p - 1) / m,
+                    "interleaved": (p - 1) / (v * m)}.get(name)
+        if name == "bfs" and m >= p:
+            expected = (p - 1) / (v * m)  # breadth-first matches interleaved once m >= p
+        if expected is not None:
+            assert r.bubble_fraction == pytest.approx(expected, abs=1e-9), (name, p, v, m)
+        assert r.compute_time == pytest.approx(m * 3.0)
+        assert r.step_time == pytest.approx(r.makespan)
+
+
+def test_peak_inflight_closed_forms():
+    for name, p, v, m in grid_cases():
+        peaks = simulate(build_schedule(name, p, m, v), StageCosts(forward=1, backward=1)
+                         ).peak_inflight
+        if name == "gpipe":
+            assert peaks == [m] * p
+        elif name == "1f1b":
+            assert peaks == [min(p - r, m) for r in range(p)]
+            assert max(peaks) <= p
+        elif name == "naive":
+            assert peaks == [1] * p
+        elif name == "bfs":
+            assert peaks == [v * m] * p
+
+
+def test_breadth_first_beats_depth_first_when_dp_reduction_is_costly():
+    # Lamy-Poirier (2023): breadth-first finishes each chunk's backwards early, so its gradient
+    # reduction overlaps the remaining backwards. With p=4, v=4, m=16, a chunk's backwards
+    # take 2 time units in depth-first's tail but 8 in breadth-first's; a 3-unit reduction per
+    # chunk fits behind breadth-first's compute, not depth-first's.
+    p, v, m = 4, 4, 16
+    costs = StageCosts(forward=1 / v, backward=2 / v, dp_reduce=3.0, dp_overlap=True)
+    df = simulate(build_schedule("interleaved", p, m, v), costs)
+    bf = simulate(build_schedule("bfs", p, m, v), costs)
+    assert df.makespan == pytest.approx(bf.makespan)  # same bubble without dp
+    assert bf.exposed_dp_time == pytest.approx(3.0)  # only the last chunk's reduction shows
+    assert df.exposed_dp_time == pytest.approx(6.0)
+    assert bf.step_time < df.step_time
+    # Without overlap neither can hide anything: all 4 reductions come after the compute.
+    flat = StageCosts(forward=1 / v, backward=2 / v, dp_reduce=3.0, dp_overlap=False)
+    assert simulate(build_schedule("bfs", p, m, v), flat).exposed_dp_time == pytest.approx(12)
+    assert simulate(build_schedule("interleaved", p, m, v), flat).exposed_dp_time == \
+        pytest.approx(12)
+
+
+def test_p2p_cost_delays_cross_rank_dependencies():
+    s = build_schedule("gpipe", 2, 1)
+    r = simulate(s, StageCosts(forward=1, backward=1, p2p_latency=0.5, p2p_bytes=100,
+                               p2p_bandwidth=200))
+    assert r.makespan == pytest.approx(4 + 2 * 1.0)  # one transfer each way, 0.5 + 0.5 s
+
+
+def test_validator_catches_planted_deadlock():
+    # Rank 0 waits for rank 1's gradient before sending the activation rank 1 needs.
+    text = ("rank 0: 0F0 0RECV_B0 0B0 0SEND_F0\n"
+            "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0")
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(parse(text))
+    # Compute-only form: rank 1 wants micro-batch 1 first, which rank 0 only sends after its
+    # backward of micro-batch 0, which needs rank 1's backward of micro-batch 0: a cycle.
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1F0 1B0 1B1"))
+
+
+def test_validator_catches_planted_missing_receive():
+    text = lower_comms(build_schedule("1f1b", 2, 2)).to_string().replace(" 1RECV_F1", "")
+    with pytest.raises(ScheduleError, match="no matching receive 1RECV_F1"):
+        validate(parse(text))
+
+
+def test_validator_catches_structural_errors():
+    with pytest.raises(ScheduleError, match="before its forward"):
+        validate(parse("rank 0: 0B0 0F0"))
+    with pytest.raises(ScheduleError, match="missing"):
+        validate(parse("# microbatches=2\nrank 0: 0F0 0B0"))
+    with pytest.raises(ScheduleError, match="one rank"):
+        validate(parse("rank 0: 0F0 0B0 1F0\nrank 1: 1F0 1B0"))
+    with pytest.raises(ScheduleError, match="same order"):
+        validate(parse("rank 0: 0F0 0F1 0SEND_F1 0SEND_F0 0RECV_B0 0B0 0RECV_B1 0B1\n"
+                       "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"))
+
+
+def test_bad_arguments_are_one_line_errors():
+    with pytest.raises(ConfigError, match=r"microbatches=3: interleaved 1F1B needs .* pp=2"):
+        build_schedule("interleaved", 2, 3, 2)
+    with pytest.raises(ConfigError, match="virtual=2"):
+        build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ConfigError, match="schedule='zb'"):
+        build_schedule("zb", 2, 4)
+    with pytest.raises(ConfigError, match="pp=0"):
+        build_schedule("gpipe", 0, 4)
+
+
+def test_new_schedules_plug_in_through_the_registry():
+    # A toy schedule: GPipe with backwards in reverse micro-batch order.
+    def reverse_gpipe(pp, m, v):
+        return [[Action(r, Kind.F, i) for i in range(m)] +
+                [Action(r, Kind.B, i) for i in reversed(range(m))] for r in range(pp)]
+
+    spec = register(ScheduleSpec(name="test-reverse", generate=reverse_gpipe,
+                                 description="test"))
+    try:
+        s = build_schedule("test-reverse", 3, 4)
+        assert simulate(s, StageCosts(forward=1, backward=1)).bubble_fraction == \
+            pytest.approx(2 / 4)
+    finally:
+        del SCHEDULES[spec.name]
+
+
+def test_text_grid_shows_bubbles():
+    grid = build_schedule("gpipe", 2, 2).grid()
+    assert grid.splitlines() == ["rank 0 | F0 F1 .  .  B0 B1",
+                                 "rank 1 | .  F0 F1 B0 B1 ."]
+    assert isinstance(build_schedule("interleaved", 2, 2, 2), Schedule)
