@@ -75,7 +75,8 @@ backward, at the memory bandwidth; a fixed overhead per kernel (zero on GPUs in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from functools import cached_property, lru_cache
 
 from tessera.config import ConfigError
 from tessera.planner.hardware import Hardware, Link
@@ -145,7 +146,7 @@ def bubble_fraction_closed_form(p: int, m: int, v: int = 1) -> float:
 # The problem and a layout
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=True)
 class Workload:
     """What to train on what: the fixed part of a planning problem."""
 
@@ -165,6 +166,8 @@ class Workload:
     """Fraction of tensor-parallel communication hidden behind compute (0: Megatron 2021)."""
     reserve_gb: float = 0.0
     """Memory per device kept free for the framework (context, workspace, fragmentation)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket of the data-parallel reduction in MiB (PyTorch DDP's default)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "global_batch", "seq_len"):
@@ -177,6 +180,13 @@ class Workload:
                               f"must be one of {', '.join(PRECISIONS)}")
         if not 0.0 <= self.tp_overlap <= 1.0:
             raise ConfigError("tp_overlap", self.tp_overlap, "must be in [0, 1]")
+
+    def __hash__(self) -> int:  # hashed on every cached block-cost lookup: compute it once
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
 
     @property
     def bytes(self) -> tuple[int, int, int, int]:
@@ -344,7 +354,67 @@ def group_link(hw: Hardware, span: int) -> Link:
 # Per-chunk costs of one layout
 
 
-@dataclass
+@dataclass(frozen=True)
+class BlockCosts:
+    """One transformer block, one micro-batch, one rank: seconds and bytes."""
+
+    forward: float
+    backward: float
+    """Backward compute without recomputation."""
+    recompute: float
+    tp_forward: float
+    """Tensor-parallel communication of the forward, before any overlap."""
+    tp_backward: float
+    """Of the backward, with the recomputed forward's."""
+    cp_forward: float
+    """Context-parallel ring communication of the forward, exposed beyond attention."""
+    cp_backward: float
+    cp_total: float
+    act_bytes: float
+    """Kept for backward under the layout's recomputation."""
+    work_bytes: float
+    """Transient while the block's backward runs (its recomputed activations)."""
+
+
+@lru_cache(maxsize=8192)
+def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) -> BlockCosts:
+    """Forward/backward seconds of one block and its activation bytes (module docstring)."""
+    spec, hw = w.model, w.hardware
+    e = w.bytes[3]
+    s = w.seq_len
+    tp_link, cp_link = group_link(hw, t), group_link(hw, t * cp)
+    mm, attn = layer_forward_flops(spec, b, s, cp)
+    mm_time = mm / t / hw.matmul_flops
+    attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
+    full_bytes = layer_activation_bytes(spec, b, s, t, sp, "none", w.flash_attention, cp, e)
+    score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
+                                                      w.flash_attention, cp, e)
+    mem_time = ELEMENTWISE_PASSES * full_bytes / hw.memory_bw
+    ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
+    fwd = mm_time + attn_time + mem_time + ops_time
+    redo = {"none": 0.0,
+            "selective": attn_time + ELEMENTWISE_PASSES * score_bytes / hw.memory_bw,
+            "full": fwd}[recompute]
+    # Tensor parallel: 2 all-reduces forward, 2 backward (with sequence parallelism an
+    # all-gather plus a reduce-scatter each: the same volume), 2 more for a recomputed forward.
+    act_tensor = e * b * (s // cp) * spec.hidden
+    one = 2 * allgather_time(act_tensor, t, tp_link) if sp else allreduce_time(act_tensor, t,
+                                                                               tp_link)
+    tp_fwd = 2 * one
+    tp_bwd = 2 * one + (2 * one if recompute == "full" else 0.0)
+    # Context parallel ring: c−1 steps passing K and V forward; K, V, dK, dV backward, each
+    # hidden behind the attention of the block it overlaps.
+    kv_block = 2 * e * b * (s // cp) * spec.kv_dim / min(t, spec.kv_heads)
+    cp_fwd = (cp - 1) * (cp_link.alpha + kv_block * cp_link.beta) if cp > 1 else 0.0
+    cp_bwd = 2 * cp_fwd
+    act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
+    return BlockCosts(forward=fwd, backward=2 * fwd, recompute=redo, tp_forward=tp_fwd,
+                      tp_backward=tp_bwd, cp_forward=max(0.0, cp_fwd - attn_time),
+                      cp_backward=max(0.0, cp_bwd - 2 * attn_time), cp_total=cp_fwd + cp_bwd,
+                      act_bytes=act, work_bytes=full_bytes if recompute == "full" else 0.0)
+
+
+@dataclass(slots=True)
 class ChunkCosts:
     """Seconds per micro-batch on one chunk, split by cause, and its bytes."""
 
@@ -354,22 +424,25 @@ class ChunkCosts:
     recompute: float = 0.0
     """The part of backward_compute that repeats forward work."""
     tp_forward: float = 0.0
-    """Exposed tensor-parallel communication (forward and its recomputation)."""
+    """Exposed tensor-parallel communication (forward)."""
     tp_backward: float = 0.0
+    """Exposed tensor-parallel communication (backward and recomputed forward)."""
+    tp_hidden: float = 0.0
     cp_forward: float = 0.0
     """Exposed context-parallel ring communication."""
     cp_backward: float = 0.0
     cp_hidden: float = 0.0
-    tp_hidden: float = 0.0
     params: float = 0.0
     """Parameters held per tensor-parallel rank."""
     tensors: int = 0
     act_bytes: float = 0.0
     """Activation bytes kept per micro-batch in flight."""
     work_bytes: float = 0.0
-    """Transient bytes while this chunk runs (a recomputed layer's full activations)."""
+    """Transient bytes while this chunk runs (a recomputed block's full activations)."""
+    dp_total: float = 0.0
+    """Seconds of this chunk's gradient reduction (ZeRO-3: with its parameter all-gathers)."""
     dp_reduce: float = 0.0
-    """Seconds of this chunk's gradient reduction."""
+    """The part of dp_total left after the chunk's last backward (what the simulator sees)."""
 
     @property
     def forward(self) -> float:
@@ -381,150 +454,168 @@ class ChunkCosts:
 
 
 @dataclass
+class RankState:
+    """Model-state bytes of one pipeline rank and its optimizer step time."""
+
+    params: float
+    grads: float
+    optimizer: float
+    zero3_buffer: float
+    optimizer_time: float
+
+
+@dataclass
 class LayoutCosts:
     """Everything about a layout that does not need the schedule's timing."""
 
     chunks: list[ChunkCosts]
+    """Per chunk; chunk c runs on pipeline rank c mod p. Middle chunks share one object."""
+    ranks: dict[int, RankState]
+    """Model state of the distinct pipeline ranks: 0 (embedding), p−1 (head), 1 (all others
+    hold the same)."""
     p2p_latency: float
     p2p_bytes: float
     p2p_bandwidth: float
     dp_overlap: bool
     optimizer_time: float
+    """The slowest rank's optimizer step."""
     dp_time: float
-    """Total data-parallel communication seconds per step (all chunks of one rank)."""
-    state_bytes: dict[str, list[float]] = field(default_factory=dict)
-    """Per pipeline rank: params, grads, optimizer, zero3-buffer bytes."""
+    """Data-parallel communication seconds per step on one rank (all its chunks)."""
 
 
 def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
-    spec, hw = w.model, w.hardware
-    pb, gb, ob, e = w.bytes
-    t, cp, b, s = L.tp, L.cp, L.micro_batch, w.seq_len
+    chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
+        w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
+        L.sequence_parallel, L.zero == 3)
     n_chunks = L.pp * L.virtual
-    per_chunk_layers = spec.layers // n_chunks
-    tp_link = group_link(hw, t)
-    cp_link = group_link(hw, t * cp)
-    dp_group = L.dp * cp
-    dp_link = group_link(hw, t * cp * L.dp)
+    ranks = {}
+    for r in sorted({0, min(1, L.pp - 1), L.pp - 1}):
+        mine = [chunks[c] for c in range(r, n_chunks, L.pp)]
+        ranks[r] = _rank_state(w, L, sum(ch.params for ch in mine),
+                               sum(ch.tensors for ch in mine))
+    dp_time = max(sum(chunks[c].dp_total for c in range(r, n_chunks, L.pp)) for r in ranks)
+    return LayoutCosts(chunks=chunks, ranks=ranks, p2p_latency=p2p_latency,
+                       p2p_bytes=p2p_bytes, p2p_bandwidth=p2p_bandwidth,
+                       dp_overlap=w.hardware.dp_overlap > 0,
+                       optimizer_time=max(rs.optimizer_time for rs in ranks.values()),
+                       dp_time=dp_time)
 
-    # -- one block, one micro-batch, this rank ----------------------------------------------
-    mm, attn = layer_forward_flops(spec, b, s, cp)
-    mm_time = mm / t / hw.matmul_flops
-    attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
-    full_bytes = layer_activation_bytes(spec, b, s, t, L.sequence_parallel, "none",
-                                        w.flash_attention, cp, e)
-    score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, L.sequence_parallel,
-                                                      "selective", w.flash_attention, cp, e)
-    mem_time = ELEMENTWISE_PASSES * full_bytes / hw.memory_bw
-    ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
-    fwd = mm_time + attn_time + mem_time + ops_time
-    bwd = 2 * fwd
-    recompute = {"none": 0.0,
-                 "selective": attn_time + ELEMENTWISE_PASSES * score_bytes / hw.memory_bw,
-                 "full": fwd}[L.recompute]
-    # Tensor parallel: 2 all-reduces forward, 2 backward (or all-gather + reduce-scatter pairs
-    # with sequence parallelism: the same volume), 2 more when the forward is recomputed.
-    act_tensor = e * b * (s // cp) * spec.hidden
-    if L.sequence_parallel:
-        one = 2 * allgather_time(act_tensor, t, tp_link)
-    else:
-        one = allreduce_time(act_tensor, t, tp_link)
-    tp_fwd_total = 2 * one
-    tp_bwd_total = 2 * one + (2 * one if L.recompute == "full" else 0.0)
+
+@lru_cache(maxsize=65536)
+def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
+                 recompute: str, sp: bool, zero3: bool
+                 ) -> tuple[list[ChunkCosts], float, float, float]:
+    """Per-chunk costs (shared by ZeRO stages 0-2, which move the same volume) and the
+    point-to-point latency, bytes and bandwidth. The chunks are read-only."""
+    spec, hw = w.model, w.hardware
+    e = w.bytes[3]
+    gb = w.bytes[1]
+    s = w.seq_len
+    L = Layout(dp=dp, tp=t, pp=pp, cp=cp, virtual=v, micro_batch=b, recompute=recompute,
+               sequence_parallel=sp, zero=3 if zero3 else 0,
+               schedule="interleaved" if v > 1 else "1f1b")
+    n_chunks = L.pp * L.virtual
+    nl = spec.layers // n_chunks
+    blk = block_costs(w, t, cp, b, L.sequence_parallel, L.recompute)
     keep = 1.0 - w.tp_overlap
-    # Context parallel ring: c−1 steps passing K and V forward; K, V, dK, dV backward.
-    kv_block = 2 * e * b * (s // cp) * spec.kv_dim / min(t, spec.kv_heads)
-    cp_fwd_comm = (cp - 1) * (cp_link.alpha + kv_block * cp_link.beta) if cp > 1 else 0.0
-    cp_bwd_comm = 2 * cp_fwd_comm
-    cp_fwd_exposed = max(0.0, cp_fwd_comm - attn_time)
-    cp_bwd_exposed = max(0.0, cp_bwd_comm - 2 * attn_time)
 
-    act_layer = layer_activation_bytes(spec, b, s, t, L.sequence_parallel, L.recompute,
-                                       w.flash_attention, cp, e)
-    work = full_bytes if L.recompute == "full" else 0.0
+    def middle() -> ChunkCosts:
+        return ChunkCosts(
+            forward_compute=nl * blk.forward, recompute=nl * blk.recompute,
+            backward_compute=nl * (blk.backward + blk.recompute),
+            tp_forward=nl * blk.tp_forward * keep, tp_backward=nl * blk.tp_backward * keep,
+            tp_hidden=nl * (blk.tp_forward + blk.tp_backward) * w.tp_overlap,
+            cp_forward=nl * blk.cp_forward, cp_backward=nl * blk.cp_backward,
+            cp_hidden=nl * (blk.cp_total - blk.cp_forward - blk.cp_backward),
+            params=nl * spec.layer_params / t, tensors=nl * _layer_tensors(spec),
+            act_bytes=nl * blk.act_bytes, work_bytes=blk.work_bytes)
 
-    # -- embedding (chunk 0) and head (last chunk) ----------------------------------------------
+    # Embedding on chunk 0 (a gather: memory-bound) and final norm, LM head and fp32 logits
+    # for the loss on the last chunk (Korthikanti et al. §4.3).
     tokens = b * (s // cp)
-    head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
-    logits_bytes = 4 * tokens * spec.vocab_size / t  # fp32 logits for the loss
-    head_mem = ELEMENTWISE_PASSES * logits_bytes / hw.memory_bw
-    head_act = logits_bytes + 2 * e * tokens * spec.hidden / (t if L.sequence_parallel else 1)
+    split = t if L.sequence_parallel else 1
+    first, last = middle(), middle()
     embed_mem = ELEMENTWISE_PASSES * e * tokens * spec.hidden / hw.memory_bw
-    embed_act = (tokens * spec.hidden if spec.dropout else 0) / (
-        t if L.sequence_parallel else 1)
-
-    layer_tensors = (4 + spec.mlp_matrices) * (2 if spec.bias else 1) + 2 * (
-        2 if spec.norm == "layernorm" else 1)
-    chunks = []
-    for c in range(n_chunks):
-        ch = ChunkCosts()
-        nl = per_chunk_layers
-        ch.forward_compute = nl * fwd
-        ch.recompute = nl * recompute
-        ch.backward_compute = nl * (bwd + recompute)
-        ch.tp_forward = nl * tp_fwd_total * keep
-        ch.tp_backward = nl * tp_bwd_total * keep
-        ch.tp_hidden = nl * (tp_fwd_total + tp_bwd_total) * w.tp_overlap
-        ch.cp_forward = nl * cp_fwd_exposed
-        ch.cp_backward = nl * cp_bwd_exposed
-        ch.cp_hidden = nl * (cp_fwd_comm + cp_bwd_comm) - ch.cp_forward - ch.cp_backward
-        ch.params = nl * spec.layer_params / t
-        ch.tensors = nl * layer_tensors
-        ch.act_bytes = nl * act_layer
-        ch.work_bytes = work
-        if c == 0:
-            ch.forward_compute += embed_mem
-            ch.backward_compute += 2 * embed_mem
-            ch.params += spec.embedding_params / t
-            ch.tensors += 2 if spec.learned_positions else 1
-            ch.act_bytes += embed_act
-        if c == n_chunks - 1:
-            ch.forward_compute += head_mm + head_mem
-            ch.backward_compute += 2 * (head_mm + head_mem)
-            # A tied head on another rank than the embedding keeps its own copy.
-            tied_copy = spec.tied_embeddings and n_chunks > 1 and L.pp > 1
-            ch.params += spec.head_params / t + (
-                spec.vocab_size * spec.hidden / t if tied_copy else 0)
-            ch.tensors += 2
-            ch.act_bytes += head_act
-        chunks.append(ch)
+    first.forward_compute += embed_mem
+    first.backward_compute += 2 * embed_mem
+    first.params += spec.embedding_params / t
+    first.tensors += 2 if spec.learned_positions else 1
+    first.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
+    head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
+    logits_bytes = 4 * tokens * spec.vocab_size / t
+    head = head_mm + ELEMENTWISE_PASSES * logits_bytes / hw.memory_bw
+    last.forward_compute += head
+    last.backward_compute += 2 * head
+    # A tied head on another rank than the embedding keeps its own copy of the matrix.
+    tied_copy = spec.tied_embeddings and L.pp > 1
+    last.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
+    last.tensors += 2
+    last.act_bytes += logits_bytes + 2 * e * tokens * spec.hidden / split
+    if n_chunks == 1:
+        only = last
+        only.forward_compute += embed_mem
+        only.backward_compute += 2 * embed_mem
+        only.params += spec.embedding_params / t
+        only.tensors += first.tensors - middle().tensors
+        only.act_bytes += first.act_bytes - middle().act_bytes
+        distinct = [only]
+        chunks = [only]
+    else:
+        mid = middle()
+        distinct = [first, mid, last]
+        chunks = [first] + [mid] * (n_chunks - 2) + [last]
 
     # -- data parallel: each chunk's gradients, reduced once per step ---------------------------
+    # Bucketed DDP starts reducing a bucket as soon as its gradients are complete, during the
+    # chunk's last backward; only what does not fit behind that backward (at least the last
+    # bucket) is left for the simulator's per-rank reduction channel, which overlaps it with
+    # the rank's other chunks. ZeRO-3's extra parameter all-gather hides behind the forward.
+    dp_group = L.dp * cp
+    dp_link = group_link(hw, t * cp * L.dp)
     volume = 1.5 if L.zero == 3 else 1.0
-    for ch in chunks:
-        ch.dp_reduce = volume * allreduce_time(gb * ch.params, dp_group, dp_link)
-    dp_time = sum(ch.dp_reduce for ch in chunks) / L.pp
+    for ch in distinct:
+        total = volume * allreduce_time(gb * ch.params, dp_group, dp_link)
+        last_bucket = allreduce_time(min(gb * ch.params, w.bucket_mb * 2**20), dp_group,
+                                     dp_link)
+        window = hw.dp_overlap * (ch.backward + (ch.forward if L.zero == 3 else 0.0))
+        ch.dp_total = total
+        ch.dp_reduce = total if hw.dp_overlap == 0 else max(total - window,
+                                                             min(total, last_bucket))
 
     # -- pipeline point-to-point ------------------------------------------------------------
+    act_tensor = e * tokens * spec.hidden
     p2p_bytes = float(act_tensor)
     p2p_latency = 0.0
-    pp_span = t * cp * L.dp * L.pp
-    pp_link = group_link(hw, pp_span)
+    tp_link = group_link(hw, t)
+    pp_link = group_link(hw, t * cp * L.dp * L.pp)
     if L.pp > 1 and t > 1 and (w.scatter_gather or L.sequence_parallel):
         p2p_bytes /= t
         if not L.sequence_parallel:  # gather the full activation back on the fast link
             p2p_latency += allgather_time(act_tensor, t, tp_link)
     p2p_latency += pp_link.alpha if L.pp > 1 else 0.0
+    return chunks, p2p_latency, p2p_bytes, pp_link.bandwidth
 
-    # -- model state per pipeline rank and the optimizer step -----------------------------------
-    shard = dp_group
-    state: dict[str, list[float]] = {k: [0.0] * L.pp for k in ("params", "grads", "optimizer",
-                                                               "zero3_buffer")}
-    opt_time = 0.0
-    for r in range(L.pp):
-        params_r = sum(ch.params for i, ch in enumerate(chunks) if i % L.pp == r)
-        tensors_r = sum(ch.tensors for i, ch in enumerate(chunks) if i % L.pp == r)
-        state["params"][r] = pb * params_r / (shard if L.zero >= 3 else 1)
-        state["grads"][r] = gb * params_r / (shard if L.zero >= 2 else 1)
-        state["optimizer"][r] = ob * params_r / (shard if L.zero >= 1 else 1)
-        if L.zero >= 3:  # two blocks gathered at a time (one computing, one prefetched)
-            state["zero3_buffer"][r] = 2 * pb * spec.layer_params / t
-        stepped = params_r / (shard if L.zero >= 1 else 1)
-        # Adam reads and writes its states, reads the gradient, writes the parameter.
-        traffic = stepped * (2 * ob + gb + 2 * pb)
-        t_r = traffic / hw.memory_bw + tensors_r * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
-        opt_time = max(opt_time, t_r)
-    return LayoutCosts(chunks=chunks, p2p_latency=p2p_latency, p2p_bytes=p2p_bytes,
-                       p2p_bandwidth=pp_link.bandwidth, dp_overlap=hw.dp_overlap > 0,
-                       optimizer_time=opt_time, dp_time=dp_time, state_bytes=state)
+
+def _layer_tensors(spec: ModelSpec) -> int:
+    matrices = 4 + spec.mlp_matrices
+    return matrices * (2 if spec.bias else 1) + 2 * (2 if spec.norm == "layernorm" else 1)
+
+
+def _rank_state(w: Workload, L: Layout, params: float, tensors: int) -> RankState:
+    """ZeRO (Rajbhandari et al. 2020 §5): stage 1 shards optimizer state over the dp·cp ranks
+    that hold the same parameters, stage 2 also gradients, stage 3 also parameters, which
+    are then gathered two blocks at a time (one computing, one prefetched)."""
+    pb, gb, ob, _ = w.bytes
+    shard = L.dp * L.cp
+    stepped = params / (shard if L.zero >= 1 else 1)
+    # Adam reads and writes its states, reads the gradient, writes the parameter.
+    traffic = stepped * (2 * ob + gb + 2 * pb)
+    hw = w.hardware
+    opt_time = traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
+    return RankState(
+        params=pb * params / (shard if L.zero >= 3 else 1),
+        grads=gb * params / (shard if L.zero >= 2 else 1),
+        optimizer=ob * stepped,
+        zero3_buffer=2 * pb * w.model.layer_params / L.tp if L.zero >= 3 else 0.0,
+        optimizer_time=opt_time)

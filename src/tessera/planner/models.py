@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    @property
+    @cached_property
     def kv_dim(self) -> int:
         """Width of the key (or value) projection: kv_heads · head size."""
         return self.kv_heads * self.head_dim
@@ -99,13 +100,13 @@ class ModelSpec:
         return 3 if self.mlp == "swiglu" else 2
 
     # -- parameter counts -----------------------------------------------------------------------
-    @property
+    @cached_property
     def layer_matmul_params(self) -> int:
         """Weights of one block's matrix multiplies: Q, K, V, output projection and the MLP."""
         h, f = self.hidden, self.ffn_hidden
         return h * (h + 2 * self.kv_dim) + h * h + self.mlp_matrices * h * f
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         """All parameters of one block: matrices, biases and the two norms."""
         h, f = self.hidden, self.ffn_hidden
@@ -113,19 +114,19 @@ class ModelSpec:
         norms = 2 * (2 * h if self.norm == "layernorm" else h)
         return self.layer_matmul_params + bias + norms
 
-    @property
+    @cached_property
     def embedding_params(self) -> int:
         """Token embedding, plus learned positions when the model has them."""
         return self.vocab_size * self.hidden + (
             self.max_seq_len * self.hidden if self.learned_positions else 0)
 
-    @property
+    @cached_property
     def head_params(self) -> int:
         """The LM head's own weights (0 when tied to the embedding) and the final norm."""
         norm = 2 * self.hidden if self.norm == "layernorm" else self.hidden
         return norm + (0 if self.tied_embeddings else self.vocab_size * self.hidden)
 
-    @property
+    @cached_property
     def param_count(self) -> int:
         """Total parameters N (each tied matrix counted once)."""
         return self.layers * self.layer_params + self.embedding_params + self.head_params
