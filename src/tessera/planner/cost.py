@@ -345,8 +345,22 @@ def allgather_time(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
 
 
-def group_link(hw: Hardware, span: int) -> Link:
-    """The link a group uses: intra-node when its `span` consecutive ranks fit in a node."""
+def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
+    """The link a collective uses over a group of ranks `stride` apart spanning `span` ranks.
+
+    Intra-node when the span fits in a node. Across nodes NCCL runs one ring per network
+    adapter, so a group with k members in each node drives k adapters in parallel: bandwidth
+    min(intra-node, k · inter-node per GPU), k = node size / stride (at least 1)."""
+    if span <= hw.gpus_per_node:
+        return hw.link(intra_node=True)
+    per_node = max(1, hw.gpus_per_node // stride)
+    inter, intra = hw.link(intra_node=False), hw.link(intra_node=True)
+    return Link(alpha=inter.alpha, bandwidth=min(intra.bandwidth, per_node * inter.bandwidth))
+
+
+def p2p_link(hw: Hardware, span: int) -> Link:
+    """A point-to-point transfer between ranks of a group spanning `span` ranks: each GPU sends
+    through its own adapter when the group leaves the node."""
     return hw.link(intra_node=span <= hw.gpus_per_node)
 
 
@@ -382,7 +396,7 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) 
     spec, hw = w.model, w.hardware
     e = w.bytes[3]
     s = w.seq_len
-    tp_link, cp_link = group_link(hw, t), group_link(hw, t * cp)
+    tp_link, cp_link = group_link(hw, t), p2p_link(hw, t * cp)
     mm, attn = layer_forward_flops(spec, b, s, cp)
     mm_time = mm / t / hw.matmul_flops
     attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
@@ -432,6 +446,11 @@ class ChunkCosts:
     """Exposed context-parallel ring communication."""
     cp_backward: float = 0.0
     cp_hidden: float = 0.0
+    zero_forward: float = 0.0
+    """ZeRO-3's parameter all-gather before each forward, the part not hidden by it."""
+    zero_backward: float = 0.0
+    """ZeRO-2/3's per-micro-batch gradient reduce-scatter (ZeRO-3: and parameter all-gather)
+    during each backward, the part not hidden by it."""
     params: float = 0.0
     """Parameters held per tensor-parallel rank."""
     tensors: int = 0
@@ -446,11 +465,11 @@ class ChunkCosts:
 
     @property
     def forward(self) -> float:
-        return self.forward_compute + self.tp_forward + self.cp_forward
+        return self.forward_compute + self.tp_forward + self.cp_forward + self.zero_forward
 
     @property
     def backward(self) -> float:
-        return self.backward_compute + self.tp_backward + self.cp_backward
+        return self.backward_compute + self.tp_backward + self.cp_backward + self.zero_backward
 
 
 @dataclass
@@ -487,7 +506,7 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
-        L.sequence_parallel, L.zero == 3)
+        L.sequence_parallel, L.zero)
     n_chunks = L.pp * L.virtual
     ranks = {}
     for r in sorted({0, min(1, L.pp - 1), L.pp - 1}):
@@ -504,16 +523,16 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
 
 @lru_cache(maxsize=65536)
 def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
-                 recompute: str, sp: bool, zero3: bool
+                 recompute: str, sp: bool, zero: int
                  ) -> tuple[list[ChunkCosts], float, float, float]:
-    """Per-chunk costs (shared by ZeRO stages 0-2, which move the same volume) and the
-    point-to-point latency, bytes and bandwidth. The chunks are read-only."""
+    """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
+    asks for the same chunks under many layouts; the returned chunks are read-only)."""
     spec, hw = w.model, w.hardware
     e = w.bytes[3]
     gb = w.bytes[1]
     s = w.seq_len
     L = Layout(dp=dp, tp=t, pp=pp, cp=cp, virtual=v, micro_batch=b, recompute=recompute,
-               sequence_parallel=sp, zero=3 if zero3 else 0,
+               sequence_parallel=sp, zero=zero,
                schedule="interleaved" if v > 1 else "1f1b")
     n_chunks = L.pp * L.virtual
     nl = spec.layers // n_chunks
@@ -566,29 +585,50 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         distinct = [first, mid, last]
         chunks = [first] + [mid] * (n_chunks - 2) + [last]
 
-    # -- data parallel: each chunk's gradients, reduced once per step ---------------------------
-    # Bucketed DDP starts reducing a bucket as soon as its gradients are complete, during the
-    # chunk's last backward; only what does not fit behind that backward (at least the last
-    # bucket) is left for the simulator's per-rank reduction channel, which overlaps it with
-    # the rank's other chunks. ZeRO-3's extra parameter all-gather hides behind the forward.
+    # -- data parallel --------------------------------------------------------------------------
+    # ZeRO-0/1: gradients accumulate locally over the m micro-batches and are all-reduced (ZeRO-1:
+    # reduce-scattered, parameters all-gathered after the step: the same volume) once. Bucketed
+    # DDP starts a bucket as soon as its gradients are complete, during the chunk's last
+    # backward; what does not fit behind that backward (at least the last bucket) is left for
+    # the simulator's per-rank reduction channel, which overlaps it with the rank's other
+    # chunks. ZeRO-2 keeps only a shard of the gradients, so every micro-batch reduce-scatters
+    # during its backward; ZeRO-3 also all-gathers the parameters before every forward and
+    # again for the backward (Rajbhandari et al. §7: 1.5x the volume of DP when m = 1).
     dp_group = L.dp * cp
-    dp_link = group_link(hw, t * cp * L.dp)
-    volume = 1.5 if L.zero == 3 else 1.0
+    dp_link = group_link(hw, t * cp * L.dp, stride=t * cp)
+    m = w.global_batch // (L.dp * b)
+    ovl = hw.dp_overlap
+    pb = w.bytes[0]
     for ch in distinct:
-        total = volume * allreduce_time(gb * ch.params, dp_group, dp_link)
-        last_bucket = allreduce_time(min(gb * ch.params, w.bucket_mb * 2**20), dp_group,
-                                     dp_link)
-        window = hw.dp_overlap * (ch.backward + (ch.forward if L.zero == 3 else 0.0))
-        ch.dp_total = total
-        ch.dp_reduce = total if hw.dp_overlap == 0 else max(total - window,
-                                                             min(total, last_bucket))
+        grads, weights = gb * ch.params, pb * ch.params
+        bucket = min(grads, w.bucket_mb * 2**20)
+        if L.zero <= 1:
+            total = allreduce_time(grads, dp_group, dp_link) if L.zero == 0 else (
+                allgather_time(grads, dp_group, dp_link)
+                + allgather_time(weights, dp_group, dp_link))
+            ch.dp_total = total
+            last_bucket = allreduce_time(bucket, dp_group, dp_link)
+            ch.dp_reduce = total if ovl == 0 else max(total - ovl * ch.backward,
+                                                       min(total, last_bucket))
+        else:
+            rs = allgather_time(grads, dp_group, dp_link)  # a reduce-scatter moves the same
+            ag = allgather_time(weights, dp_group, dp_link)
+            if L.zero == 2:
+                ch.zero_backward = max(0.0, rs - ovl * ch.backward)
+                ch.dp_reduce = ag  # the parameters, gathered once after the step
+                ch.dp_total = m * rs + ag
+            else:
+                ch.zero_forward = max(0.0, ag - ovl * ch.forward)
+                ch.zero_backward = max(0.0, ag + rs - ovl * ch.backward)
+                ch.dp_reduce = min(rs, allgather_time(bucket, dp_group, dp_link)) if ovl else 0.0
+                ch.dp_total = m * (2 * ag + rs)
 
     # -- pipeline point-to-point ------------------------------------------------------------
     act_tensor = e * tokens * spec.hidden
     p2p_bytes = float(act_tensor)
     p2p_latency = 0.0
     tp_link = group_link(hw, t)
-    pp_link = group_link(hw, t * cp * L.dp * L.pp)
+    pp_link = p2p_link(hw, t * cp * L.dp * L.pp)
     if L.pp > 1 and t > 1 and (w.scatter_gather or L.sequence_parallel):
         p2p_bytes /= t
         if not L.sequence_parallel:  # gather the full activation back on the fast link

@@ -142,11 +142,12 @@ class Estimate:
         recompute = m * sum(c.recompute for c in ch)
         tp = m * sum(c.tp_forward + c.tp_backward for c in ch)
         cp = m * sum(c.cp_forward + c.cp_backward for c in ch)
+        zero = m * sum(c.zero_forward + c.zero_backward for c in ch)
         dp_total = sum(self.costs.chunks[c].dp_total for c in ranks)
         return {
             "compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp,
-            "bubble": self.makespan - self.busy, "dp_exposed": self.exposed_dp,
-            "dp_hidden": max(0.0, dp_total - self.exposed_dp),
+            "bubble": self.makespan - self.busy, "dp_exposed": self.exposed_dp + zero,
+            "dp_hidden": max(0.0, dp_total - self.exposed_dp - zero),
             "tp_hidden": m * sum(c.tp_hidden for c in ch),
             "cp_hidden": m * sum(c.cp_hidden for c in ch),
             "optimizer": self.costs.optimizer_time,
