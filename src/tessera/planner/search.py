@@ -256,7 +256,7 @@ def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
 def pipeline_comm_exposed(est: Estimate) -> float:
     """Seconds the point-to-point transfers add to the step: the simulated makespan with them
     minus without them (two simulations; used by --explain)."""
-    free = Estimate(**{**est.__dict__})
+    free = replace(est)
     run_simulation(free, with_p2p=False)
     return max(0.0, est.makespan - free.makespan)
 
