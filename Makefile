@@ -17,10 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-$(DATA)/manifest.json: | $(STAMP)
-	$(VENV)/bin/tessera data prepare --source stdlib --out $(DATA)
-
-demo: $(STAMP) $(DATA)/manifest.json
+demo: $(STAMP)
 	$(VENV)/bin/tessera data prepare --source stdlib --out $(DATA) --if-missing
 	$(VENV)/bin/tessera train --preset demo --nproc $(NPROC) --data $(DATA) --out runs/demo
 

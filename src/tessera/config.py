@@ -109,7 +109,7 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: the sequence split across cp ranks inside attention."""
     ep: int = 1
-    """Expert-parallel degree for mixture-of-experts; experts are spread over blocks of the dp axis."""
+    """Expert-parallel degree (mixture-of-experts); experts spread over blocks of the dp axis."""
     zero_stage: int = 0
     """ZeRO stage: 0 plain DP, 1 shards optimizer state, 2 also gradients, 3 also parameters."""
     dp_mode: str = "allreduce"
@@ -150,7 +150,7 @@ class ParallelConfig:
         _require(not (self.zero_stage > 0 and self.dp_mode != "allreduce"), "parallel.zero_stage",
                  self.zero_stage, f"needs parallel.dp_mode='allreduce', not {self.dp_mode!r}")
         _require(self.dp_mode == "allreduce" or self.dp >= 2, "parallel.dp_mode", self.dp_mode,
-                 f"a parameter server needs parallel.dp >= 2 (one server and workers), got {self.dp}")
+                 f"a parameter server needs parallel.dp >= 2 (server and workers), got {self.dp}")
         _require(self.virtual_stages == 1 or self.schedule in ("interleaved", "bfs"),
                  "parallel.virtual_stages", self.virtual_stages,
                  f"needs schedule interleaved or bfs, not {self.schedule!r}")
@@ -252,16 +252,11 @@ class Config:
     def validate(self, world_size: int | None = None) -> Config:
         """Check the rules that tie sections together; call on every rank before any collective."""
         m, p, d = self.model, self.parallel, self.data
-        if world_size is not None:
-            _require(p.world_size == world_size, "parallel", f"dp={p.dp} tp={p.tp} pp={p.pp} "
-                     f"cp={p.cp}", f"dp*tp*pp*cp={p.world_size} must equal the world size "
-                     f"{world_size}")
         _require(m.n_heads % p.tp == 0, "parallel.tp", p.tp,
                  f"must divide model.n_heads={m.n_heads}")
         _require(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
                  f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it")
-        _require(m.d_model % p.tp == 0, "parallel.tp", p.tp,
-                 f"must divide model.d_model={m.d_model}")
+        # tp | n_heads and n_heads | d_model already give tp | d_model.
         _require(m.ffn_hidden % p.tp == 0, "parallel.tp", p.tp,
                  f"must divide model.ffn_hidden={m.ffn_hidden}")
         _require(not p.sequence_parallel or d.seq_len % p.tp == 0, "data.seq_len", d.seq_len,
@@ -276,6 +271,11 @@ class Config:
         if p.pp > 1 and p.schedule == "interleaved":
             _require(self.train.grad_accum % p.pp == 0, "train.grad_accum", self.train.grad_accum,
                      f"interleaved 1F1B needs micro-batches a multiple of parallel.pp={p.pp}")
+        # Last: a layout that cannot split the model is the more useful message.
+        if world_size is not None:
+            _require(p.world_size == world_size, "parallel", f"dp={p.dp} tp={p.tp} pp={p.pp} "
+                     f"cp={p.cp}", f"dp*tp*pp*cp={p.world_size} must equal the world size "
+                     f"{world_size}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -336,11 +336,12 @@ def _build(raw: dict[str, dict[str, Any]]) -> Config:
     sections = {}
     for name, cls in _SECTIONS.items():
         values = raw.get(name, {})
-        known = {f.name for f in fields(cls)}
+        known = {f.name: f.type for f in fields(cls)}
         for key in values:
             _require(key in known, f"{name}.{key}", values[key],
                      f"unknown field; known: {', '.join(sorted(known))}")
-        sections[name] = cls(**values)
+        sections[name] = cls(**{k: _coerce(f"{name}.{k}", str(known[k]), v)
+                                for k, v in values.items()})
     return Config(**sections)
 
 
@@ -350,7 +351,30 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     section, dot, name = key.strip().partition(".")
     _require(bool(sep) and bool(dot) and bool(name), "--set", text,
              "must look like section.field=value, e.g. train.lr=1e-3")
-    return section, name, yaml.safe_load(value) if value.strip() else ""
+    value = value.strip()
+    for convert in (int, float):
+        try:
+            return section, name, convert(value)
+        except ValueError:
+            continue
+    return section, name, yaml.safe_load(value) if value else ""
+
+
+def _coerce(name: str, annotation: str, value: Any) -> Any:
+    """Check a value read from a file or --set against the field's annotation."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None and "None" in kinds:
+        return None
+    if "bool" in kinds:
+        _require(isinstance(value, bool), name, value, "must be true or false")
+        return value
+    if "int" in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if "float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if "str" in kinds and isinstance(value, str):
+        return value
+    _require(False, name, value, f"must be of type {annotation}")
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

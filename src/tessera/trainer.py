@@ -7,6 +7,7 @@ hides how the model is split, so this file never mentions a process group except
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -113,6 +114,14 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     peak = cfg.train.peak_tflops or device_peak_tflops(device)
     result = RunResult(steps=cfg.train.steps, final_loss=float("nan"))
     step_times: list[float] = []
+
+    # Validation before the first step shows where the loss starts (~ln V for a fresh model).
+    val0 = evaluate(engine, cfg, dataset, topo)
+    result.val_losses.append((0, val0))
+    logger.log({"step": 0, "val_loss": val0})
+    if rank0:
+        print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
+              f"{math.log(cfg.model.vocab_size):.4f})", flush=True)
 
     bar = tqdm(range(cfg.train.steps), disable=not (rank0 and progress), unit="step",
                dynamic_ncols=True)

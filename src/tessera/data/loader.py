@@ -1,0 +1,172 @@
+"""Deterministic, resumable batches from prepared token shards, sharded by data-parallel rank.
+
+The global batch of optimizer step k is a function of (seed, k) alone: `G = dp·accum·mbs`
+window starts drawn uniformly from the train split by a generator seeded with (seed, k). Rank r
+of the data-parallel group takes windows [r·accum·mbs, (r+1)·accum·mbs) and cuts them into
+`accum` micro-batches. So N ranks see exactly the windows one process would see with N times
+the accumulation, in the same order: the property every data-parallel parity test relies on.
+The loader's whole position is the step number, saved and restored with the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tessera.data.prepare import FORMAT, VERSION
+
+
+class DataError(ValueError):
+    """A prepared data directory or shard is missing, malformed or corrupt. Names the path."""
+
+
+def _read_manifest(root: Path) -> dict:
+    path = root / "manifest.json"
+    if not root.is_dir():
+        raise DataError(f"{root}: data directory not found (run `tessera data prepare` first)")
+    if not path.is_file():
+        raise DataError(f"{path}: manifest missing; is {root} a prepared data directory?")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{path}: not a tessera token manifest")
+    if manifest.get("version") != VERSION:
+        raise DataError(f"{path}: version {manifest.get('version')!r}, expected {VERSION}")
+    for key in ("dtype", "vocab_size", "splits"):
+        if key not in manifest:
+            raise DataError(f"{path}: field {key!r} missing")
+    return manifest
+
+
+class TokenSplit:
+    """One split's shards, memory-mapped and checked (size and SHA-256) before use."""
+
+    def __init__(self, root: Path, entries: list[dict], dtype: np.dtype, verify: bool = True):
+        self.shards: list[np.ndarray] = []
+        for entry in entries:
+            path = root / entry["file"]
+            if not path.is_file():
+                raise DataError(f"{path}: shard missing")
+            expected = int(entry["tokens"]) * dtype.itemsize
+            if path.stat().st_size != expected:
+                raise DataError(f"{path}: {path.stat().st_size} bytes, manifest says {expected}"
+                                " (truncated or foreign file)")
+            if verify:
+                digest = hashlib.sha256()
+                with path.open("rb") as f:
+                    for block in iter(lambda: f.read(1 << 24), b""):
+                        digest.update(block)
+                if digest.hexdigest() != entry["sha256"]:
+                    raise DataError(f"{path}: checksum mismatch (file changed since prepare)")
+            self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
+        self.offsets = np.cumsum([0] + [s.size for s in self.shards])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) of the split, across shard boundaries if need be."""
+        out, pos = [], start
+        while pos < start + length:
+            i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+            local = pos - int(self.offsets[i])
+            take = min(start + length - pos, self.shards[i].size - local)
+            out.append(np.asarray(self.shards[i][local:local + take], dtype=np.int64))
+            pos += take
+        return np.concatenate(out)
+
+
+class TokenDataset:
+    """A prepared directory: its manifest and the train and val splits."""
+
+    def __init__(self, path: str | Path, verify: bool = True):
+        self.root = Path(path)
+        self.manifest = _read_manifest(self.root)
+        self.vocab_size = int(self.manifest["vocab_size"])
+        self.tokenizer = self.manifest.get("tokenizer", "byte")
+        try:
+            dtype = np.dtype(self.manifest["dtype"])
+        except TypeError as e:
+            raise DataError(f"{self.root / 'manifest.json'}: bad dtype "
+                            f"{self.manifest['dtype']!r}") from e
+        splits = self.manifest["splits"]
+        for name in ("train", "val"):
+            if name not in splits:
+                raise DataError(f"{self.root / 'manifest.json'}: split {name!r} missing")
+        self.train = TokenSplit(self.root, splits["train"], dtype, verify)
+        self.val = TokenSplit(self.root, splits["val"], dtype, verify)
+
+
+@dataclass
+class BatchLoader:
+    """Yields each optimizer step's micro-batches for one data-parallel rank."""
+
+    split: TokenSplit
+    seq_len: int
+    micro_batch_size: int
+    grad_accum: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.split) < self.seq_len + 2:
+            raise DataError(f"train split has {len(self.split)} tokens, fewer than one window "
+                            f"of seq_len+1={self.seq_len + 1}")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp_size * self.grad_accum * self.micro_batch_size
+
+    def starts(self, step: int) -> torch.Tensor:
+        """Window starts of the whole global batch of `step` (all ranks)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return torch.randint(0, len(self.split) - self.seq_len - 1, (self.global_batch_size,),
+                             generator=g)
+
+    def batch(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of `step`: `grad_accum` pairs of (inputs, targets), (mbs, T)."""
+        per_rank = self.grad_accum * self.micro_batch_size
+        mine = self.starts(step)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        rows = torch.from_numpy(np.stack([self.split.window(int(s), self.seq_len + 1)
+                                          for s in mine]))  # (per_rank, T+1)
+        return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch_size)]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"loader state has seed {state['seed']}, this run uses {self.seed}")
+        self.step = int(state["step"])
+
+
+def val_windows(split: TokenSplit, seq_len: int, n_tokens: int, batch_size: int, dp_rank: int = 0,
+                dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed non-overlapping validation windows covering >= n_tokens targets, dealt round-robin
+    to data-parallel ranks and batched. Raises if the split is too small."""
+    n_windows = math.ceil(n_tokens / seq_len)
+    n_windows += (-n_windows) % dp_size  # every rank scores the same number of windows
+    if n_windows * seq_len + 1 > len(split):
+        raise DataError(f"val split has {len(split)} tokens, fewer than the {n_tokens} asked "
+                        "for validation (data.val_tokens)")
+    mine = range(dp_rank, n_windows, dp_size)
+    rows = torch.from_numpy(np.stack([split.window(i * seq_len, seq_len + 1) for i in mine]))
+    return [(b[:, :-1], b[:, 1:]) for b in rows.split(batch_size)]
