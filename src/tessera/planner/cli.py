@@ -83,9 +83,9 @@ def plan(
     from tessera.planner.cost import Workload
     from tessera.planner.hardware import load_hardware
     from tessera.planner.models import load_model
-    from tessera.planner.report import describe_workload, explain as explain_plan
+    from tessera.planner.report import describe_workload, table, to_json
+    from tessera.planner.report import explain as explain_plan
     from tessera.planner.report import plot as plot_plan
-    from tessera.planner.report import table, to_json
     from tessera.planner.search import PlanError, SearchSpace, search
 
     try:

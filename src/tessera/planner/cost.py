@@ -249,7 +249,7 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     if w.global_batch % (L.dp * L.micro_batch):
         return f"dp*micro_batch={L.dp * L.micro_batch} must divide the global batch " \
                f"{w.global_batch}"
-    if spec.heads % L.tp or spec.ffn_hidden % L.tp or spec.vocab_size % L.tp and False:
+    if spec.heads % L.tp or spec.ffn_hidden % L.tp:
         return f"tp={L.tp} must divide heads={spec.heads} and ffn_hidden={spec.ffn_hidden}"
     if spec.kv_heads % L.tp and L.tp % spec.kv_heads:
         return f"tp={L.tp} must divide kv_heads={spec.kv_heads} or be a multiple of it"

@@ -30,11 +30,11 @@ User-defined hardware comes from a TOML or YAML file with the same field names, 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 
 from tessera.config import ConfigError

@@ -9,8 +9,9 @@ dropout (dropout masks are activations to store).
 The catalog holds
 
 - the tessera presets (``tiny``, ``demo``, ``gpt2-124m``, ``llama-1b``: ``tessera.config``);
-- the GPT-3 family (Brown et al. 2020, Table 2.1; the 13B row's d_model is printed as 5140,
-  which is not divisible by its 40 heads of 128: we use 40·128 = 5120);
+- the GPT-3 family (Brown et al. 2020, Table 2.1, vocabulary 50,257, context 2048). Two rows
+  are inconsistent as printed: XL's 24 heads of 128 do not make its d_model 2048 (we use 16
+  heads of 128) and 13B's d_model 5140 is not 40 heads of 128 (we use 5120);
 - the weak-scaling models of Megatron-LM (Narayanan et al. 2021, Table 1) with the layouts
   they were run with (micro-batch sizes and virtual stages from the paper's
   ``examples/sc21/run_table_1.sh``) and the throughput they reported;
@@ -23,12 +24,12 @@ config file (its ``model`` section, or a ``preset``).
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 
 from tessera.config import PRESETS, ConfigError, ModelConfig, make_config
@@ -204,7 +205,7 @@ MEGATRON_WEAK_SCALING: tuple[WeakScalingRow, ...] = (
 
 def _catalog() -> dict[str, ModelSpec]:
     out: dict[str, ModelSpec] = {}
-    for name, preset in PRESETS.items():
+    for name in PRESETS:
         cfg = make_config(name)
         out[name] = from_model_config(name, cfg.model, cfg.data.seq_len)
     for name, l_, h, a in (("gpt3-125m", 12, 768, 12), ("gpt3-350m", 24, 1024, 16),

@@ -11,8 +11,9 @@ schedule ``tessera.pipeline.schedules`` generates. Two facts keep the search fas
 2. *Step time grows linearly in m once the pipeline is in its steady state*: every p further
    micro-batches add the same time (the steady state of every schedule here repeats with
    period p). A schedule with more than ``EXACT_ACTIONS`` compute actions is therefore
-   simulated at m₁ ≡ m (mod p), the smallest such m₁ ≥ p, and at m₁ + p, and extrapolated
-   in steps of p. With equal per-chunk costs and free communication this is exact (the closed
+   simulated at m₁ ≡ m (mod p), the smallest such m₁ ≥ p (≥ 2p for breadth-first and
+   unknown schedules, whose transient is longer), and at m₁ + p, and extrapolated in steps
+   of p. With equal per-chunk costs and free communication this is exact (the closed
    forms hold at every m ≥ p); with the planner's cost structure (a heavier last chunk, p2p
    latency, data-parallel reductions) the tests bound the error against full simulations.
 
@@ -33,6 +34,10 @@ from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
 
 EXACT_ACTIONS = 3000
 """Largest schedule (compute actions, 2·p·v·m) simulated at its true m."""
+STEADY_AFTER_PERIODS = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved": 1}
+"""From how many periods of p micro-batches on a schedule is in its steady state. Breadth-first
+(and any schedule registered later) waits a period longer: its loops stall until the first
+micro-batch comes back around (tests/test_planner_search.py checks both)."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +111,11 @@ def _normalized(costs: StageCosts, n_chunks: int) -> tuple[float, tuple]:
 def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts) -> PipelineTiming:
     """Simulated timing of schedule `name` (p ranks, m micro-batches, v chunks per rank)."""
     scale, key = _normalized(costs, p * v)
-    if 2 * p * v * m <= EXACT_ACTIONS or m < 2 * p:
+    start = STEADY_AFTER_PERIODS.get(name, 2) * p
+    if 2 * p * v * m <= EXACT_ACTIONS or m < start + p:
         t = _simulate_normalized(name, p, m, v, key)
         return PipelineTiming(*(x * scale for x in t), simulated_m=(m,))
-    m1 = p + (m % p)
+    m1 = start + (m % p)
     k = (m - m1) // p
     t1 = _simulate_normalized(name, p, m1, v, key)
     t2 = _simulate_normalized(name, p, m1 + p, v, key)

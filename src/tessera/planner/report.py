@@ -25,7 +25,7 @@ def table(plan: Plan, tokens: float | None = None) -> str:
     """The ranked layouts as a fixed-width table."""
     head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'schedule':>13} {'b':>3} "
             f"{'m':>5} {'zero':>4} {'recomp':>9} {'sp':>3} {'step s':>9} {'tokens/s':>10} "
-            f"{'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'free GB':>7}")
+            f"{'HW TF/s':>8} {'MFU':>6} {'mem GB':>7} {'free GB':>7}")
     if tokens:
         head += f" {'days':>7}"
     lines = [head]
@@ -41,6 +41,10 @@ def table(plan: Plan, tokens: float | None = None) -> str:
             line += f" {e.days(tokens):>7.1f}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _model_tflops(e: Estimate) -> float:
+    return e.mfu * e.workload.hardware.peak_tflops
 
 
 def _num(x: float) -> str:
@@ -147,7 +151,8 @@ def _clean(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(plan: Plan, path: str | Path) -> Path:
-    """Predicted TFLOP/s per GPU of the ranked layouts against each parallel degree."""
+    """Predicted model TFLOP/s per GPU (MFU x peak: recomputation not counted, so higher is
+    always faster) of the ranked layouts against each parallel degree."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,21 +166,21 @@ def plot(plan: Plan, path: str | Path) -> Path:
     best = plan.best
     for ax, (key, label) in zip(grid.flat, axes_used, strict=False):
         xs = [getattr(e.layout, key) for e in plan.ranked]
-        ys = [e.tflops_per_gpu for e in plan.ranked]
+        ys = [_model_tflops(e) for e in plan.ranked]
         ax.scatter(xs, ys, s=18, alpha=0.6, color="tab:blue", label="top layouts")
         top: dict[int, float] = {}
         for x, y in zip(xs, ys, strict=True):
             top[x] = max(top.get(x, 0.0), y)
         keys = sorted(top)
         ax.plot(keys, [top[k] for k in keys], color="tab:blue", lw=1)
-        ax.scatter([getattr(best.layout, key)], [best.tflops_per_gpu], s=70, marker="*",
+        ax.scatter([getattr(best.layout, key)], [_model_tflops(best)], s=70, marker="*",
                    color="tab:red", zorder=3, label="best")
         if key != "zero" and max(keys) > 2 * max(1, min(keys)):
             ax.set_xscale("log", base=2)
         ax.set_xticks(keys)
         ax.set_xticklabels([str(k) for k in keys])
         ax.set_xlabel(label)
-        ax.set_ylabel("TFLOP/s per GPU")
+        ax.set_ylabel("model TFLOP/s per GPU")
         ax.grid(alpha=0.3)
     for ax in list(grid.flat)[len(axes_used):]:
         ax.axis("off")
