@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.pipeline.simulator import StageCosts
 from tessera.planner.cost import (
     Layout,
     Workload,
@@ -24,7 +25,6 @@ from tessera.planner.hardware import load_hardware
 from tessera.planner.models import MEGATRON_WEAK_SCALING, gpt, load_model
 from tessera.planner.pipeline import closed_form_bubble, time_pipeline
 from tessera.planner.search import estimate
-from tessera.pipeline.simulator import StageCosts
 
 
 def test_zero_paper_7_5b_model_state():

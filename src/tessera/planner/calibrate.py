@@ -1,5 +1,6 @@
 """Measure this machine and describe it as a :class:`~tessera.planner.hardware.Hardware`.
 
+Every rate is the best of several timed repeats (the machine may be shared with other jobs).
 What is measured, all with one thread per process (as each rank of ``tessera train`` runs on
 this 2-core machine) and in fp32 (what ``tessera train`` computes in on a CPU):
 
@@ -9,14 +10,21 @@ this 2-core machine) and in fp32 (what ``tessera train`` computes in on a CPU):
 - the attention rate: ``scaled_dot_product_attention`` forward and backward with the model's
   heads, causal, converted to the rate that makes the cost model's attention term (half the
   4·b·s²·h FLOPs for a causal kernel, backward twice the forward) reproduce the time;
-- memory bandwidth: a fused multiply-add over tensors the size of one block's activations;
+- memory bandwidth: a multiply-add streaming tensors as large as all the activations the
+  model keeps for backward (out of cache, as the backward reads them);
+- memory-bound passes: one block of tessera's reference model, forward and backward, timed at
+  the model's shapes; what the matmul and attention rates and the per-kernel overhead do not
+  explain is memory-bound traffic, expressed as passes over each stored activation byte
+  (``elementwise_passes``: 2 for fused GPU kernels; tessera's unfused RMSNorm and RoPE make
+  more);
 - the per-kernel overhead: the time of an elementwise op on a one-element tensor with autograd
   recording (dispatch, allocation, graph bookkeeping);
 - collective α and β over gloo: :func:`tessera.collectives.measure_alpha_beta` on ``ranks``
   processes started with :func:`tessera.testing.run_ranks` (ping-pong between two ranks, fit
   of ``t = α + n·β``); the same numbers serve as intra- and inter-node link, since every rank
   lives on this machine; ``gamma`` (the local reduction) is folded into β;
-- memory: the machine's RAM divided among its cores (one rank per core).
+- memory: the machine's RAM divided among its cores (one rank per core), and the cores
+  themselves: with more ranks than cores, ranks time-share them (``cores``).
 
 Data-parallel overlap: gloo runs its collectives on a thread that competes with the ranks'
 compute for the same cores, and tessera's data parallelism reduces after the backward, so the
@@ -26,25 +34,35 @@ file says ``dp_overlap = 0``.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from tessera.planner.cost import (
+    OPS_PER_LAYER_FORWARD,
+    layer_activation_bytes,
+    layer_forward_flops,
+)
 from tessera.planner.hardware import Hardware
 from tessera.planner.models import ModelSpec
 
+LOCAL_RANKS = 64
+"""Ranks one machine may hold: every local rank is on the same "node" (one loopback link);
+`cores` says how many of them compute at full speed."""
 
-def _median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+
+def _best_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+    """The fastest of `repeats` timed calls: on a machine shared with other jobs the least
+    disturbed run is the best estimate of what the hardware does (as timeit advises)."""
     samples = []
     for i in range(warmup + repeats):
         start = time.perf_counter()
         fn()
         if i >= warmup:
             samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
@@ -65,7 +83,7 @@ def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
             dy @ w
             dy.t() @ x
 
-        total_s += _median_time(run)
+        total_s += _best_time(run)
         total_flops += flops
     return total_flops / total_s
 
@@ -83,17 +101,51 @@ def attention_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
                                            enable_gqa=spec.kv_heads != spec.heads)
         y.backward(grad)
 
-    seconds = _median_time(run)
+    seconds = _best_time(run)
     return 1.5 * 4 * micro_batch * seq * seq * spec.hidden / seconds
 
 
 def memory_bandwidth(spec: ModelSpec, seq: int, micro_batch: int) -> float:
-    """Bytes/s of an elementwise multiply-add (reads two tensors, writes one) the size of the
-    block's largest activation."""
-    n = micro_batch * seq * max(spec.hidden, spec.ffn_hidden)
+    """Bytes/s of an elementwise multiply-add (reads two tensors, writes one) over tensors as
+    large as all the activations the model keeps for its backward (at least 32 MiB each), so
+    the measurement streams from memory as the backward does, not from cache."""
+    act = spec.layers * layer_activation_bytes(spec, micro_batch, seq, e=4, flash=True)
+    n = max(int(act / 3 / 4), 8 * 2**20)
     a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
-    seconds = _median_time(lambda: torch.add(a, b, alpha=0.5, out=out), repeats=15)
+    seconds = _best_time(lambda: torch.add(a, b, alpha=0.5, out=out), repeats=9)
     return 3 * 4 * n / seconds
+
+
+def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
+    """Forward + backward of one block of tessera's reference model at the model's shapes."""
+    from tessera.config import ModelConfig
+    from tessera.model import Block, rope_tables
+
+    cfg = ModelConfig(vocab_size=spec.vocab_size, d_model=spec.hidden, n_layers=1,
+                      n_heads=spec.heads, n_kv_heads=spec.kv_heads,
+                      ffn_hidden=spec.ffn_hidden, max_seq_len=seq)
+    block = Block(cfg)
+    cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta)
+    x = torch.randn(micro_batch, seq, spec.hidden, requires_grad=True)
+    grad = torch.randn(micro_batch, seq, spec.hidden)
+
+    def run() -> None:
+        block(x, cos, sin).backward(grad)
+
+    return _best_time(run, repeats=5)
+
+
+def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, attn: float,
+                       bw: float, overhead: float) -> float:
+    """Passes over each stored activation byte that make the cost model's block time (3x the
+    forward: matmuls, attention, memory-bound kernels, per-kernel overhead) equal the measured
+    block: what the matmul and attention rates do not explain is memory-bound work."""
+    flops_mm, flops_attn = layer_forward_flops(spec, micro_batch, seq)
+    explained = 3 * (flops_mm / mm + 0.5 * flops_attn / attn
+                     + OPS_PER_LAYER_FORWARD * overhead)
+    stored = layer_activation_bytes(spec, micro_batch, seq, e=4, flash=True)
+    rest = block_seconds(spec, seq, micro_batch) - explained
+    return max(0.5, rest / (3 * stored / bw))
 
 
 def op_overhead() -> float:
@@ -104,13 +156,15 @@ def op_overhead() -> float:
         y = x
         for _ in range(200):
             y = y * 1.0
-    return _median_time(run, repeats=9) / 200
+    return _best_time(run, repeats=9) / 200
 
 
 def _collective_worker() -> tuple[float, float, float]:
     from tessera.collectives import measure_alpha_beta
 
-    model = measure_alpha_beta(None, sizes=tuple(4 ** k for k in range(2, 12)))
+    # Up to 16 MiB so that β is pinned by large messages; 25 repeats for a stable median on a
+    # machine shared with other jobs.
+    model = measure_alpha_beta(None, sizes=tuple(4 ** k for k in range(2, 13)), repeats=25)
     return model.alpha, model.beta, model.gamma
 
 
@@ -137,6 +191,7 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         attn = attention_rate(spec, seq, micro_batch)
         bw = memory_bandwidth(spec, seq, micro_batch)
         overhead = op_overhead()
+        passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
     finally:
         torch.set_num_threads(threads)
     alpha, beta, gamma = collective_alpha_beta(ranks)
@@ -146,8 +201,10 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         name=name, peak_tflops=mm / 1e12, matmul_efficiency=1.0,
         attention_tflops=attn / 1e12, memory_gb=physical_memory_bytes() / cores / 1e9,
         memory_bw_gbs=bw / 1e9, intra_node_gbs=link_gbs, inter_node_gbs=link_gbs,
-        gpus_per_node=cores, intra_node_alpha_us=alpha * 1e6, inter_node_alpha_us=alpha * 1e6,
-        link_efficiency=1.0, op_overhead_us=overhead * 1e6, dp_overlap=0.0,
+        gpus_per_node=LOCAL_RANKS, cores=cores, intra_node_alpha_us=alpha * 1e6,
+        inter_node_alpha_us=alpha * 1e6,
+        link_efficiency=1.0, op_overhead_us=overhead * 1e6, elementwise_passes=passes,
+        dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, fp32, gloo over {ranks} local ranks, "
                f"{time.strftime('%Y-%m-%d')}")

@@ -68,9 +68,10 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
 
 Compute time of a chunk: matrix multiplies at ``peak · matmul_efficiency``; attention at the
 attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
-memory-bound kernels move every stored activation byte ELEMENTWISE_PASSES times (written by the
-kernel that makes it, read by the one that consumes it) in forward and twice as much in
-backward, at the memory bandwidth; a fixed overhead per kernel (zero on GPUs in the catalog).
+memory-bound kernels move every stored activation byte ``hardware.elementwise_passes`` times
+(2 with fused kernels: written by the kernel that makes it, read by the one that consumes it)
+in forward and twice as much in backward, at the memory bandwidth; a fixed overhead per
+kernel (zero on GPUs in the catalog).
 """
 
 from __future__ import annotations
@@ -82,8 +83,6 @@ from tessera.config import ConfigError
 from tessera.planner.hardware import Hardware, Link
 from tessera.planner.models import ModelSpec
 
-ELEMENTWISE_PASSES = 2.0
-"""Times each stored activation byte crosses memory in a forward pass (one write, one read)."""
 OPS_PER_LAYER_FORWARD = 70
 """Top-level ATen ops in one block's forward: norms, projections, RoPE, attention, MLP, residuals
 (tessera's reference block, counted with torch.profiler); backward runs about twice as many."""
@@ -390,6 +389,14 @@ class BlockCosts:
     """Transient while the block's backward runs (its recomputed activations)."""
 
 
+def oversubscription(w: Workload) -> float:
+    """How much slower each rank computes because ranks share CPU cores (1 on GPUs)."""
+    hw = w.hardware
+    if hw.cores <= 0:
+        return 1.0
+    return max(1.0, min(w.gpus, hw.gpus_per_node) / hw.cores)
+
+
 @lru_cache(maxsize=8192)
 def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) -> BlockCosts:
     """Forward/backward seconds of one block and its activation bytes (module docstring)."""
@@ -403,11 +410,13 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) 
     full_bytes = layer_activation_bytes(spec, b, s, t, sp, "none", w.flash_attention, cp, e)
     score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
                                                       w.flash_attention, cp, e)
-    mem_time = ELEMENTWISE_PASSES * full_bytes / hw.memory_bw
+    mem_time = hw.elementwise_passes * full_bytes / hw.memory_bw
     ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
-    fwd = mm_time + attn_time + mem_time + ops_time
+    stretch = oversubscription(w)
+    mm_time, attn_time = stretch * mm_time, stretch * attn_time
+    fwd = mm_time + attn_time + stretch * (mem_time + ops_time)
     redo = {"none": 0.0,
-            "selective": attn_time + ELEMENTWISE_PASSES * score_bytes / hw.memory_bw,
+            "selective": attn_time + stretch * hw.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
     # Tensor parallel: 2 all-reduces forward, 2 backward (with sequence parallelism an
     # all-gather plus a reduce-scatter each: the same volume), 2 more for a recomputed forward.
@@ -555,7 +564,8 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     tokens = b * (s // cp)
     split = t if L.sequence_parallel else 1
     first, last = middle(), middle()
-    embed_mem = ELEMENTWISE_PASSES * e * tokens * spec.hidden / hw.memory_bw
+    stretch = oversubscription(w)
+    embed_mem = stretch * hw.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
     first.forward_compute += embed_mem
     first.backward_compute += 2 * embed_mem
     first.params += spec.embedding_params / t
@@ -563,7 +573,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     first.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
     head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
     logits_bytes = 4 * tokens * spec.vocab_size / t
-    head = head_mm + ELEMENTWISE_PASSES * logits_bytes / hw.memory_bw
+    head = stretch * (head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw)
     last.forward_compute += head
     last.backward_compute += 2 * head
     # A tied head on another rank than the embedding keeps its own copy of the matrix.
@@ -652,7 +662,8 @@ def _rank_state(w: Workload, L: Layout, params: float, tensors: int) -> RankStat
     # Adam reads and writes its states, reads the gradient, writes the parameter.
     traffic = stepped * (2 * ob + gb + 2 * pb)
     hw = w.hardware
-    opt_time = traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
+    opt_time = oversubscription(w) * (
+        traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6)
     return RankState(
         params=pb * params / (shard if L.zero >= 3 else 1),
         grads=gb * params / (shard if L.zero >= 2 else 1),

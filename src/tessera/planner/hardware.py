@@ -82,6 +82,14 @@ class Hardware:
     op_overhead_us: float = 0.0
     """Fixed cost per kernel (launch, dispatch): negligible on GPUs at these sizes, but
     dominant for small models on a CPU, where calibrate measures it."""
+    elementwise_passes: float = 2.0
+    """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
+    write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
+    unfused reference block."""
+    cores: int = 0
+    """CPU cores that the ranks of one machine share (0: one device per rank, as on GPUs).
+    With more ranks on a machine than cores, ranks time-share the cores and every rank's
+    compute stretches by ranks / cores."""
     dp_overlap: float = 1.0
     """Fraction of the data-parallel reduction that can hide behind backward compute (1 on
     GPUs, where NCCL runs on its own stream; calibrate measures it on a CPU)."""
@@ -97,9 +105,12 @@ class Hardware:
         if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
             raise ConfigError("hardware.gpus_per_node", self.gpus_per_node,
                               "must be a positive integer")
+        if not (isinstance(self.cores, int) and self.cores >= 0):
+            raise ConfigError("hardware.cores", self.cores, "must be an integer >= 0")
         if not 0.0 <= self.dp_overlap <= 1.0:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
-        for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us"):
+        for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
+                  "elementwise_passes"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
