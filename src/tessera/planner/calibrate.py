@@ -184,6 +184,7 @@ def physical_memory_bytes() -> float:
 def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
               name: str = "local-cpu") -> Hardware:
     """Measure this machine at `spec`'s shapes (see module docstring)."""
+    load = os.getloadavg()[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -207,4 +208,4 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, fp32, gloo over {ranks} local ranks, "
-               f"{time.strftime('%Y-%m-%d')}")
+               f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")

@@ -11,6 +11,7 @@ Bad input (an unknown model or hardware, a request no layout can satisfy) prints
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated
 
@@ -154,6 +155,11 @@ def calibrate_cmd(
     except ConfigError as e:
         raise _fail(str(e)) from None
     path = save_hardware(hw, out)
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores / 2:
+        print(f"warning: the 1-minute load average is {os.getloadavg()[0]:.1f} on {cores} "
+              f"cores: other jobs slowed the measurement; calibrate on an idle machine",
+              file=sys.stderr)
     for key, value in hw.to_dict().items():
         print(f"{key:>22} = {value}")
     print(f"wrote {path}")

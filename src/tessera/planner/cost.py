@@ -389,12 +389,19 @@ class BlockCosts:
     """Transient while the block's backward runs (its recomputed activations)."""
 
 
-def oversubscription(w: Workload) -> float:
-    """How much slower each rank computes because ranks share CPU cores (1 on GPUs)."""
+def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
+                     optimizer_time: float) -> float:
+    """Ranks that share CPU cores (``hardware.cores``) cannot finish a step before the cores
+    have done all their work: ranks per machine · (a pipeline's work / p) / cores. A rank
+    waiting in a bubble or on a message leaves its core to another rank, so this bound, not
+    a uniform slow-down, is what oversubscription adds (0 on GPUs)."""
     hw = w.hardware
-    if hw.cores <= 0:
-        return 1.0
-    return max(1.0, min(w.gpus, hw.gpus_per_node) / hw.cores)
+    ranks = min(w.gpus, hw.gpus_per_node)
+    if hw.cores <= 0 or ranks <= hw.cores:
+        return 0.0
+    m = L.microbatches(w.global_batch)
+    pipeline_work = m * sum(c.forward + c.backward for c in chunks) + L.pp * optimizer_time
+    return ranks * pipeline_work / L.pp / hw.cores
 
 
 @lru_cache(maxsize=8192)
@@ -412,11 +419,9 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) 
                                                       w.flash_attention, cp, e)
     mem_time = hw.elementwise_passes * full_bytes / hw.memory_bw
     ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
-    stretch = oversubscription(w)
-    mm_time, attn_time = stretch * mm_time, stretch * attn_time
-    fwd = mm_time + attn_time + stretch * (mem_time + ops_time)
+    fwd = mm_time + attn_time + mem_time + ops_time
     redo = {"none": 0.0,
-            "selective": attn_time + stretch * hw.elementwise_passes * score_bytes / hw.memory_bw,
+            "selective": attn_time + hw.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
     # Tensor parallel: 2 all-reduces forward, 2 backward (with sequence parallelism an
     # all-gather plus a reduce-scatter each: the same volume), 2 more for a recomputed forward.
@@ -564,8 +569,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     tokens = b * (s // cp)
     split = t if L.sequence_parallel else 1
     first, last = middle(), middle()
-    stretch = oversubscription(w)
-    embed_mem = stretch * hw.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
+    embed_mem = hw.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
     first.forward_compute += embed_mem
     first.backward_compute += 2 * embed_mem
     first.params += spec.embedding_params / t
@@ -573,7 +577,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     first.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
     head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
     logits_bytes = 4 * tokens * spec.vocab_size / t
-    head = stretch * (head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw)
+    head = head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw
     last.forward_compute += head
     last.backward_compute += 2 * head
     # A tied head on another rank than the embedding keeps its own copy of the matrix.
@@ -662,8 +666,7 @@ def _rank_state(w: Workload, L: Layout, params: float, tensors: int) -> RankStat
     # Adam reads and writes its states, reads the gradient, writes the parameter.
     traffic = stepped * (2 * ob + gb + 2 * pb)
     hw = w.hardware
-    opt_time = oversubscription(w) * (
-        traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6)
+    opt_time = traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
     return RankState(
         params=pb * params / (shard if L.zero >= 3 else 1),
         grads=gb * params / (shard if L.zero >= 2 else 1),

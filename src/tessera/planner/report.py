@@ -59,6 +59,7 @@ def breakdown(e: Estimate) -> dict[str, float]:
         "compute": b["compute"], "recompute": b["recompute"], "bubble": b["bubble"] - pp,
         "tp_comm": b["tp_comm"], "cp_comm": b["cp_comm"], "pp_comm": pp,
         "dp_comm": b["dp_exposed"], "optimizer": b["optimizer"],
+        "time_sharing": b["time_sharing"],
         "tp_hidden": b["tp_hidden"], "cp_hidden": b["cp_hidden"], "dp_hidden": b["dp_hidden"],
     }
 
@@ -66,7 +67,7 @@ def breakdown(e: Estimate) -> dict[str, float]:
 LABELS = {"compute": "compute", "recompute": "recomputation", "bubble": "pipeline bubble",
           "tp_comm": "TP communication", "cp_comm": "CP communication",
           "pp_comm": "PP communication", "dp_comm": "DP communication",
-          "optimizer": "optimizer step"}
+          "optimizer": "optimizer step", "time_sharing": "CPU time-sharing"}
 
 
 def explain(plan: Plan) -> str:
@@ -77,6 +78,8 @@ def explain(plan: Plan) -> str:
              f"  step {best.step_time:.4g} s on the busiest pipeline rank:"]
     for key, label in LABELS.items():
         value = parts[key]
+        if key == "time_sharing" and value <= 0:
+            continue
         hidden = parts.get(key.replace("_comm", "_hidden")) if key.endswith("_comm") else None
         extra = f"   (exposed; {hidden:.4g} s hidden behind compute)" if hidden else ""
         lines.append(f"    {label:<20} {value:>10.4g} s {100 * value / best.step_time:>6.1f}%"

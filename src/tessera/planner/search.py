@@ -36,6 +36,7 @@ from tessera.planner.cost import (
     hardware_flops_per_step,
     layout_costs,
     model_flops_per_step,
+    shared_cpu_bound,
 )
 from tessera.planner.pipeline import inflight, time_pipeline
 
@@ -151,6 +152,8 @@ class Estimate:
             "tp_hidden": m * sum(c.tp_hidden for c in ch),
             "cp_hidden": m * sum(c.cp_hidden for c in ch),
             "optimizer": self.costs.optimizer_time,
+            "time_sharing": self.step_time - (self.makespan + self.exposed_dp
+                                              + self.costs.optimizer_time),
             "pp_ranks": float(L.pp),
         }
 
@@ -190,7 +193,8 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True) 
     m = L.microbatches(w.global_batch)
     held = inflight(L.schedule, L.pp, m, L.virtual) if L.pp > 1 else (1,)
     memory = _memory(w, L, costs, held, m)
-    bound = chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time
+    bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time,
+                shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time))
     est = Estimate(workload=w, layout=L, costs=costs, memory=memory, inflight=held,
                    lower_bound=bound)
     if simulate:
@@ -246,7 +250,8 @@ def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
         dp_reduce=ds, dp_overlap=costs.dp_overlap)
     schedule = L.schedule if L.pp > 1 else "1f1b"
     timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs)
-    est.step_time = timing.step_time + costs.optimizer_time
+    est.step_time = max(timing.step_time + costs.optimizer_time,
+                        shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time))
     est.makespan = timing.makespan
     est.busy = timing.compute_time
     est.exposed_dp = timing.exposed_dp
