@@ -1,6 +1,7 @@
 """Measure this machine and describe it as a :class:`~tessera.planner.hardware.Hardware`.
 
-Every rate is the best of several timed repeats (the machine may be shared with other jobs).
+Every compute rate is the best of several repeats in thread CPU time, which other jobs on a
+shared machine do not inflate (collectives, which wait on another process, use wall time).
 What is measured, all with one thread per process (as each rank of ``tessera train`` runs on
 this 2-core machine) and in fp32 (what ``tessera train`` computes in on a CPU):
 
@@ -54,14 +55,15 @@ LOCAL_RANKS = 64
 
 
 def _best_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
-    """The fastest of `repeats` timed calls: on a machine shared with other jobs the least
-    disturbed run is the best estimate of what the hardware does (as timeit advises)."""
+    """The fastest of `repeats` calls, in this thread's CPU time. With one intra-op thread
+    torch runs every kernel in the calling thread, so CPU time is what the kernel costs, and
+    unlike wall time it does not grow when other jobs on a shared machine take the core."""
     samples = []
     for i in range(warmup + repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
         if i >= warmup:
-            samples.append(time.perf_counter() - start)
+            samples.append(time.thread_time() - start)
     return min(samples)
 
 
@@ -132,7 +134,7 @@ def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     def run() -> None:
         block(x, cos, sin).backward(grad)
 
-    return _best_time(run, repeats=5)
+    return _best_time(run, repeats=9)
 
 
 def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, attn: float,
