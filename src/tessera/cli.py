@@ -26,6 +26,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
 app.add_typer(data_app, name="data")
 
+from tessera.planner.cli import plan_app  # noqa: E402  (the planner's commands, tessera plan)
+
+app.add_typer(plan_app, name="plan")
+
 EXIT_BAD_INPUT = 2
 
 

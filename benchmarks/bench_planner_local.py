@@ -1,0 +1,207 @@
+"""Local truth for the planner: predicted vs measured step time of layouts tessera can run here.
+
+    flock /tmp/tessera-bench.lock python benchmarks/bench_planner_local.py \
+        [--steps 16] [--rounds 2] [--hardware FILE] [--out benchmarks/results/planner_local.txt]
+
+1. ``tessera plan calibrate`` measures this machine at the demo model's shapes (unless
+   --hardware gives an earlier calibration) and writes benchmarks/results/local_hardware.toml.
+2. For each layout that this build's engines support (``tessera.engine.check_supported``), the
+   planner predicts the step time of the demo preset (fp32, micro-batch b, m micro-batches).
+3. ``tessera train --preset demo --nproc N ...`` runs it on the real corpus (prepared with
+   ``tessera data prepare --out data/stdlib``); the measured step time is the median over all
+   steps after the second, pooled over --rounds runs taken alternately with the other layouts.
+4. It prints predicted, measured and the error, and the target: within ±25%.
+
+There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
+reference is tessera's own measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = 0.25
+
+
+@dataclass
+class Case:
+    name: str
+    nproc: int
+    flags: dict[str, object]
+    """Extra `tessera train` flags (besides --nproc)."""
+    layout: dict[str, object]
+    """tessera.planner.cost.Layout fields."""
+    micro_batch: int = 16
+    microbatches: int = 1
+    measured: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+
+
+CASES = [
+    Case("dp=2", 2, {"dp": 2}, dict(dp=2)),
+    Case("dp=2, m=2, b=8", 2, {"dp": 2, "microbatches": 2, "micro-batch-size": 8},
+         dict(dp=2, micro_batch=8), micro_batch=8, microbatches=2),
+    Case("dp=2, zero=1", 2, {"dp": 2, "zero-stage": 1}, dict(dp=2, zero=1)),
+    Case("tp=2", 2, {"tp": 2, "dp": 1}, dict(tp=2)),
+    Case("tp=2, sp", 2, {"tp": 2, "dp": 1, "sequence-parallel": None},
+         dict(tp=2, sequence_parallel=True)),
+    Case("pp=2, 1f1b, m=4, b=4", 2,
+         {"pp": 2, "dp": 1, "schedule": "1f1b", "microbatches": 4, "micro-batch-size": 4},
+         dict(pp=2, schedule="1f1b", micro_batch=4), micro_batch=4, microbatches=4),
+    Case("pp=2, gpipe, m=4, b=4", 2,
+         {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 4, "micro-batch-size": 4},
+         dict(pp=2, schedule="gpipe", micro_batch=4), micro_batch=4, microbatches=4),
+    Case("dp=2 x tp=2 (4 ranks)", 4, {"dp": 2, "tp": 2}, dict(dp=2, tp=2)),
+    Case("dp=2 x pp=2 (4 ranks)", 4,
+         {"dp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 4, "micro-batch-size": 4},
+         dict(dp=2, pp=2, schedule="1f1b", micro_batch=4), micro_batch=4, microbatches=4),
+]
+
+
+def supported(case: Case) -> str | None:
+    """Why this build cannot run `case`, or None."""
+    from tessera.config import ConfigError, make_config
+    from tessera.engine import check_supported
+
+    p = {k: v for k, v in case.flags.items() if k in ("dp", "tp", "pp")}
+    parallel = dict(p)
+    if "zero-stage" in case.flags:
+        parallel["zero_stage"] = case.flags["zero-stage"]
+    if "schedule" in case.flags:
+        parallel["schedule"] = case.flags["schedule"]
+    if "sequence-parallel" in case.flags:
+        parallel["sequence_parallel"] = True
+    try:
+        cfg = make_config("demo", parallel=parallel,
+                          train=dict(grad_accum=case.microbatches,
+                                     micro_batch_size=case.micro_batch))
+        cfg.validate(case.nproc)
+        check_supported(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def predict(case: Case, hw_path: str) -> float:
+    from tessera.planner.cost import Layout, Workload
+    from tessera.planner.hardware import load_hardware
+    from tessera.planner.models import load_model
+    from tessera.planner.search import estimate
+
+    layout = Layout(**{"micro_batch": case.micro_batch, **case.layout})
+    w = Workload(model=load_model("demo"), hardware=load_hardware(hw_path), gpus=case.nproc,
+                 global_batch=case.micro_batch * case.microbatches * layout.dp, seq_len=128,
+                 precision="fp32", scatter_gather=False)
+    return estimate(w, layout).step_time
+
+
+def wait_for_quiet(limit_s: float, threshold: float = 1.0) -> float:
+    """Wait (up to `limit_s`) until the 1-minute load average drops below `threshold`: other
+    jobs on this shared 2-core machine slow a run by 30-60% without showing as steal time.
+    Returns the load average when the wait ended."""
+    deadline = time.monotonic() + limit_s
+    while os.getloadavg()[0] >= threshold and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def measure(case: Case, steps: int, data: str) -> list[float]:
+    """Per-step seconds of one `tessera train` run (all ranks' steps end together; rank 0's
+    metrics.jsonl), without the first two steps."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "tessera", "train", "--preset", "demo", "--nproc",
+               str(case.nproc), "--steps", str(steps), "--data", data, "--out", out,
+               "--no-progress", "--set", "train.eval_interval=0", "--set",
+               "train.sample_tokens=0", "--set", "data.val_tokens=4096"]
+        for key, value in case.flags.items():
+            cmd += [f"--{key}"] + ([] if value is None else [str(value)])
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"{case.name}: tessera train failed:\n{run.stderr[-2000:]}")
+        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+        steps_s = [r["step_s"] for r in map(json.loads, lines) if "step_s" in r]
+        return steps_s[2:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hardware", help="an existing calibration (skips calibrate)")
+    ap.add_argument("--data", default="data/stdlib")
+    ap.add_argument("--only", help="comma-separated case names to run")
+    ap.add_argument("--out", default="benchmarks/results/planner_local.txt")
+    ap.add_argument("--quiet-wait", type=float, default=120.0,
+                    help="seconds to wait for a quiet machine before each run")
+    args = ap.parse_args()
+
+    subprocess.run([sys.executable, "-m", "tessera", "data", "prepare", "--out", args.data,
+                    "--if-missing"], cwd=ROOT, check=True, capture_output=True)
+    hw_path = args.hardware
+    lines = [f"# bench_planner_local.py, {time.strftime('%Y-%m-%d %H:%M')}, "
+             f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
+             f"(the machine is shared with other jobs)"]
+    if hw_path is None:
+        hw_path = str(ROOT / "benchmarks/results/local_hardware.toml")
+        wait_for_quiet(args.quiet_wait)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "tessera", "plan", "calibrate", "--model", "demo",
+                        "--micro-batch", "16", "--out", hw_path], cwd=ROOT, check=True,
+                       capture_output=True)
+        lines.append(f"# calibrated in {time.perf_counter() - t0:.1f} s -> {hw_path}")
+    lines.append("# " + Path(hw_path).read_text().replace("\n", "\n# ").rstrip("# "))
+
+    cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
+    runnable = []
+    for c in cases:
+        why = supported(c)
+        if why:
+            lines.append(f"# skipped {c.name}: {why}")
+        else:
+            runnable.append(c)
+    for r in range(args.rounds):
+        for c in (runnable if r % 2 == 0 else reversed(runnable)):
+            load = wait_for_quiet(args.quiet_wait)
+            c.loads.append(load)
+            c.measured += measure(c, args.steps, args.data)
+            print(f"round {r + 1}: {c.name}: median so far "
+                  f"{statistics.median(c.measured):.3f} s (load {load:.1f} at start)", flush=True)
+
+    head = (f"{'layout':<24} {'predicted s':>11} {'measured s':>10} {'spread':>13} "
+            f"{'error':>7} {'load':>5}")
+    table = [head]
+    errors = []
+    for c in runnable:
+        pred = predict(c, hw_path)
+        meas = statistics.median(c.measured)
+        q = statistics.quantiles(c.measured, n=4)
+        err = pred / meas - 1
+        errors.append(err)
+        mark = "" if abs(err) <= TARGET else "  <-- outside ±25%"
+        table.append(f"{c.name:<24} {pred:>11.3f} {meas:>10.3f} {q[0]:>6.3f}-{q[2]:<6.3f} "
+                     f"{100 * err:>+6.1f}% {max(c.loads):>5.1f}{mark}")
+    within = sum(abs(e) <= TARGET for e in errors)
+    table.append(f"{within} of {len(errors)} layouts within ±25% (target: at least 4, covering "
+                 f"dp, tp, pp and a mix)")
+    table.append("spread: interquartile range of the measured steps; load: the highest 1-minute "
+                 "load average when one of its runs started")
+    lines += table
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

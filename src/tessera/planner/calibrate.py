@@ -1,0 +1,213 @@
+"""Measure this machine and describe it as a :class:`~tessera.planner.hardware.Hardware`.
+
+Every compute rate is the best of several repeats in thread CPU time, which other jobs on a
+shared machine do not inflate (collectives, which wait on another process, use wall time).
+What is measured, all with one thread per process (as each rank of ``tessera train`` runs on
+this 2-core machine) and in fp32 (what ``tessera train`` computes in on a CPU):
+
+- the matrix-multiply rate at the model's shapes: every forward and backward GEMM of one block
+  (x·Wᵀ, dY·W, dYᵀ·x for Q, K, V, O and the MLP) on b·s tokens, total FLOPs over total time;
+  stored as ``peak_tflops`` with ``matmul_efficiency = 1``;
+- the attention rate: ``scaled_dot_product_attention`` forward and backward with the model's
+  heads, causal, converted to the rate that makes the cost model's attention term (half the
+  4·b·s²·h FLOPs for a causal kernel, backward twice the forward) reproduce the time;
+- memory bandwidth: a multiply-add streaming tensors as large as all the activations the
+  model keeps for backward (out of cache, as the backward reads them);
+- memory-bound passes: one block of tessera's reference model, forward and backward, timed at
+  the model's shapes; what the matmul and attention rates and the per-kernel overhead do not
+  explain is memory-bound traffic, expressed as passes over each stored activation byte
+  (``elementwise_passes``: 2 for fused GPU kernels; tessera's unfused RMSNorm and RoPE make
+  more);
+- the per-kernel overhead: the time of an elementwise op on a one-element tensor with autograd
+  recording (dispatch, allocation, graph bookkeeping);
+- collective α and β over gloo: :func:`tessera.collectives.measure_alpha_beta` on ``ranks``
+  processes started with :func:`tessera.testing.run_ranks` (ping-pong between two ranks, fit
+  of ``t = α + n·β``); the same numbers serve as intra- and inter-node link, since every rank
+  lives on this machine; ``gamma`` (the local reduction) is folded into β;
+- memory: the machine's RAM divided among its cores (one rank per core), and the cores
+  themselves: with more ranks than cores, ranks time-share them (``cores``).
+
+Data-parallel overlap: gloo runs its collectives on a thread that competes with the ranks'
+compute for the same cores, and tessera's data parallelism reduces after the backward, so the
+file says ``dp_overlap = 0``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tessera.planner.cost import (
+    OPS_PER_LAYER_FORWARD,
+    layer_activation_bytes,
+    layer_forward_flops,
+)
+from tessera.planner.hardware import Hardware
+from tessera.planner.models import ModelSpec
+
+LOCAL_RANKS = 64
+"""Ranks one machine may hold: every local rank is on the same "node" (one loopback link);
+`cores` says how many of them compute at full speed."""
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+    """The fastest of `repeats` calls, in this thread's CPU time. With one intra-op thread
+    torch runs every kernel in the calling thread, so CPU time is what the kernel costs, and
+    unlike wall time it does not grow when other jobs on a shared machine take the core."""
+    samples = []
+    for i in range(warmup + repeats):
+        start = time.thread_time()
+        fn()
+        if i >= warmup:
+            samples.append(time.thread_time() - start)
+    return min(samples)
+
+
+def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
+    """FLOP/s of one block's forward and backward GEMMs at the model's shapes."""
+    tokens = micro_batch * seq
+    h = spec.hidden
+    shapes = [(h, h), (h, spec.kv_dim), (h, spec.kv_dim), (h, h)]
+    shapes += [(h, spec.ffn_hidden)] * (spec.mlp_matrices - 1) + [(spec.ffn_hidden, h)]
+    total_s = total_flops = 0.0
+    for k, n in shapes:
+        x = torch.randn(tokens, k)
+        w = torch.randn(n, k)
+        dy = torch.randn(tokens, n)
+        flops = 3 * 2 * tokens * k * n  # forward, input gradient, weight gradient
+
+        def run(x=x, w=w, dy=dy) -> None:
+            x @ w.t()
+            dy @ w
+            dy.t() @ x
+
+        total_s += _best_time(run)
+        total_flops += flops
+    return total_flops / total_s
+
+
+def attention_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
+    """The rate r such that 1.5 · (4·b·s²·h) / r is the measured causal forward + backward."""
+    d = spec.head_dim
+    q = torch.randn(micro_batch, spec.heads, seq, d, requires_grad=True)
+    k = torch.randn(micro_batch, spec.kv_heads, seq, d, requires_grad=True)
+    v = torch.randn(micro_batch, spec.kv_heads, seq, d, requires_grad=True)
+    grad = torch.randn(micro_batch, spec.heads, seq, d)
+
+    def run() -> None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=spec.kv_heads != spec.heads)
+        y.backward(grad)
+
+    seconds = _best_time(run)
+    return 1.5 * 4 * micro_batch * seq * seq * spec.hidden / seconds
+
+
+def memory_bandwidth(spec: ModelSpec, seq: int, micro_batch: int) -> float:
+    """Bytes/s of an elementwise multiply-add (reads two tensors, writes one) over tensors as
+    large as all the activations the model keeps for its backward (at least 32 MiB each), so
+    the measurement streams from memory as the backward does, not from cache."""
+    act = spec.layers * layer_activation_bytes(spec, micro_batch, seq, e=4, flash=True)
+    n = max(int(act / 3 / 4), 8 * 2**20)
+    a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    seconds = _best_time(lambda: torch.add(a, b, alpha=0.5, out=out), repeats=9)
+    return 3 * 4 * n / seconds
+
+
+def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
+    """Forward + backward of one block of tessera's reference model at the model's shapes."""
+    from tessera.config import ModelConfig
+    from tessera.model import Block, rope_tables
+
+    cfg = ModelConfig(vocab_size=spec.vocab_size, d_model=spec.hidden, n_layers=1,
+                      n_heads=spec.heads, n_kv_heads=spec.kv_heads,
+                      ffn_hidden=spec.ffn_hidden, max_seq_len=seq)
+    block = Block(cfg)
+    cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta)
+    x = torch.randn(micro_batch, seq, spec.hidden, requires_grad=True)
+    grad = torch.randn(micro_batch, seq, spec.hidden)
+
+    def run() -> None:
+        block(x, cos, sin).backward(grad)
+
+    return _best_time(run, repeats=9)
+
+
+def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, attn: float,
+                       bw: float, overhead: float) -> float:
+    """Passes over each stored activation byte that make the cost model's block time (3x the
+    forward: matmuls, attention, memory-bound kernels, per-kernel overhead) equal the measured
+    block: what the matmul and attention rates do not explain is memory-bound work."""
+    flops_mm, flops_attn = layer_forward_flops(spec, micro_batch, seq)
+    explained = 3 * (flops_mm / mm + 0.5 * flops_attn / attn
+                     + OPS_PER_LAYER_FORWARD * overhead)
+    stored = layer_activation_bytes(spec, micro_batch, seq, e=4, flash=True)
+    rest = block_seconds(spec, seq, micro_batch) - explained
+    return max(0.5, rest / (3 * stored / bw))
+
+
+def op_overhead() -> float:
+    """Seconds of one tiny recorded op: the fixed cost every kernel pays."""
+    x = torch.ones(1, requires_grad=True)
+
+    def run() -> None:
+        y = x
+        for _ in range(200):
+            y = y * 1.0
+    return _best_time(run, repeats=9) / 200
+
+
+def _collective_worker() -> tuple[float, float, float]:
+    from tessera.collectives import measure_alpha_beta
+
+    # Up to 16 MiB so that β is pinned by large messages; 25 repeats for a stable median on a
+    # machine shared with other jobs.
+    model = measure_alpha_beta(None, sizes=tuple(4 ** k for k in range(2, 13)), repeats=25)
+    return model.alpha, model.beta, model.gamma
+
+
+def collective_alpha_beta(ranks: int = 2) -> tuple[float, float, float]:
+    """(α seconds, β seconds per byte, γ seconds per byte) over gloo between local processes."""
+    from tessera.testing import run_ranks
+
+    results = run_ranks(_collective_worker, ranks, timeout=120)
+    return results[0]
+
+
+def physical_memory_bytes() -> float:
+    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return float(pages * page)
+
+
+def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
+              name: str = "local-cpu") -> Hardware:
+    """Measure this machine at `spec`'s shapes (see module docstring)."""
+    load = os.getloadavg()[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mm = matmul_rate(spec, seq, micro_batch)
+        attn = attention_rate(spec, seq, micro_batch)
+        bw = memory_bandwidth(spec, seq, micro_batch)
+        overhead = op_overhead()
+        passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
+    finally:
+        torch.set_num_threads(threads)
+    alpha, beta, gamma = collective_alpha_beta(ranks)
+    cores = os.cpu_count() or 1
+    link_gbs = 1.0 / (beta + gamma) / 1e9
+    return Hardware(
+        name=name, peak_tflops=mm / 1e12, matmul_efficiency=1.0,
+        attention_tflops=attn / 1e12, memory_gb=physical_memory_bytes() / cores / 1e9,
+        memory_bw_gbs=bw / 1e9, intra_node_gbs=link_gbs, inter_node_gbs=link_gbs,
+        gpus_per_node=LOCAL_RANKS, cores=cores, intra_node_alpha_us=alpha * 1e6,
+        inter_node_alpha_us=alpha * 1e6,
+        link_efficiency=1.0, op_overhead_us=overhead * 1e6, elementwise_passes=passes,
+        dp_overlap=0.0,
+        source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
+               f"1 thread per rank, fp32, gloo over {ranks} local ranks, "
+               f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")

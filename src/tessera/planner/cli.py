@@ -1,0 +1,165 @@
+"""``tessera plan``: rank the parallel layouts of a model on a cluster; ``tessera plan calibrate``.
+
+    tessera plan --model NAME|FILE --gpus N --hardware NAME|FILE --global-batch B --seq S
+                 [--top K] [--explain] [--json] [--plot PNG] [--tokens T]
+    tessera plan calibrate [--model NAME|FILE] [--out FILE]
+
+Bad input (an unknown model or hardware, a request no layout can satisfy) prints one line,
+``error: ...``, and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from tessera.config import ConfigError
+
+plan_app = typer.Typer(add_completion=False, invoke_without_command=True,
+                       pretty_exceptions_enable=False, rich_markup_mode=None,
+                       help="Predict speed and memory of parallel layouts and pick the best.")
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(message: str) -> typer.Exit:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
+def _degrees(text: str | None, name: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--{name}", text, "must be comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"--{name}", text, "must be positive integers")
+    return values
+
+
+@plan_app.callback()
+def plan(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Option(
+        help="Catalog model name (e.g. gpt3-175b, megatron-1t, llama3-70b, demo) or a "
+             "TOML/YAML file.")] = None,
+    gpus: Annotated[int | None, typer.Option(help="Number of GPUs (devices).")] = None,
+    hardware: Annotated[str, typer.Option(
+        help="Catalog hardware (V100, A100-40GB, A100-80GB, H100-SXM, H200) or a file "
+             "written by `tessera plan calibrate`.")] = "A100-80GB",
+    global_batch: Annotated[int | None, typer.Option(help="Sequences per optimizer step.")
+                            ] = None,
+    seq: Annotated[int | None, typer.Option(help="Sequence length (default: the model's).")
+                   ] = None,
+    top: Annotated[int, typer.Option(help="Layouts to show.")] = 10,
+    explain: Annotated[bool, typer.Option(
+        "--explain", help="Break the best layout's step and memory down and compare it with "
+                          "the runner-up.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plot: Annotated[str | None, typer.Option(
+        help="Write a PNG of predicted throughput against each degree.")] = None,
+    tokens: Annotated[float | None, typer.Option(
+        help="Training tokens, for the days-to-train column.")] = None,
+    precision: Annotated[str, typer.Option(help="bf16 (mixed) or fp32.")] = "bf16",
+    flash_attention: Annotated[bool, typer.Option(
+        "--flash-attention/--no-flash-attention",
+        help="Attention without stored s x s scores.")] = True,
+    tp: Annotated[str | None, typer.Option(help="Only these TP degrees (e.g. 1,2,4,8).")
+                  ] = None,
+    pp: Annotated[str | None, typer.Option(help="Only these PP degrees.")] = None,
+    dp: Annotated[str | None, typer.Option(help="Only these DP degrees.")] = None,
+    cp: Annotated[str, typer.Option(help="Context-parallel degrees to consider.")] = "1",
+    reserve_gb: Annotated[float, typer.Option(
+        help="Memory per GPU kept free for the framework.")] = 0.0,
+) -> None:
+    """Rank the layouts of --model on --gpus x --hardware by predicted step time."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from tessera.planner.cost import Workload
+    from tessera.planner.hardware import load_hardware
+    from tessera.planner.models import load_model
+    from tessera.planner.report import describe_workload, table, to_json
+    from tessera.planner.report import explain as explain_plan
+    from tessera.planner.report import plot as plot_plan
+    from tessera.planner.search import PlanError, SearchSpace, search
+
+    try:
+        for name, value in (("--model", model), ("--gpus", gpus),
+                            ("--global-batch", global_batch)):
+            if value is None:
+                raise ConfigError(name, None, "is required")
+        if top < 1:
+            raise ConfigError("--top", top, "must be a positive integer")
+        spec = load_model(model)
+        hw = load_hardware(hardware)
+        w = Workload(model=spec, hardware=hw, gpus=gpus, global_batch=global_batch,
+                     seq_len=seq or spec.max_seq_len, precision=precision,
+                     flash_attention=flash_attention, reserve_gb=reserve_gb)
+        space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"), dp=_degrees(dp, "dp"),
+                            cp=_degrees(cp, "cp"))
+        result = search(w, space, top=max(top, 30) if plot else top)
+    except (ConfigError, PlanError) as e:
+        raise _fail(str(e)) from None
+    shown = result.ranked[:top]
+    if plot:
+        path = plot_plan(result, plot)
+    result.ranked = shown
+    if as_json:
+        out = to_json(result, tokens, explain_best=explain)
+        if plot:
+            out["plot"] = str(path)
+        print(json.dumps(out, indent=1))
+        return
+    print(describe_workload(result))
+    print(f"{result.considered} layouts considered, {result.fitting} fit in memory, "
+          f"{result.simulated} simulated, {result.seconds:.2f} s\n")
+    print(table(result, tokens))
+    if explain:
+        print()
+        print(explain_plan(result))
+    if plot:
+        print(f"\nplot: {path}")
+
+
+@plan_app.command("calibrate")
+def calibrate_cmd(
+    model: Annotated[str, typer.Option(
+        help="Model whose shapes the matrix multiplies are timed at.")] = "demo",
+    seq: Annotated[int | None, typer.Option(help="Sequence length (default: the model's).")
+                   ] = None,
+    micro_batch: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 16,
+    out: Annotated[str, typer.Option(help="Hardware file to write (TOML).")
+                   ] = "benchmarks/results/local_hardware.toml",
+    ranks: Annotated[int, typer.Option(help="Ranks for the collective measurement.")] = 2,
+) -> None:
+    """Measure this machine (matmul and attention rates at the model's shapes, memory
+    bandwidth, per-kernel overhead, collective alpha and beta over gloo) and write a hardware
+    file for --hardware."""
+    from tessera.planner.calibrate import calibrate
+    from tessera.planner.hardware import save_hardware
+    from tessera.planner.models import load_model
+
+    try:
+        spec = load_model(model)
+        if micro_batch < 1 or ranks < 2:
+            raise ConfigError("--micro-batch" if micro_batch < 1 else "--ranks",
+                              micro_batch if micro_batch < 1 else ranks,
+                              "must be >= 1 (ranks >= 2)")
+        hw = calibrate(spec, seq or spec.max_seq_len, micro_batch, ranks=ranks)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    path = save_hardware(hw, out)
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores / 2:
+        print(f"warning: the 1-minute load average is {os.getloadavg()[0]:.1f} on {cores} "
+              f"cores: other jobs slowed the measurement; calibrate on an idle machine",
+              file=sys.stderr)
+    for key, value in hw.to_dict().items():
+        print(f"{key:>22} = {value}")
+    print(f"wrote {path}")

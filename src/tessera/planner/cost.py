@@ -1,0 +1,675 @@
+"""The cost model: FLOPs, memory and communication of one parallel layout, every formula cited.
+
+Notation: B global batch (sequences), b micro-batch size, s sequence length, l layers, h hidden
+size, a heads, V vocabulary, t tensor-parallel, p pipeline-parallel, d data-parallel, c
+context-parallel degree, v virtual stages per pipeline rank, m micro-batches per step per
+pipeline (m = B / (d·b)), P parameters, e bytes per activation element (2 in bf16).
+
+FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+Using Megatron-LM", §5.1):
+
+- model FLOPs per iteration, eq. (3) without recomputation:
+  ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` = 3 × (forward 24Bslh² + 4Bs²lh + 2BshV).
+  Generalized here to GQA and SwiGLU by counting the forward matrix multiplies, 2 FLOPs per
+  multiply-add: ``2·B·s·N_mm + 4·B·s²·l·h`` with N_mm = l·(h(h + 2·kv) + h² + k·h·f) + V·h
+  (k = 2 GeLU matrices or 3 SwiGLU matrices, kv the key/value width), times 3 for forward and
+  backward (PaLM, Chowdhery et al. 2022, App. B: 6·N + 12·l·h·s per token);
+- hardware FLOPs add recomputation. Full recomputation repeats every block's forward, giving
+  eq. (3)'s ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``; selective recomputation (Korthikanti et
+  al. 2022) repeats only attention's ``4·B·s²·l·h``.
+- MFU = model FLOP/s over peak; HFU = hardware FLOP/s over peak (Chowdhery et al. 2022).
+- parameters, eq. (2): ``P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))``; the exact count of a
+  ModelSpec is in :mod:`tessera.planner.models`.
+- time to train on T tokens, §5.1: ``8·T·P / (n·X)`` for n GPUs at X FLOP/s each (full
+  recomputation: 8 = 2·(forward + recompute + 2·backward) FLOPs per parameter per token).
+
+Memory (bytes per rank):
+
+- model state (Rajbhandari et al. 2020, "ZeRO", §3.1 and §5): mixed-precision Adam keeps
+  2Ψ parameters + 2Ψ gradients + KΨ optimizer state (K = 12: fp32 master weights, momentum,
+  variance); ZeRO-1 divides the K term by N_d, ZeRO-2 also the gradients, ZeRO-3 everything:
+  ``(2 + 2 + K)Ψ``, ``4Ψ + KΨ/N_d``, ``2Ψ + (2 + K)Ψ/N_d``, ``(2 + 2 + K)Ψ/N_d``;
+- activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", Table 2), in bytes with e = 2: no parallelism ``sbh(34 + 5as/h)``,
+  tensor parallel ``sbh(10 + 24/t + 5as/(ht))``, with sequence parallel ``sbh/t·(34 + 5as/h)``,
+  selective recomputation drops the ``5as/h`` term, full recomputation keeps ``2sbh`` (the
+  block's input). :func:`layer_activation_bytes` rebuilds these from the tensors each block
+  stores, so GQA, SwiGLU, no dropout and flash attention (no s² tensors) follow from the
+  same count; context parallelism divides s by c except the s² term, which is ``a·(s/c)·s``;
+- a stage holds the activations of as many (micro-batch, chunk) pairs as the schedule keeps in
+  flight on it, which the pipeline simulator reports (1F1B: at most p; GPipe: m; interleaving
+  holds more on the first rank); the first stage also holds the embedding, the last the final
+  norm, the LM head and fp32 logits ``4·s·b·V/t`` (Korthikanti et al. §4.3).
+
+Communication, α–β (Hockney) model, per rank, ring algorithms (Thakur et al. 2005):
+all-reduce of n bytes over N ranks ``2(N−1)·α + 2·(N−1)/N·n·β``; all-gather and reduce-scatter
+half of that; a point-to-point send ``α + n·β``. Link: intra-node (NVLink) when the group fits
+in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
+
+- tensor parallelism (Shoeybi et al. 2019; Narayanan et al. 2021 §3.3): two all-reduces of
+  b·s·h in forward and two in backward per layer per micro-batch, 8·b·s·h·(t−1)/t elements
+  per rank, plus two more when the forward is recomputed; with sequence parallelism each
+  all-reduce becomes an all-gather plus a reduce-scatter of the same volume (Korthikanti et al.);
+- pipeline: one send of b·s·h activations forward and of its gradient backward per
+  micro-batch per stage boundary; with the scatter/gather optimization (Narayanan et al.
+  §4.1) or sequence parallelism b·s·h/t per rank over the inter-node link, all-gathered on the
+  intra-node link;
+- data parallelism: one all-reduce of the gradients per step (Li et al. 2020, PyTorch DDP),
+  bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
+  it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
+  all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7);
+- context parallelism (ring attention, Liu et al. 2023): each of the c−1 ring steps passes a
+  K/V block of b·(s/c)·kv forward and K/V plus their gradients backward, overlapped with the
+  attention compute of the step;
+- the step: the pipeline simulator (``tessera.pipeline.simulator``) runs the chosen schedule
+  with per-chunk forward/backward times (compute + exposed TP and CP communication), the
+  point-to-point costs and each chunk's data-parallel reduction, and returns step time,
+  bubble and exposed DP time; the optimizer step (memory-bound) is added after.
+
+Compute time of a chunk: matrix multiplies at ``peak · matmul_efficiency``; attention at the
+attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
+memory-bound kernels move every stored activation byte ``hardware.elementwise_passes`` times
+(2 with fused kernels: written by the kernel that makes it, read by the one that consumes it)
+in forward and twice as much in backward, at the memory bandwidth; a fixed overhead per
+kernel (zero on GPUs in the catalog).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cached_property, lru_cache
+
+from tessera.config import ConfigError
+from tessera.planner.hardware import Hardware, Link
+from tessera.planner.models import ModelSpec
+
+OPS_PER_LAYER_FORWARD = 70
+"""Top-level ATen ops in one block's forward: norms, projections, RoPE, attention, MLP, residuals
+(tessera's reference block, counted with torch.profiler); backward runs about twice as many."""
+OPS_PER_TENSOR_ADAMW = 12
+"""Kernels per parameter tensor in one single-tensor (foreach=False) AdamW update."""
+
+PRECISIONS = {
+    # name: (parameter, gradient, optimizer-state bytes per parameter; activation bytes)
+    "bf16": (2, 2, 12, 2),  # mixed precision: fp32 master weights, momentum, variance
+    "fp32": (4, 4, 8, 4),  # everything fp32: Adam momentum and variance only
+}
+RECOMPUTE = ("none", "selective", "full")
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Closed forms from the papers (used by the tests and by --explain)
+
+
+def megatron_params(l: int, h: int, V: int, s: int) -> float:  # noqa: E741
+    """Narayanan et al. 2021, eq. (2): P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
+    return 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+
+
+def megatron_model_flops(B: int, s: int, l: int, h: int, V: int) -> float:  # noqa: E741
+    """Model FLOPs per iteration: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
+    return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def megatron_hardware_flops(B: int, s: int, l: int, h: int, V: int) -> float:  # noqa: E741
+    """Narayanan et al. 2021, eq. (3), full recomputation: 96·B·s·l·h²·(1 + s/(6h) + V/(16lh))."""
+    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def training_days(tokens: float, params: float, gpus: int, flops_per_gpu: float) -> float:
+    """Narayanan et al. 2021 §5.1: end-to-end training time ≈ 8·T·P / (n·X), in days."""
+    return 8 * tokens * params / (gpus * flops_per_gpu) / 86400
+
+
+def zero_model_state_bytes(params: float, zero_stage: int, n_d: int, k: int = 12,
+                           param_bytes: int = 2, grad_bytes: int = 2) -> float:
+    """Rajbhandari et al. 2020 §5, Figure 1: bytes of model state per data-parallel rank."""
+    p = param_bytes * params / (n_d if zero_stage >= 3 else 1)
+    g = grad_bytes * params / (n_d if zero_stage >= 2 else 1)
+    o = k * params / (n_d if zero_stage >= 1 else 1)
+    return p + g + o
+
+
+def zero_max_params(memory_bytes: float, zero_stage: int, n_d: int, k: int = 12) -> float:
+    """Largest Ψ whose model state fits `memory_bytes` per rank (inverse of the above)."""
+    return memory_bytes / zero_model_state_bytes(1.0, zero_stage, n_d, k)
+
+
+def bubble_fraction_closed_form(p: int, m: int, v: int = 1) -> float:
+    """Narayanan et al. 2021 §2.2: idle over ideal time, (p−1)/m; interleaved (p−1)/(v·m)."""
+    return (p - 1) / (v * m)
+
+
+# ---------------------------------------------------------------------------------------------
+# The problem and a layout
+
+
+@dataclass(frozen=True, kw_only=True, eq=True)
+class Workload:
+    """What to train on what: the fixed part of a planning problem."""
+
+    model: ModelSpec
+    hardware: Hardware
+    gpus: int
+    global_batch: int
+    """Sequences per optimizer step (B)."""
+    seq_len: int
+    precision: str = "bf16"
+    """'bf16' (mixed precision, 2+2+12 bytes of model state per parameter) or 'fp32'."""
+    flash_attention: bool = True
+    """Attention never stores the s×s scores (FlashAttention, Dao et al. 2022)."""
+    scatter_gather: bool = True
+    """Pipeline sends b·s·h/t per tensor-parallel rank (Narayanan et al. 2021 §4.1)."""
+    tp_overlap: float = 0.0
+    """Fraction of tensor-parallel communication hidden behind compute (0: Megatron 2021)."""
+    reserve_gb: float = 0.0
+    """Memory per device kept free for the framework (context, workspace, fragmentation)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket of the data-parallel reduction in MiB (PyTorch DDP's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "global_batch", "seq_len"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"--{name.replace('_', '-')}", value,
+                                  "must be a positive integer")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("--precision", self.precision,
+                              f"must be one of {', '.join(PRECISIONS)}")
+        if not 0.0 <= self.tp_overlap <= 1.0:
+            raise ConfigError("tp_overlap", self.tp_overlap, "must be in [0, 1]")
+
+    def __hash__(self) -> int:  # hashed on every cached block-cost lookup: compute it once
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    @property
+    def bytes(self) -> tuple[int, int, int, int]:
+        """(parameter, gradient, optimizer-state, activation) bytes per element."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to split the work: degrees, micro-batching, ZeRO, recomputation, schedule."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    virtual: int = 1
+    """Model chunks per pipeline rank (interleaved and breadth-first schedules)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch (b)."""
+    zero: int = 0
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def microbatches(self, global_batch: int) -> int:
+        """m: micro-batches per step per pipeline."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        text = f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+        text += f" b={self.micro_batch} zero={self.zero} recompute={self.recompute}"
+        if self.sequence_parallel:
+            text += " sp"
+        return text
+
+    def key(self) -> tuple:
+        return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
+                self.recompute, self.schedule, self.sequence_parallel)
+
+
+def check_layout(w: Workload, L: Layout) -> str | None:
+    """Why `L` cannot run `w` (one line), or None if it can."""
+    spec = w.model
+    if L.gpus != w.gpus:
+        return f"dp*tp*pp*cp={L.gpus} must equal the {w.gpus} GPUs"
+    if L.recompute not in RECOMPUTE:
+        return f"recompute={L.recompute!r} must be one of {', '.join(RECOMPUTE)}"
+    if L.zero not in (0, 1, 2, 3):
+        return f"zero={L.zero} must be 0, 1, 2 or 3"
+    if w.global_batch % (L.dp * L.micro_batch):
+        return f"dp*micro_batch={L.dp * L.micro_batch} must divide the global batch " \
+               f"{w.global_batch}"
+    if spec.heads % L.tp or spec.ffn_hidden % L.tp:
+        return f"tp={L.tp} must divide heads={spec.heads} and ffn_hidden={spec.ffn_hidden}"
+    if spec.kv_heads % L.tp and L.tp % spec.kv_heads:
+        return f"tp={L.tp} must divide kv_heads={spec.kv_heads} or be a multiple of it"
+    if w.seq_len % L.cp or (L.sequence_parallel and (w.seq_len // L.cp) % L.tp):
+        return f"seq_len={w.seq_len} must be divisible by cp (and by tp with sequence parallel)"
+    if L.sequence_parallel and L.tp == 1:
+        return "sequence parallelism needs tp > 1"
+    if spec.layers % (L.pp * L.virtual):
+        return f"pp*virtual={L.pp * L.virtual} must divide layers={spec.layers}"
+    if L.pp == 1 and (L.virtual != 1 or L.schedule != "1f1b"):
+        return "without pipeline parallelism the schedule is 1f1b with virtual=1"
+    if L.virtual > 1 and L.schedule not in ("interleaved", "bfs"):
+        return f"virtual={L.virtual} needs schedule interleaved or bfs"
+    m = L.microbatches(w.global_batch)
+    if L.schedule == "interleaved" and m % L.pp:
+        return f"interleaved needs micro-batches m={m} to be a multiple of pp={L.pp}"
+    if L.schedule == "naive" and m != 1:
+        return "naive model parallelism runs the whole batch as one micro-batch"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer quantities
+
+
+def layer_activation_bytes(spec: ModelSpec, b: int, s: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", flash: bool = False, cp: int = 1,
+                           e: int = 2) -> float:
+    """Bytes one block keeps for its backward, per rank (Korthikanti et al. 2022, §4).
+
+    Counted tensor by tensor as in the paper's derivation; with GPT's shapes (MHA, 4h GeLU,
+    dropout) and e = 2 this is exactly Table 2. Replicated across tensor-parallel ranks unless
+    sequence parallel: the two norm inputs, the inputs of the QKV and first MLP projections
+    and the two residual dropout masks. Split over t: Q and K (inputs of QKᵀ), V, the attention
+    output, the MLP's inner activations, and the s×s score tensors unless flash attention or
+    selective recomputation avoids keeping them.
+    """
+    h, f = spec.hidden, spec.ffn_hidden
+    sl = s // cp  # this rank's tokens
+    tokens = sl * b
+    mask = 1 if spec.dropout else 0
+    if recompute == "full":
+        return e * tokens * h / (t if sp else 1)
+    replicated = tokens * (2 * e * h + 2 * e * h + 2 * mask * h)  # norms, proj inputs, masks
+    qk = e * tokens * (h + spec.kv_dim)
+    v = e * tokens * spec.kv_dim
+    attn_out = e * tokens * h
+    inner = (3 if spec.mlp == "swiglu" else 2) * e * tokens * f
+    scores = 0.0
+    if not flash and recompute != "selective":
+        # softmax output, and with dropout its mask and output: 2 + 1 + 2 bytes per score
+        per_score = e + (mask + e) * mask
+        scores = per_score * spec.heads * sl * s * b
+    split = qk + v + attn_out + inner + scores
+    return replicated / (t if sp else 1) + split / t
+
+
+def layer_forward_flops(spec: ModelSpec, b: int, s: int, cp: int = 1) -> tuple[float, float]:
+    """(matmul, attention-core) forward FLOPs of one block on b sequences of this rank's s/c
+    tokens, before tensor-parallel splitting: 2·tokens·N_mm_layer and 4·b·(s/c)·s·h."""
+    sl = s // cp
+    return 2 * b * sl * spec.layer_matmul_params, 4 * b * sl * s * spec.hidden
+
+
+def model_flops_per_step(spec: ModelSpec, B: int, s: int) -> float:
+    """Model FLOPs per iteration: 3·(2·B·s·N_mm + 4·B·s²·l·h), N_mm with the LM head."""
+    mm = spec.layers * spec.layer_matmul_params + spec.vocab_size * spec.hidden
+    return 3 * (2 * B * s * mm + 4 * B * s * s * spec.layers * spec.hidden)
+
+
+def hardware_flops_per_step(spec: ModelSpec, B: int, s: int, recompute: str) -> float:
+    """Model FLOPs plus what recomputation repeats (eq. 3's 96 for full recomputation)."""
+    mm_layer, attn = layer_forward_flops(spec, B, s)
+    extra = {"none": 0.0, "selective": attn, "full": mm_layer + attn}[recompute]
+    return model_flops_per_step(spec, B, s) + spec.layers * extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives, α–β
+
+
+def allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce: 2(n−1) steps of α plus 2(n−1)/n · bytes at the link bandwidth."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes * link.beta
+
+
+def allgather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of a `nbytes` result: half an all-reduce."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
+
+
+def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
+    """The link a collective uses over a group of ranks `stride` apart spanning `span` ranks.
+
+    Intra-node when the span fits in a node. Across nodes NCCL runs one ring per network
+    adapter, so a group with k members in each node drives k adapters in parallel: bandwidth
+    min(intra-node, k · inter-node per GPU), k = node size / stride (at least 1)."""
+    if span <= hw.gpus_per_node:
+        return hw.link(intra_node=True)
+    per_node = max(1, hw.gpus_per_node // stride)
+    inter, intra = hw.link(intra_node=False), hw.link(intra_node=True)
+    return Link(alpha=inter.alpha, bandwidth=min(intra.bandwidth, per_node * inter.bandwidth))
+
+
+def p2p_link(hw: Hardware, span: int) -> Link:
+    """A point-to-point transfer between ranks of a group spanning `span` ranks: each GPU sends
+    through its own adapter when the group leaves the node."""
+    return hw.link(intra_node=span <= hw.gpus_per_node)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-chunk costs of one layout
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """One transformer block, one micro-batch, one rank: seconds and bytes."""
+
+    forward: float
+    backward: float
+    """Backward compute without recomputation."""
+    recompute: float
+    tp_forward: float
+    """Tensor-parallel communication of the forward, before any overlap."""
+    tp_backward: float
+    """Of the backward, with the recomputed forward's."""
+    cp_forward: float
+    """Context-parallel ring communication of the forward, exposed beyond attention."""
+    cp_backward: float
+    cp_total: float
+    act_bytes: float
+    """Kept for backward under the layout's recomputation."""
+    work_bytes: float
+    """Transient while the block's backward runs (its recomputed activations)."""
+
+
+def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
+                     optimizer_time: float) -> float:
+    """Ranks that share CPU cores (``hardware.cores``) cannot finish a step before the cores
+    have done all their work: ranks per machine · (a pipeline's work / p) / cores. A rank
+    waiting in a bubble or on a message leaves its core to another rank, so this bound, not
+    a uniform slow-down, is what oversubscription adds (0 on GPUs)."""
+    hw = w.hardware
+    ranks = min(w.gpus, hw.gpus_per_node)
+    if hw.cores <= 0 or ranks <= hw.cores:
+        return 0.0
+    m = L.microbatches(w.global_batch)
+    pipeline_work = m * sum(c.forward + c.backward for c in chunks) + L.pp * optimizer_time
+    return ranks * pipeline_work / L.pp / hw.cores
+
+
+@lru_cache(maxsize=8192)
+def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) -> BlockCosts:
+    """Forward/backward seconds of one block and its activation bytes (module docstring)."""
+    spec, hw = w.model, w.hardware
+    e = w.bytes[3]
+    s = w.seq_len
+    tp_link, cp_link = group_link(hw, t), p2p_link(hw, t * cp)
+    mm, attn = layer_forward_flops(spec, b, s, cp)
+    mm_time = mm / t / hw.matmul_flops
+    attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
+    full_bytes = layer_activation_bytes(spec, b, s, t, sp, "none", w.flash_attention, cp, e)
+    score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
+                                                      w.flash_attention, cp, e)
+    mem_time = hw.elementwise_passes * full_bytes / hw.memory_bw
+    ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
+    fwd = mm_time + attn_time + mem_time + ops_time
+    redo = {"none": 0.0,
+            "selective": attn_time + hw.elementwise_passes * score_bytes / hw.memory_bw,
+            "full": fwd}[recompute]
+    # Tensor parallel: 2 all-reduces forward, 2 backward (with sequence parallelism an
+    # all-gather plus a reduce-scatter each: the same volume), 2 more for a recomputed forward.
+    act_tensor = e * b * (s // cp) * spec.hidden
+    one = 2 * allgather_time(act_tensor, t, tp_link) if sp else allreduce_time(act_tensor, t,
+                                                                               tp_link)
+    tp_fwd = 2 * one
+    tp_bwd = 2 * one + (2 * one if recompute == "full" else 0.0)
+    # Context parallel ring: c−1 steps passing K and V forward; K, V, dK, dV backward, each
+    # hidden behind the attention of the block it overlaps.
+    kv_block = 2 * e * b * (s // cp) * spec.kv_dim / min(t, spec.kv_heads)
+    cp_fwd = (cp - 1) * (cp_link.alpha + kv_block * cp_link.beta) if cp > 1 else 0.0
+    cp_bwd = 2 * cp_fwd
+    act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
+    return BlockCosts(forward=fwd, backward=2 * fwd, recompute=redo, tp_forward=tp_fwd,
+                      tp_backward=tp_bwd, cp_forward=max(0.0, cp_fwd - attn_time),
+                      cp_backward=max(0.0, cp_bwd - 2 * attn_time), cp_total=cp_fwd + cp_bwd,
+                      act_bytes=act, work_bytes=full_bytes if recompute == "full" else 0.0)
+
+
+@dataclass(slots=True)
+class ChunkCosts:
+    """Seconds per micro-batch on one chunk, split by cause, and its bytes."""
+
+    forward_compute: float = 0.0
+    backward_compute: float = 0.0
+    """Includes recomputation."""
+    recompute: float = 0.0
+    """The part of backward_compute that repeats forward work."""
+    tp_forward: float = 0.0
+    """Exposed tensor-parallel communication (forward)."""
+    tp_backward: float = 0.0
+    """Exposed tensor-parallel communication (backward and recomputed forward)."""
+    tp_hidden: float = 0.0
+    cp_forward: float = 0.0
+    """Exposed context-parallel ring communication."""
+    cp_backward: float = 0.0
+    cp_hidden: float = 0.0
+    zero_forward: float = 0.0
+    """ZeRO-3's parameter all-gather before each forward, the part not hidden by it."""
+    zero_backward: float = 0.0
+    """ZeRO-2/3's per-micro-batch gradient reduce-scatter (ZeRO-3: and parameter all-gather)
+    during each backward, the part not hidden by it."""
+    params: float = 0.0
+    """Parameters held per tensor-parallel rank."""
+    tensors: int = 0
+    act_bytes: float = 0.0
+    """Activation bytes kept per micro-batch in flight."""
+    work_bytes: float = 0.0
+    """Transient bytes while this chunk runs (a recomputed block's full activations)."""
+    dp_total: float = 0.0
+    """Seconds of this chunk's gradient reduction (ZeRO-3: with its parameter all-gathers)."""
+    dp_reduce: float = 0.0
+    """The part of dp_total left after the chunk's last backward (what the simulator sees)."""
+
+    @property
+    def forward(self) -> float:
+        return self.forward_compute + self.tp_forward + self.cp_forward + self.zero_forward
+
+    @property
+    def backward(self) -> float:
+        return self.backward_compute + self.tp_backward + self.cp_backward + self.zero_backward
+
+
+@dataclass
+class RankState:
+    """Model-state bytes of one pipeline rank and its optimizer step time."""
+
+    params: float
+    grads: float
+    optimizer: float
+    zero3_buffer: float
+    optimizer_time: float
+
+
+@dataclass
+class LayoutCosts:
+    """Everything about a layout that does not need the schedule's timing."""
+
+    chunks: list[ChunkCosts]
+    """Per chunk; chunk c runs on pipeline rank c mod p. Middle chunks share one object."""
+    ranks: dict[int, RankState]
+    """Model state of the distinct pipeline ranks: 0 (embedding), p−1 (head), 1 (all others
+    hold the same)."""
+    p2p_latency: float
+    p2p_bytes: float
+    p2p_bandwidth: float
+    dp_overlap: bool
+    optimizer_time: float
+    """The slowest rank's optimizer step."""
+    dp_time: float
+    """Data-parallel communication seconds per step on one rank (all its chunks)."""
+
+
+def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
+    """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
+    chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
+        w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
+        L.sequence_parallel, L.zero)
+    n_chunks = L.pp * L.virtual
+    ranks = {}
+    for r in sorted({0, min(1, L.pp - 1), L.pp - 1}):
+        mine = [chunks[c] for c in range(r, n_chunks, L.pp)]
+        ranks[r] = _rank_state(w, L, sum(ch.params for ch in mine),
+                               sum(ch.tensors for ch in mine))
+    dp_time = max(sum(chunks[c].dp_total for c in range(r, n_chunks, L.pp)) for r in ranks)
+    return LayoutCosts(chunks=chunks, ranks=ranks, p2p_latency=p2p_latency,
+                       p2p_bytes=p2p_bytes, p2p_bandwidth=p2p_bandwidth,
+                       dp_overlap=w.hardware.dp_overlap > 0,
+                       optimizer_time=max(rs.optimizer_time for rs in ranks.values()),
+                       dp_time=dp_time)
+
+
+@lru_cache(maxsize=65536)
+def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
+                 recompute: str, sp: bool, zero: int
+                 ) -> tuple[list[ChunkCosts], float, float, float]:
+    """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
+    asks for the same chunks under many layouts; the returned chunks are read-only)."""
+    spec, hw = w.model, w.hardware
+    e = w.bytes[3]
+    gb = w.bytes[1]
+    s = w.seq_len
+    L = Layout(dp=dp, tp=t, pp=pp, cp=cp, virtual=v, micro_batch=b, recompute=recompute,
+               sequence_parallel=sp, zero=zero,
+               schedule="interleaved" if v > 1 else "1f1b")
+    n_chunks = L.pp * L.virtual
+    nl = spec.layers // n_chunks
+    blk = block_costs(w, t, cp, b, L.sequence_parallel, L.recompute)
+    keep = 1.0 - w.tp_overlap
+
+    def middle() -> ChunkCosts:
+        return ChunkCosts(
+            forward_compute=nl * blk.forward, recompute=nl * blk.recompute,
+            backward_compute=nl * (blk.backward + blk.recompute),
+            tp_forward=nl * blk.tp_forward * keep, tp_backward=nl * blk.tp_backward * keep,
+            tp_hidden=nl * (blk.tp_forward + blk.tp_backward) * w.tp_overlap,
+            cp_forward=nl * blk.cp_forward, cp_backward=nl * blk.cp_backward,
+            cp_hidden=nl * (blk.cp_total - blk.cp_forward - blk.cp_backward),
+            params=nl * spec.layer_params / t, tensors=nl * _layer_tensors(spec),
+            act_bytes=nl * blk.act_bytes, work_bytes=blk.work_bytes)
+
+    # Embedding on chunk 0 (a gather: memory-bound) and final norm, LM head and fp32 logits
+    # for the loss on the last chunk (Korthikanti et al. §4.3).
+    tokens = b * (s // cp)
+    split = t if L.sequence_parallel else 1
+    first, last = middle(), middle()
+    embed_mem = hw.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
+    first.forward_compute += embed_mem
+    first.backward_compute += 2 * embed_mem
+    first.params += spec.embedding_params / t
+    first.tensors += 2 if spec.learned_positions else 1
+    first.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
+    head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
+    logits_bytes = 4 * tokens * spec.vocab_size / t
+    head = head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw
+    last.forward_compute += head
+    last.backward_compute += 2 * head
+    # A tied head on another rank than the embedding keeps its own copy of the matrix.
+    tied_copy = spec.tied_embeddings and L.pp > 1
+    last.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
+    last.tensors += 2
+    last.act_bytes += logits_bytes + 2 * e * tokens * spec.hidden / split
+    if n_chunks == 1:
+        only = last
+        only.forward_compute += embed_mem
+        only.backward_compute += 2 * embed_mem
+        only.params += spec.embedding_params / t
+        only.tensors += first.tensors - middle().tensors
+        only.act_bytes += first.act_bytes - middle().act_bytes
+        distinct = [only]
+        chunks = [only]
+    else:
+        mid = middle()
+        distinct = [first, mid, last]
+        chunks = [first] + [mid] * (n_chunks - 2) + [last]
+
+    # -- data parallel --------------------------------------------------------------------------
+    # ZeRO-0/1: gradients accumulate locally over the m micro-batches and are all-reduced (ZeRO-1:
+    # reduce-scattered, parameters all-gathered after the step: the same volume) once. Bucketed
+    # DDP starts a bucket as soon as its gradients are complete, during the chunk's last
+    # backward; what does not fit behind that backward (at least the last bucket) is left for
+    # the simulator's per-rank reduction channel, which overlaps it with the rank's other
+    # chunks. ZeRO-2 keeps only a shard of the gradients, so every micro-batch reduce-scatters
+    # during its backward; ZeRO-3 also all-gathers the parameters before every forward and
+    # again for the backward (Rajbhandari et al. §7: 1.5x the volume of DP when m = 1).
+    dp_group = L.dp * cp
+    dp_link = group_link(hw, t * cp * L.dp, stride=t * cp)
+    m = w.global_batch // (L.dp * b)
+    ovl = hw.dp_overlap
+    pb = w.bytes[0]
+    for ch in distinct:
+        grads, weights = gb * ch.params, pb * ch.params
+        bucket = min(grads, w.bucket_mb * 2**20)
+        if L.zero <= 1:
+            total = allreduce_time(grads, dp_group, dp_link) if L.zero == 0 else (
+                allgather_time(grads, dp_group, dp_link)
+                + allgather_time(weights, dp_group, dp_link))
+            ch.dp_total = total
+            last_bucket = allreduce_time(bucket, dp_group, dp_link)
+            ch.dp_reduce = total if ovl == 0 else max(total - ovl * ch.backward,
+                                                       min(total, last_bucket))
+        else:
+            rs = allgather_time(grads, dp_group, dp_link)  # a reduce-scatter moves the same
+            ag = allgather_time(weights, dp_group, dp_link)
+            if L.zero == 2:
+                ch.zero_backward = max(0.0, rs - ovl * ch.backward)
+                ch.dp_reduce = ag  # the parameters, gathered once after the step
+                ch.dp_total = m * rs + ag
+            else:
+                ch.zero_forward = max(0.0, ag - ovl * ch.forward)
+                ch.zero_backward = max(0.0, ag + rs - ovl * ch.backward)
+                ch.dp_reduce = min(rs, allgather_time(bucket, dp_group, dp_link)) if ovl else 0.0
+                ch.dp_total = m * (2 * ag + rs)
+
+    # -- pipeline point-to-point ------------------------------------------------------------
+    act_tensor = e * tokens * spec.hidden
+    p2p_bytes = float(act_tensor)
+    p2p_latency = 0.0
+    tp_link = group_link(hw, t)
+    pp_link = p2p_link(hw, t * cp * L.dp * L.pp)
+    if L.pp > 1 and t > 1 and (w.scatter_gather or L.sequence_parallel):
+        p2p_bytes /= t
+        if not L.sequence_parallel:  # gather the full activation back on the fast link
+            p2p_latency += allgather_time(act_tensor, t, tp_link)
+    p2p_latency += pp_link.alpha if L.pp > 1 else 0.0
+    return chunks, p2p_latency, p2p_bytes, pp_link.bandwidth
+
+
+def _layer_tensors(spec: ModelSpec) -> int:
+    matrices = 4 + spec.mlp_matrices
+    return matrices * (2 if spec.bias else 1) + 2 * (2 if spec.norm == "layernorm" else 1)
+
+
+def _rank_state(w: Workload, L: Layout, params: float, tensors: int) -> RankState:
+    """ZeRO (Rajbhandari et al. 2020 §5): stage 1 shards optimizer state over the dp·cp ranks
+    that hold the same parameters, stage 2 also gradients, stage 3 also parameters, which
+    are then gathered two blocks at a time (one computing, one prefetched)."""
+    pb, gb, ob, _ = w.bytes
+    shard = L.dp * L.cp
+    stepped = params / (shard if L.zero >= 1 else 1)
+    # Adam reads and writes its states, reads the gradient, writes the parameter.
+    traffic = stepped * (2 * ob + gb + 2 * pb)
+    hw = w.hardware
+    opt_time = traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
+    return RankState(
+        params=pb * params / (shard if L.zero >= 3 else 1),
+        grads=gb * params / (shard if L.zero >= 2 else 1),
+        optimizer=ob * stepped,
+        zero3_buffer=2 * pb * w.model.layer_params / L.tp if L.zero >= 3 else 0.0,
+        optimizer_time=opt_time)

@@ -1,0 +1,252 @@
+"""The hardware the planner reasons about: one accelerator kind, its node and its links.
+
+A :class:`Hardware` is everything the cost model needs about a device: the dense 16-bit peak
+FLOP/s (never the 2:4-sparse figure vendors also print), memory size and bandwidth, the per-GPU
+bandwidth of the intra-node link (NVLink/NVSwitch) and of the inter-node link (InfiniBand),
+with a per-message latency for each, and how many devices share a node.
+
+Communication follows the α–β (Hockney) model: moving ``n`` bytes in one message step costs
+``α + n·β`` with ``β = 1 / (bandwidth · link_efficiency)``; collectives are sums of such steps
+(see :mod:`tessera.planner.cost`). The same form is used by ``tessera.collectives`` for the
+collectives it measures; :func:`tessera.planner.calibrate.calibrate` writes the α and β it
+measures on this machine into a hardware file.
+
+Catalog figures are the vendors' data-sheet numbers (NVIDIA V100, A100, H100 and H200 data
+sheets; DGX-1, DGX A100 and DGX H100/H200 system guides for the NICs: one 200 Gb/s HDR or
+400 Gb/s NDR InfiniBand adapter per GPU, four 100 Gb/s EDR adapters per eight V100s). Link
+bandwidths are per GPU and per direction. The latencies are typical NCCL per-step figures.
+
+User-defined hardware comes from a TOML or YAML file with the same field names, e.g.::
+
+    name = "my-gpu"
+    peak_tflops = 400.0
+    memory_gb = 96
+    memory_bw_gbs = 3000
+    intra_node_gbs = 300
+    inter_node_gbs = 50
+    gpus_per_node = 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import yaml
+
+from tessera.config import ConfigError
+
+# Fraction of dense peak FLOP/s that large 16-bit GEMMs reach inside a training step, and of a
+# link's nominal bandwidth that NCCL collectives reach. The GEMM figure is the single
+# compute-efficiency constant of the model (cuBLAS reaches 70-80% of peak on isolated large
+# A100 GEMMs; clocks under sustained load and the smaller GEMMs of a real step bring it lower);
+# the link figure matches NCCL's measured bus bandwidth on DGX A100 (about 230 of 300 GB/s).
+# Both are chosen once, documented in docs/planner.md, and checked as a whole by the
+# reproduction of Megatron-LM's weak-scaling table (tests/test_planner_published.py).
+MATMUL_EFFICIENCY = 0.65
+LINK_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator kind and the node it lives in."""
+
+    name: str
+    """Catalog name or a user's label."""
+    peak_tflops: float
+    """Dense 16-bit (bf16/fp16) peak TFLOP/s of one device; for calibrated hardware the measured
+    matrix-multiply rate at the model's shapes (then matmul_efficiency is 1)."""
+    memory_gb: float
+    """Device memory in GB (10^9 bytes)."""
+    memory_bw_gbs: float
+    """Device memory bandwidth in GB/s (drives memory-bound kernels and the optimizer step)."""
+    intra_node_gbs: float
+    """Per-device, per-direction bandwidth of the intra-node link (NVLink) in GB/s."""
+    inter_node_gbs: float
+    """Per-device, per-direction bandwidth of the inter-node link (InfiniBand) in GB/s."""
+    gpus_per_node: int
+    """Devices that share the intra-node link."""
+    intra_node_alpha_us: float = 5.0
+    """Latency of one message step on the intra-node link, microseconds."""
+    inter_node_alpha_us: float = 10.0
+    """Latency of one message step on the inter-node link, microseconds."""
+    matmul_efficiency: float = MATMUL_EFFICIENCY
+    """Fraction of peak_tflops that large matrix multiplies achieve."""
+    attention_tflops: float | None = None
+    """Rate of the attention kernel in TFLOP/s; None uses peak_tflops * matmul_efficiency."""
+    link_efficiency: float = LINK_EFFICIENCY
+    """Fraction of the nominal link bandwidths that collectives achieve."""
+    op_overhead_us: float = 0.0
+    """Fixed cost per kernel (launch, dispatch): negligible on GPUs at these sizes, but
+    dominant for small models on a CPU, where calibrate measures it."""
+    elementwise_passes: float = 2.0
+    """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
+    write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
+    unfused reference block."""
+    cores: int = 0
+    """CPU cores that the ranks of one machine share (0: one device per rank, as on GPUs).
+    With more ranks on a machine than cores, ranks time-share the cores and every rank's
+    compute stretches by ranks / cores."""
+    dp_overlap: float = 1.0
+    """Fraction of the data-parallel reduction that can hide behind backward compute (1 on
+    GPUs, where NCCL runs on its own stream; calibrate measures it on a CPU)."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        for f in ("peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gbs",
+                  "inter_node_gbs", "matmul_efficiency", "link_efficiency"):
+            value = getattr(self, f)
+            if not (isinstance(value, int | float) and value > 0):
+                raise ConfigError(f"hardware.{f}", value, "must be a positive number")
+        if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
+            raise ConfigError("hardware.gpus_per_node", self.gpus_per_node,
+                              "must be a positive integer")
+        if not (isinstance(self.cores, int) and self.cores >= 0):
+            raise ConfigError("hardware.cores", self.cores, "must be an integer >= 0")
+        if not 0.0 <= self.dp_overlap <= 1.0:
+            raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
+        for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
+                  "elementwise_passes"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
+
+    # -- derived rates, SI units ----------------------------------------------------------------
+    @property
+    def matmul_flops(self) -> float:
+        """Achieved FLOP/s of large matrix multiplies."""
+        return self.peak_tflops * 1e12 * self.matmul_efficiency
+
+    @property
+    def attention_flops(self) -> float:
+        if self.attention_tflops is not None:
+            return self.attention_tflops * 1e12
+        return self.matmul_flops
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @property
+    def memory_bw(self) -> float:
+        return self.memory_bw_gbs * 1e9
+
+    def link(self, intra_node: bool) -> Link:
+        """The α–β parameters of the intra-node or the inter-node link."""
+        if intra_node:
+            return Link(alpha=self.intra_node_alpha_us * 1e-6,
+                        bandwidth=self.intra_node_gbs * 1e9 * self.link_efficiency)
+        return Link(alpha=self.inter_node_alpha_us * 1e-6,
+                    bandwidth=self.inter_node_gbs * 1e9 * self.link_efficiency)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Link:
+    """α–β parameters of one link class: seconds per message step, achieved bytes per second."""
+
+    alpha: float
+    bandwidth: float
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte."""
+        return 1.0 / self.bandwidth
+
+
+def _dgx(name: str, peak: float, mem: float, bw: float, nvlink: float, ib: float,
+         source: str) -> Hardware:
+    return Hardware(name=name, peak_tflops=peak, memory_gb=mem, memory_bw_gbs=bw,
+                    intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8, source=source)
+
+
+CATALOG: dict[str, Hardware] = {
+    h.name: h for h in (
+        _dgx("V100", 125.0, 32.0, 900.0, 150.0, 6.25,
+             "V100 SXM2 data sheet (125 TFLOP/s fp16 tensor, 32 GB HBM2 at 900 GB/s, NVLink2 "
+             "300 GB/s bidirectional); DGX-1: 4x100 Gb/s EDR per 8 GPUs"),
+        _dgx("A100-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0,
+             "A100 data sheet (312 TFLOP/s dense bf16, 40 GB HBM2 at 1555 GB/s, NVLink3 600 "
+             "GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
+        _dgx("A100-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0,
+             "A100 data sheet (312 TFLOP/s dense bf16, 80 GB HBM2e at 2039 GB/s, NVLink3 600 "
+             "GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
+        _dgx("H100-SXM", 989.0, 80.0, 3350.0, 450.0, 50.0,
+             "H100 SXM data sheet (989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink4 "
+             "900 GB/s bidirectional); DGX H100: one 400 Gb/s NDR adapter per GPU"),
+        _dgx("H200", 989.0, 141.0, 4800.0, 450.0, 50.0,
+             "H200 SXM data sheet (989 TFLOP/s dense bf16, 141 GB HBM3e at 4.8 TB/s, NVLink4 "
+             "900 GB/s bidirectional); DGX H200: one 400 Gb/s NDR adapter per GPU"),
+    )
+}
+ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM"}
+
+
+def known_hardware() -> list[str]:
+    return sorted(CATALOG) + sorted(ALIASES)
+
+
+def load_hardware(name_or_file: str | Path) -> Hardware:
+    """A catalog entry by name (case-insensitive), or a TOML/YAML hardware file."""
+    text = str(name_or_file)
+    by_lower = {k.lower(): v for k, v in CATALOG.items()}
+    by_lower.update({k.lower(): CATALOG[v] for k, v in ALIASES.items()})
+    if text.lower() in by_lower:
+        return by_lower[text.lower()]
+    path = Path(text)
+    if not path.is_file():
+        raise ConfigError("--hardware", text, f"unknown hardware and not a file; known: "
+                          f"{', '.join(known_hardware())}")
+    return hardware_from_dict(_read_table(path), str(path))
+
+
+def hardware_from_dict(raw: dict[str, Any], where: str = "hardware") -> Hardware:
+    raw = dict(raw.get("hardware", raw))
+    known = {f.name for f in fields(Hardware)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"hardware.{key}", raw[key],
+                              f"unknown field in {where}; known: {', '.join(sorted(known))}")
+    raw.setdefault("name", Path(where).stem)
+    try:
+        return Hardware(**raw)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError("hardware", where, str(e).split(": ", 1)[-1]) from None
+
+
+def _read_table(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError("file", str(path), f"cannot be parsed: {e}".splitlines()[0]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError("file", str(path), "must hold a table of fields")
+    return raw
+
+
+def save_hardware(hw: Hardware, path: str | Path) -> Path:
+    """Write `hw` as a flat TOML table (strings quoted, numbers as they are)."""
+    path = Path(path)
+    lines = []
+    for key, value in hw.to_dict().items():
+        if isinstance(value, str):
+            escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'{key} = "{escaped}"')
+        elif isinstance(value, bool):
+            lines.append(f"{key} = {str(value).lower()}")
+        else:
+            lines.append(f"{key} = {value!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def replace(hw: Hardware, **changes: Any) -> Hardware:
+    return dataclasses.replace(hw, **changes)

@@ -1,0 +1,170 @@
+"""The planner's use of the pipeline simulator: cached, m-capped, never a second derivation.
+
+Every bubble the planner reports comes from ``tessera.pipeline.simulator.simulate`` run on the
+schedule ``tessera.pipeline.schedules`` generates. Two facts keep the search fast:
+
+1. *In-flight activations depend only on the order of actions*, not on their costs. For the
+   five registered schedules the per-rank peak has a closed form (:func:`inflight`), checked
+   equal to ``simulator.peak_inflight`` of the generated schedule for every
+   (schedule, p, v, m) of a grid in tests/test_planner_pipeline.py; any other registered
+   schedule is generated and counted.
+2. *Step time grows linearly in m once the pipeline is in its steady state*: every p further
+   micro-batches add the same time (the steady state of every schedule here repeats with
+   period p). A schedule with more than ``EXACT_ACTIONS`` compute actions is therefore
+   simulated at m₁ ≡ m (mod p), the smallest such m₁ ≥ p (≥ 2p for breadth-first and
+   unknown schedules, whose transient is longer), and at m₁ + p, and extrapolated in steps
+   of p. With equal per-chunk costs and free communication this is exact (the closed
+   forms hold at every m ≥ p); with the planner's cost structure (a heavier last chunk, p2p
+   latency, data-parallel reductions) the tests bound the error against full simulations.
+
+Simulation results are cached by (schedule, p, v, m simulated, costs normalized by the
+largest forward time and rounded to 6 significant digits): time is homogeneous of degree one
+in all costs, so layouts whose costs differ only by a common factor share one simulation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from tessera.pipeline.schedule import Schedule
+from tessera.pipeline.schedules import SCHEDULES
+from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
+
+EXACT_ACTIONS = 3000
+"""Largest schedule (compute actions, 2·p·v·m) simulated at its true m."""
+STEADY_AFTER_PERIODS = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved": 1}
+"""From how many periods of p micro-batches on a schedule is in its steady state. Breadth-first
+(and any schedule registered later) waits a period longer: its loops stall until the first
+micro-batch comes back around (tests/test_planner_search.py checks both)."""
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """What the planner takes from one simulation (seconds)."""
+
+    step_time: float
+    """Makespan plus the exposed data-parallel reduction."""
+    makespan: float
+    compute_time: float
+    """Busiest rank's compute."""
+    exposed_dp: float
+    simulated_m: tuple[int, ...]
+    """The micro-batch counts actually simulated (one: exact; two: extrapolated)."""
+
+    @property
+    def bubble(self) -> float:
+        return self.makespan - self.compute_time
+
+
+def build(name: str, p: int, m: int, v: int) -> Schedule:
+    """The registered generator's schedule, without the validator's deadlock search.
+
+    ``build_schedule`` validates every schedule, which costs minutes at p = 64; the generators
+    are validated by the pipeline tests for the sizes they check, and the simulator itself
+    raises if a schedule cannot run."""
+    spec = SCHEDULES[name]
+    why = spec.microbatch_rule(p, m, v)
+    if why:
+        raise ValueError(f"microbatches={m}: {why}")
+    return Schedule(name, spec.generate(p, m, v), p * v, m, tuple(c % p for c in range(p * v)))
+
+
+def inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Per rank, the peak number of (micro-batch, chunk) activation sets held."""
+    if name == "naive":
+        return (1,) * p
+    if name in ("gpipe", "bfs"):  # every forward of a rank before its first backward
+        return (v * m,) * p
+    if name == "1f1b":  # p − r − 1 warm-up forwards, then one more before each backward
+        return tuple(min(m, p - r) for r in range(p))
+    if name == "interleaved":  # Megatron: 2(p − r − 1) + (v − 1)p warm-up steps (all if m = p)
+        if m == p:
+            return (v * m,) * p
+        return tuple(min(v * m, 2 * (p - r - 1) + (v - 1) * p + 1) for r in range(p))
+    return _counted_inflight(name, p, m, v)
+
+
+@lru_cache(maxsize=256)
+def _counted_inflight(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    return tuple(peak_inflight(build(name, p, m, v)))
+
+
+def _normalized(costs: StageCosts, n_chunks: int) -> tuple[float, tuple]:
+    """(scale, key): costs divided by their largest forward time, rounded."""
+
+    def seq(x: float | list[float]) -> list[float]:
+        return [float(x)] * n_chunks if isinstance(x, int | float) else [float(y) for y in x]
+
+    f, b, d = seq(costs.forward), seq(costs.backward), seq(costs.dp_reduce)
+    scale = max(f) or 1.0
+
+    def r(x: float) -> float:
+        return 0.0 if x == 0 else float(f"{x / scale:.6g}")
+
+    key = (tuple(map(r, f)), tuple(map(r, b)), tuple(map(r, d)), r(costs.transfer),
+           costs.dp_overlap)
+    return scale, key
+
+
+def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts) -> PipelineTiming:
+    """Simulated timing of schedule `name` (p ranks, m micro-batches, v chunks per rank)."""
+    scale, key = _normalized(costs, p * v)
+    start = STEADY_AFTER_PERIODS.get(name, 2) * p
+    if 2 * p * v * m <= EXACT_ACTIONS or m < start + p:
+        t = _simulate_normalized(name, p, m, v, key)
+        return PipelineTiming(*(x * scale for x in t), simulated_m=(m,))
+    m1 = start + (m % p)
+    k = (m - m1) // p
+    t1 = _simulate_normalized(name, p, m1, v, key)
+    t2 = _simulate_normalized(name, p, m1 + p, v, key)
+    step, makespan, compute, dp = (scale * (a + k * (b - a)) for a, b in zip(t1, t2, strict=True))
+    return PipelineTiming(step, makespan, compute, dp, simulated_m=(m1, m1 + p))
+
+
+@lru_cache(maxsize=4096)
+def _simulate_normalized(name: str, p: int, m: int, v: int,
+                         key: tuple) -> tuple[float, float, float, float]:
+    f, b, d, transfer, overlap = key
+    costs = StageCosts(forward=list(f), backward=list(b), p2p_latency=transfer,
+                       dp_reduce=list(d), dp_overlap=overlap)
+    result = simulate(build(name, p, m, v), costs)
+    return result.step_time, result.makespan, result.compute_time, result.exposed_dp_time
+
+
+def lower_bound(chunk_f: list[float], chunk_b: list[float], dp: list[float], transfer: float,
+                overlap: bool, p: int, m: int) -> float:
+    """A bound below the simulated step time of *any* schedule, from dependencies alone.
+
+    Rank r (chunks c ≡ r mod p) cannot start before micro-batch 0 has gone forward through
+    chunks 0..r−1 (and r transfers), must do m·Σ(f + b) of its own work, and after its last
+    backward that micro-batch's gradient still has to go back through chunks r−1..0, while
+    the reduction of the chunk it finished last (all its chunks, without overlap) runs.
+    Used only to skip layouts that cannot enter the top of the ranking."""
+    n = len(chunk_f)
+    work = [0.0] * p
+    reduce_sum = [0.0] * p
+    reduce_min = [math.inf] * p
+    for c in range(n):
+        r = c % p
+        work[r] += chunk_f[c] + chunk_b[c]
+        reduce_sum[r] += dp[c]
+        reduce_min[r] = min(reduce_min[r], dp[c])
+    best = start = tail = 0.0
+    for r in range(p):
+        reduce = reduce_min[r] if overlap else reduce_sum[r]
+        best = max(best, start + m * work[r] + max(tail, reduce))
+        start += chunk_f[r] + transfer
+        tail += chunk_b[r] + transfer
+    return best
+
+
+def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float | None:
+    """The schedule's own closed form (registered with it), for reports and tests."""
+    spec = SCHEDULES[name]
+    return None if spec.closed_form_bubble is None else spec.closed_form_bubble(p, m, v)
+
+
+__all__ = ["PipelineTiming", "inflight", "time_pipeline", "lower_bound", "build",
+           "closed_form_bubble"]

@@ -1,0 +1,439 @@
+"""Search: enumerate layouts, drop those over memory, rank the rest by simulated step time.
+
+A layout is (dp, tp, pp, cp, v, micro-batch size, ZeRO stage, recomputation, schedule, sequence
+parallelism) with dp·tp·pp·cp = GPUs, tp dividing the heads (and at most a node unless
+allowed), pp·v dividing the layers and dp·b dividing the global batch.
+
+Evaluation is two-stage. Every layout gets its costs and its peak memory (cheap: closed forms
+and the schedule's in-flight counts); layouts over the device memory are dropped. The rest are
+sorted by a lower bound on their step time (:func:`tessera.planner.pipeline.lower_bound`,
+valid for any schedule), then simulated in that order; once the bound of the next layout
+exceeds the k-th best simulated time, no later layout can enter the top k and the search stops.
+The ranking is therefore the same as simulating everything, at a fraction of the cost.
+
+Reported per layout: step time, tokens/s, TFLOP/s per GPU (hardware FLOPs, counted as
+Megatron-LM counts them, i.e. with recomputation), MFU and HFU, peak memory and headroom,
+and the days to train on T tokens (T / tokens per second; for GPT-form models with full
+recomputation this equals Megatron-LM's 8·T·P/(n·X)).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from tessera.pipeline.simulator import StageCosts
+from tessera.planner.cost import (
+    GB,
+    RECOMPUTE,
+    Layout,
+    LayoutCosts,
+    Workload,
+    check_layout,
+    hardware_flops_per_step,
+    layout_costs,
+    model_flops_per_step,
+    shared_cpu_bound,
+)
+from tessera.planner.pipeline import inflight, time_pipeline
+
+SCHEDULE_CHOICES = ("1f1b", "interleaved", "bfs", "gpipe", "naive")
+
+
+class PlanError(ValueError):
+    """No layout satisfies the request. The message is one line meant for the user."""
+
+
+@dataclass
+class Memory:
+    """Bytes on the fullest rank, by category."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    transient: float = 0.0
+    """A recomputed block's full activations and ZeRO-3's gathered parameters."""
+    rank: int = 0
+    """The pipeline rank these numbers belong to."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "transient": self.transient,
+                "total": self.total}
+
+
+@dataclass
+class Estimate:
+    """A layout's predicted cost. Times in seconds per optimizer step."""
+
+    workload: Workload
+    layout: Layout
+    costs: LayoutCosts
+    memory: Memory
+    inflight: tuple[int, ...]
+    lower_bound: float
+    step_time: float = math.nan
+    makespan: float = math.nan
+    busy: float = math.nan
+    exposed_dp: float = math.nan
+    simulated_m: tuple[int, ...] = ()
+
+    # -- derived --------------------------------------------------------------------------------
+    @property
+    def m(self) -> int:
+        return self.layout.microbatches(self.workload.global_batch)
+
+    @property
+    def simulated(self) -> bool:
+        return not math.isnan(self.step_time)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.workload.tokens_per_step / self.step_time
+
+    @property
+    def model_flops(self) -> float:
+        w = self.workload
+        return model_flops_per_step(w.model, w.global_batch, w.seq_len)
+
+    @property
+    def hardware_flops(self) -> float:
+        w = self.workload
+        return hardware_flops_per_step(w.model, w.global_batch, w.seq_len,
+                                       self.layout.recompute)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Hardware FLOP/s per GPU in TFLOP/s (with recomputation, as Megatron-LM counts)."""
+        return self.hardware_flops / self.step_time / self.workload.gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        w = self.workload
+        return self.model_flops / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
+
+    @property
+    def hfu(self) -> float:
+        w = self.workload
+        return self.hardware_flops / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
+
+    @property
+    def headroom(self) -> float:
+        w = self.workload
+        return w.hardware.memory_bytes - w.reserve_gb * GB - self.memory.total
+
+    def days(self, tokens: float) -> float:
+        return tokens / self.tokens_per_s / 86400
+
+    def breakdown(self) -> dict[str, float]:
+        """The step split by cause on the busiest pipeline rank (sums to step_time)."""
+        L = self.layout
+        ranks = _busiest_rank_chunks(self)
+        ch = [self.costs.chunks[c] for c in ranks]
+        m = self.m
+        compute = m * sum(c.forward_compute + c.backward_compute - c.recompute for c in ch)
+        recompute = m * sum(c.recompute for c in ch)
+        tp = m * sum(c.tp_forward + c.tp_backward for c in ch)
+        cp = m * sum(c.cp_forward + c.cp_backward for c in ch)
+        zero = m * sum(c.zero_forward + c.zero_backward for c in ch)
+        dp_total = sum(self.costs.chunks[c].dp_total for c in ranks)
+        return {
+            "compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp,
+            "bubble": self.makespan - self.busy, "dp_exposed": self.exposed_dp + zero,
+            "dp_hidden": max(0.0, dp_total - self.exposed_dp - zero),
+            "tp_hidden": m * sum(c.tp_hidden for c in ch),
+            "cp_hidden": m * sum(c.cp_hidden for c in ch),
+            "optimizer": self.costs.optimizer_time,
+            "time_sharing": self.step_time - (self.makespan + self.exposed_dp
+                                              + self.costs.optimizer_time),
+            "pp_ranks": float(L.pp),
+        }
+
+    def row(self, tokens: float | None = None) -> dict:
+        L = self.layout
+        out = {
+            "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "virtual": L.virtual,
+            "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero,
+            "recompute": L.recompute, "schedule": L.schedule,
+            "sequence_parallel": L.sequence_parallel,
+            "step_time_s": self.step_time, "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "hfu": self.hfu,
+            "memory_gb": self.memory.total / GB, "headroom_gb": self.headroom / GB,
+        }
+        if tokens:
+            out["days"] = self.days(tokens)
+        return out
+
+
+def _busiest_rank_chunks(est: Estimate) -> list[int]:
+    L = est.layout
+    per_rank = [list(range(r, L.pp * L.virtual, L.pp)) for r in range(L.pp)]
+    return max(per_rank, key=lambda cs: sum(est.costs.chunks[c].forward +
+                                            est.costs.chunks[c].backward for c in cs))
+
+
+# ---------------------------------------------------------------------------------------------
+# One layout
+
+
+def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True) -> Estimate:
+    """Costs, memory and (if `simulate`) the simulated step time of layout `L`."""
+    why = check_layout(w, L) if check else None
+    if why:
+        raise PlanError(f"layout {L.describe()}: {why}")
+    costs = layout_costs(w, L)
+    m = L.microbatches(w.global_batch)
+    held = inflight(L.schedule, L.pp, m, L.virtual) if L.pp > 1 else (1,)
+    memory = _memory(w, L, costs, held, m)
+    bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time,
+                shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time))
+    est = Estimate(workload=w, layout=L, costs=costs, memory=memory, inflight=held,
+                   lower_bound=bound)
+    if simulate:
+        run_simulation(est)
+    return est
+
+
+def chunk_lower_bound(costs: LayoutCosts, p: int, m: int) -> float:
+    """:func:`tessera.planner.pipeline.lower_bound` for the planner's chunk structure (chunk
+    0 and the last chunk special, all others equal) in O(1): the middle ranks all bound the
+    same work, so the one with the longest fill and drain, p−2, stands for them."""
+    transfer = costs.p2p_latency + costs.p2p_bytes / costs.p2p_bandwidth if p > 1 else 0.0
+    chunks = costs.chunks
+    n = len(chunks)
+    if n == 1:
+        ch = chunks[0]
+        return m * (ch.forward + ch.backward) + ch.dp_reduce
+    first, mid, last = chunks[0], chunks[1] if n > 2 else None, chunks[-1]
+    ff, fb, lf, lb = first.forward, first.backward, last.forward, last.backward
+    mf, mb = (mid.forward, mid.backward) if mid is not None else (0.0, 0.0)
+    v = n // p
+    best = 0.0
+    for r in sorted({0, max(0, p - 2), p - 1}):
+        mine_first, mine_last = r == 0, r == p - 1
+        n_mid = v - mine_first - mine_last
+        work = n_mid * (mf + mb) + mine_first * (ff + fb) + mine_last * (lf + lb)
+        reductions = ([first.dp_reduce] if mine_first else []) + (
+            [last.dp_reduce] if mine_last else []) + ([mid.dp_reduce] * n_mid if n_mid else [])
+        reduce = min(reductions) if costs.dp_overlap else sum(reductions)
+        start = (ff + (r - 1) * mf + r * transfer) if r else 0.0
+        tail = (fb + (r - 1) * mb + r * transfer) if r else 0.0
+        best = max(best, start + m * work + max(tail, reduce))
+    return best
+
+
+def _per_chunk(costs: LayoutCosts) -> tuple[list[float], list[float], list[float]]:
+    """Forward, backward and reduction seconds per chunk (middle chunks share one object)."""
+    memo: dict[int, tuple[float, float, float]] = {}
+    for ch in costs.chunks:
+        if id(ch) not in memo:
+            memo[id(ch)] = (ch.forward, ch.backward, ch.dp_reduce)
+    rows = [memo[id(ch)] for ch in costs.chunks]
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+
+def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
+    L, costs = est.layout, est.costs
+    fs, bs, ds = _per_chunk(costs)
+    sim_costs = StageCosts(
+        forward=fs, backward=bs,
+        p2p_latency=costs.p2p_latency if with_p2p else 0.0,
+        p2p_bytes=costs.p2p_bytes if with_p2p else 0.0, p2p_bandwidth=costs.p2p_bandwidth,
+        dp_reduce=ds, dp_overlap=costs.dp_overlap)
+    schedule = L.schedule if L.pp > 1 else "1f1b"
+    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs)
+    est.step_time = max(timing.step_time + costs.optimizer_time,
+                        shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time))
+    est.makespan = timing.makespan
+    est.busy = timing.compute_time
+    est.exposed_dp = timing.exposed_dp
+    est.simulated_m = timing.simulated_m
+
+
+def pipeline_comm_exposed(est: Estimate) -> float:
+    """Seconds the point-to-point transfers add to the step: the simulated makespan with them
+    minus without them (two simulations; used by --explain)."""
+    free = replace(est)
+    run_simulation(free, with_p2p=False)
+    return max(0.0, est.makespan - free.makespan)
+
+
+def _memory(w: Workload, L: Layout, costs: LayoutCosts, held: Sequence[int],
+            m: int) -> Memory:
+    """Peak bytes over pipeline ranks. With one chunk per rank the rank holds held[r] copies of
+    its chunk's activations; breadth-first holds all m micro-batches of all its chunks; for
+    interleaving, held[r] times the largest chunk it owns (an upper bound: the LM head's chunk
+    is rarely the one held most). Ranks 1..p−2 hold identical state, so rank 1 stands for them
+    with the largest in-flight count among them."""
+    worst = Memory()
+    n = L.pp * L.virtual
+    for r, state in costs.ranks.items():
+        chunks = [costs.chunks[c] for c in range(r, n, L.pp)]
+        count = held[r] if r in (0, L.pp - 1) else max(held[1:L.pp - 1])
+        if L.virtual == 1:
+            acts = count * chunks[0].act_bytes
+        elif L.schedule == "bfs":
+            acts = m * sum(c.act_bytes for c in chunks)
+        else:
+            acts = count * max(c.act_bytes for c in chunks)
+        mem = Memory(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                     activations=acts,
+                     transient=max(c.work_bytes for c in chunks) + state.zero3_buffer, rank=r)
+        if mem.total > worst.total:
+            worst = mem
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# The space of layouts
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Which values each degree may take (None: every value that divides)."""
+
+    dp: Sequence[int] | None = None
+    tp: Sequence[int] | None = None
+    pp: Sequence[int] | None = None
+    cp: Sequence[int] | None = (1,)
+    """Context parallelism is off unless asked for (it pays only for long sequences)."""
+    virtual: Sequence[int] = (1, 2, 4, 8)
+    micro_batch: Sequence[int] = (1, 2, 4, 8, 16)
+    zero: Sequence[int] = (0, 1, 2, 3)
+    recompute: Sequence[str] = RECOMPUTE
+    schedule: Sequence[str] = SCHEDULE_CHOICES
+    sequence_parallel: Sequence[bool] = (False, True)
+    tp_within_node: bool = True
+    """Tensor parallelism only inside a node (Narayanan et al. 2021, takeaway #1)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
+    """Every layout in `space` that `check_layout` accepts for `w`."""
+    n = w.gpus
+    spec = w.model
+    tps = [t for t in (space.tp or divisors(n)) if n % t == 0 and spec.heads % t == 0
+           and (not space.tp_within_node or t <= w.hardware.gpus_per_node)]
+    for tp in tps:
+        for cp in [c for c in (space.cp or divisors(n // tp)) if (n // tp) % c == 0]:
+            rest = n // (tp * cp)
+            for pp in [p for p in (space.pp or divisors(rest)) if rest % p == 0
+                       and spec.layers % p == 0]:
+                dp = rest // pp
+                if space.dp is not None and dp not in space.dp:
+                    continue
+                for b in space.micro_batch:
+                    if w.global_batch % (dp * b):
+                        continue
+                    m = w.global_batch // (dp * b)
+                    for sched, v in _schedules(pp, m, spec.layers, space):
+                        for zero, rc, sp in itertools.product(
+                                space.zero if dp * cp > 1 else (0,), space.recompute,
+                                space.sequence_parallel if tp > 1 else (False,)):
+                            L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=v, micro_batch=b,
+                                       zero=zero, recompute=rc, schedule=sched,
+                                       sequence_parallel=sp)
+                            if check_layout(w, L) is None:
+                                yield L
+
+
+def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for sched in space.schedule:
+        if sched in ("interleaved", "bfs"):
+            for v in space.virtual:
+                if layers % (pp * v) or (sched == "interleaved" and (v == 1 or m % pp)):
+                    continue
+                yield sched, v
+        elif sched == "naive":
+            if m == 1:
+                yield sched, 1
+        else:
+            yield sched, 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass
+class Plan:
+    """The search's answer."""
+
+    workload: Workload
+    ranked: list[Estimate]
+    """Simulated layouts, best first (the top of the whole space)."""
+    considered: int
+    """Layouts enumerated."""
+    fitting: int
+    """Layouts within memory."""
+    simulated: int
+    seconds: float
+    smallest: Estimate | None = None
+    """The layout with the least memory (reported when nothing fits)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Estimate:
+        return self.ranked[0]
+
+
+def search(w: Workload, space: SearchSpace = SearchSpace(), top: int = 10,
+           layouts: Iterable[Layout] | None = None) -> Plan:
+    """Rank the layouts of `space` (or the given `layouts`) that fit in memory; keep `top`."""
+    t0 = time.perf_counter()
+    candidates = list(layouts) if layouts is not None else list(enumerate_layouts(w, space))
+    if not candidates:
+        raise PlanError(f"no layout of {w.gpus} GPUs divides the model ({w.model.name}: "
+                        f"{w.model.layers} layers, {w.model.heads} heads) and the global batch "
+                        f"{w.global_batch}; try another --gpus or --global-batch")
+    capacity = w.hardware.memory_bytes - w.reserve_gb * GB
+    fitting: list[Estimate] = []
+    smallest: Estimate | None = None
+    for L in candidates:
+        est = estimate(w, L, simulate=False, check=layouts is not None)
+        if smallest is None or est.memory.total < smallest.memory.total:
+            smallest = est
+        if est.memory.total <= capacity:
+            fitting.append(est)
+    if not fitting:
+        assert smallest is not None
+        raise PlanError(
+            f"{w.model.name} does not fit on {w.gpus} x {w.hardware.name} "
+            f"({w.hardware.memory_gb:g} GB): the smallest memory any layout reaches is "
+            f"{smallest.memory.total / GB:.1f} GB per GPU ({smallest.layout.describe()})")
+    fitting.sort(key=lambda e: e.lower_bound)
+    ranked: list[Estimate] = []
+    simulated = 0
+    for est in fitting:
+        if len(ranked) >= top and est.lower_bound > ranked[top - 1].step_time:
+            break
+        run_simulation(est)
+        simulated += 1
+        ranked.append(est)
+        ranked.sort(key=lambda e: (e.step_time, e.memory.total))
+    return Plan(workload=w, ranked=ranked[:top], considered=len(candidates),
+                fitting=len(fitting), simulated=simulated, seconds=time.perf_counter() - t0,
+                smallest=smallest)
+
+
+def fixed(w: Workload, **degrees) -> Estimate:
+    """The estimate of one given layout (e.g. a published one)."""
+    return estimate(w, Layout(**degrees))
+
+
+__all__ = ["Estimate", "Memory", "Plan", "PlanError", "SearchSpace", "enumerate_layouts",
+           "estimate", "fixed", "search", "replace", "pipeline_comm_exposed"]

@@ -1,0 +1,243 @@
+"""The planner's search, its use of the simulator, its CLI and its bad-input handling.
+
+No processes except the CLI's own (run in-process through typer's runner).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from tessera.cli import app
+from tessera.config import ConfigError
+from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
+from tessera.planner.cost import GB, Layout, Workload
+from tessera.planner.hardware import Hardware, load_hardware, save_hardware
+from tessera.planner.models import load_model
+from tessera.planner.pipeline import build, inflight, lower_bound, time_pipeline
+from tessera.planner.search import (
+    PlanError,
+    SearchSpace,
+    _per_chunk,
+    chunk_lower_bound,
+    estimate,
+    search,
+)
+
+A100 = load_hardware("A100-80GB")
+
+
+def workload(model: str, gpus: int, batch: int, **kw) -> Workload:
+    return Workload(model=load_model(model), hardware=kw.pop("hardware", A100), gpus=gpus,
+                    global_batch=batch, seq_len=kw.pop("seq_len", 2048), **kw)
+
+
+# -- the simulator, as the planner uses it ------------------------------------------------------
+
+
+def test_inflight_closed_forms_equal_the_schedules():
+    """Peak in-flight activation sets per rank: the closed forms the planner uses at large p
+    equal the count over the generated schedule, for every registered schedule on a grid."""
+    for name in ("naive", "gpipe", "1f1b", "interleaved", "bfs"):
+        for p in (1, 2, 3, 4, 5, 8):
+            for v in ((1, 2, 3) if name in ("interleaved", "bfs") else (1,)):
+                for m in range(1, 3 * p + 2):
+                    if name == "interleaved" and (m % p or v == 1):
+                        continue
+                    counted = peak_inflight(build(name, p, m, v))
+                    assert list(inflight(name, p, m, v)) == counted, (name, p, m, v)
+
+
+def _layout_costs(est) -> StageCosts:
+    c = est.costs
+    fs, bs, ds = _per_chunk(c)
+    return StageCosts(forward=fs, backward=bs, p2p_latency=c.p2p_latency, p2p_bytes=c.p2p_bytes,
+                      p2p_bandwidth=c.p2p_bandwidth, dp_reduce=ds, dp_overlap=c.dp_overlap)
+
+
+def test_extrapolated_simulation_matches_full_simulation():
+    """At large m the planner simulates m1 and m1 + p and extrapolates in steps of p. On the
+    planner's own cost structures (catalog models and hardware) this equals simulating the
+    true m to 1e-5: the cache normalizes costs to 6 significant digits."""
+    cases = [
+        ("megatron-39.1b", 512, 32000, dict(tp=8, pp=2, micro_batch=1, schedule="1f1b")),
+        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual=2,
+                                              schedule="interleaved")),
+        ("llama3-8b", 64, 4096, dict(tp=2, pp=4, micro_batch=1, schedule="gpipe")),
+        ("gpt3-2.7b", 64, 4096, dict(tp=1, pp=4, micro_batch=1, virtual=2, schedule="bfs")),
+        ("gpt3-13b", 128, 1024, dict(tp=4, pp=8, micro_batch=1, schedule="1f1b", zero=2)),
+    ]
+    for model, gpus, batch, kw in cases:
+        w = workload(model, gpus, batch)
+        L = Layout(dp=gpus // (kw.get("tp", 1) * kw["pp"]), recompute="selective", **kw)
+        est = estimate(w, L, simulate=False)
+        costs = _layout_costs(est)
+        fast = time_pipeline(L.schedule, L.pp, est.m, L.virtual, costs)
+        assert len(fast.simulated_m) == 2, (model, "expected the extrapolated path")
+        full = simulate(build(L.schedule, L.pp, est.m, L.virtual), costs)
+        assert fast.step_time == pytest.approx(full.step_time, rel=1e-5), model
+        assert fast.makespan == pytest.approx(full.makespan, rel=1e-5), model
+
+
+def test_lower_bound_never_exceeds_the_simulation():
+    """The pruning bound is below the simulated time for random costs and every schedule, and
+    the planner's O(1) form equals the generic one on its chunk structure."""
+    rng = random.Random(0)
+    for _ in range(150):
+        name = rng.choice(["naive", "gpipe", "1f1b", "interleaved", "bfs"])
+        p = rng.choice([1, 2, 3, 4])
+        v = rng.choice([2, 3]) if name in ("interleaved", "bfs") and p > 1 else 1
+        m = p * rng.randint(1, 4) if name == "interleaved" else rng.randint(1, 9)
+        n = p * v
+        f = [rng.uniform(0.5, 2) for _ in range(n)]
+        b = [x * rng.uniform(1.5, 3) for x in f]
+        d = [rng.uniform(0, 3) for _ in range(n)]
+        lat, ovl = rng.choice([0.0, 0.1, 1.0]), rng.random() < 0.5
+        sim = simulate(build(name, p, m, v), StageCosts(forward=f, backward=b, p2p_latency=lat,
+                                                         dp_reduce=d, dp_overlap=ovl))
+        bound = lower_bound(f, b, d, lat if p > 1 else 0.0, ovl, p, m)
+        assert bound <= sim.step_time * (1 + 1e-12), (name, p, v, m)
+    w = workload("gpt3-6.7b", 64, 256)
+    for L in (Layout(dp=8, tp=2, pp=4, micro_batch=2), Layout(dp=8, pp=8, virtual=2,
+                                                                schedule="interleaved"),
+              Layout(dp=16, pp=4, zero=3, schedule="bfs", virtual=2), Layout(dp=64, zero=1)):
+        est = estimate(w, L, simulate=False)
+        fs, bs, ds = _per_chunk(est.costs)
+        c = est.costs
+        transfer = c.p2p_latency + c.p2p_bytes / c.p2p_bandwidth if L.pp > 1 else 0.0
+        generic = lower_bound(fs, bs, ds, transfer, c.dp_overlap, L.pp, est.m)
+        assert chunk_lower_bound(c, L.pp, est.m) == pytest.approx(generic, rel=1e-12)
+
+
+# -- ranking sanity -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [32, 128])
+def test_161b_gpt_on_64_a100_prefers_tp8_pp8(batch):
+    """Narayanan et al. 2021, Figure 13: 161B GPT (l=32, h=20480, a=128) on 64 A100s, 8 per
+    node, t·p = 64, micro-batch 1, full recomputation, 1F1B: (t, p) = (8, 8) is best."""
+    w = workload("gpt-161b", 64, batch, flash_attention=False)
+    space = SearchSpace(dp=(1,), micro_batch=(1,), schedule=("1f1b",), recompute=("full",),
+                        sequence_parallel=(False,), zero=(0,), tp_within_node=False)
+    plan = search(w, space, top=10)
+    ranking = [(e.layout.tp, e.layout.pp) for e in plan.ranked]
+    assert ranking[0] == (8, 8), ranking
+    assert len(ranking) == 6  # (1, 64) is over memory; the other six all fit
+
+
+def test_5_9b_gpt_on_64_gpus_prefers_data_parallelism():
+    """Narayanan et al. 2021, Figures 14-15: for a 5.9B GPT on 64 A100s data parallelism beats
+    pipeline and tensor parallelism; throughput falls as p or t grows at the cost of d."""
+    w = workload("gpt-5.9b", 64, 512, flash_attention=False)
+    best = search(w, top=3).best
+    assert (best.layout.tp, best.layout.pp) == (1, 1), best.layout.describe()
+    best_pp = search(w, SearchSpace(pp=(2, 4, 8, 16, 32)), top=1).best
+    best_tp = search(w, SearchSpace(tp=(2, 4, 8), pp=(1,)), top=1).best
+    assert best.step_time < min(best_pp.step_time, best_tp.step_time)
+    # The figures' sweeps (micro-batch 1, full recomputation, ZeRO-1 so that d = 64 fits).
+    for axis in ("pp", "tp"):
+        times = []
+        for k in (1, 2, 4, 8):
+            L = Layout(dp=64 // k, micro_batch=1, recompute="full", zero=1, **{axis: k})
+            times.append(estimate(w, L).step_time)
+        assert times == sorted(times), (axis, times)
+
+
+def test_no_proposed_layout_exceeds_memory():
+    """Llama 3 70B on 64 A100-40GB: most layouts are over memory; none is proposed, and the
+    over-memory ones really are (pure data parallelism needs the whole model per GPU)."""
+    w = workload("llama3-70b", 64, 128, seq_len=4096,
+                 hardware=load_hardware("A100-40GB"))
+    plan = search(w, top=50)
+    capacity = w.hardware.memory_bytes
+    assert plan.fitting < plan.considered
+    assert all(e.memory.total <= capacity for e in plan.ranked)
+    dp_only = estimate(w, Layout(dp=64, micro_batch=1, recompute="full"), simulate=False)
+    assert dp_only.memory.total > capacity
+    assert all(e.layout.key() != dp_only.layout.key() for e in plan.ranked)
+
+
+def test_full_search_for_1t_on_3072_gpus_is_fast():
+    """The requirement: searching every layout of the 1T model on 3072 GPUs under 5 s.
+    Measured as this process's CPU time, since the test machine is shared by other jobs
+    (wall time is printed too)."""
+    w = workload("megatron-1t", 3072, 3072)
+    cpu, wall = time.process_time(), time.perf_counter()
+    plan = search(w, top=10)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    print(f"1T on 3072 GPUs: {plan.considered} layouts, {plan.fitting} fit, "
+          f"{plan.simulated} simulated, {cpu:.2f} s CPU, {wall:.2f} s wall")
+    assert plan.considered > 10000
+    assert cpu < 5.0
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_impossible_request_reports_the_smallest_memory():
+    w = workload("megatron-1t", 8, 8, hardware=load_hardware("V100"))
+    with pytest.raises(PlanError, match=r"smallest memory any layout reaches is [\d.]+ GB"):
+        search(w)
+
+
+runner = CliRunner()
+
+
+def test_cli_bad_input_exits_2_and_lists_known_names():
+    r = runner.invoke(app, ["plan", "--model", "gpt-7", "--gpus", "8", "--global-batch", "8"])
+    assert r.exit_code == 2
+    assert "unknown model" in r.output and "gpt3-175b" in r.output and "llama3-8b" in r.output
+    r = runner.invoke(app, ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch",
+                            "8", "--hardware", "TPUv9"])
+    assert r.exit_code == 2
+    assert "unknown hardware" in r.output and "H100-SXM" in r.output
+    r = runner.invoke(app, ["plan", "--model", "megatron-1t", "--gpus", "8", "--global-batch",
+                            "8", "--hardware", "V100"])
+    assert r.exit_code == 2 and "smallest memory any layout reaches" in r.output
+    r = runner.invoke(app, ["plan", "--model", "gpt3-1.3b", "--gpus", "8"])
+    assert r.exit_code == 2 and "--global-batch" in r.output
+
+
+def test_cli_table_explain_json_and_plot(tmp_path):
+    args = ["plan", "--model", "gpt3-2.7b", "--gpus", "16", "--hardware", "H100",
+            "--global-batch", "64", "--seq", "2048", "--top", "4"]
+    r = runner.invoke(app, args + ["--explain", "--tokens", "1e11"])
+    assert r.exit_code == 0, r.output
+    assert "Best layout:" in r.output and "pipeline bubble" in r.output
+    assert "runner-up" in r.output and "GB of 80 GB" in r.output
+    png = tmp_path / "plan.png"
+    r = runner.invoke(app, args + ["--json", "--explain", "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert len(out["layouts"]) == 4 and out["layouts"][0]["step_time_s"] > 0
+    parts = out["best_breakdown_s"]
+    total = sum(v for k, v in parts.items() if not k.endswith("_hidden"))
+    # The breakdown sums to the step time (float rounding only).
+    assert total == pytest.approx(out["layouts"][0]["step_time_s"], rel=1e-9)
+    assert png.stat().st_size > 10_000
+
+
+def test_model_and_hardware_from_files(tmp_path):
+    model_file = tmp_path / "mine.yaml"
+    model_file.write_text("model:\n  hidden: 1024\n  layers: 8\n  heads: 16\n"
+                          "  vocab_size: 32000\n  mlp: swiglu\n  ffn_hidden: 2816\n")
+    spec = load_model(str(model_file))
+    assert spec.name == "mine" and spec.mlp == "swiglu" and spec.param_count > 0
+    tessera_config = tmp_path / "run.toml"
+    tessera_config.write_text('preset = "tiny"\n[model]\nd_model = 128\n')
+    assert load_model(str(tessera_config)).hidden == 128
+    hw = Hardware(name="box", peak_tflops=100, memory_gb=24, memory_bw_gbs=900,
+                  intra_node_gbs=64, inter_node_gbs=12.5, gpus_per_node=4)
+    path = save_hardware(hw, tmp_path / "box.toml")
+    assert load_hardware(str(path)) == hw
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\npeak_tflops = -1\n')
+    with pytest.raises(ConfigError, match="hardware"):
+        load_hardware(str(bad))
+    w = Workload(model=spec, hardware=hw, gpus=4, global_batch=16, seq_len=1024)
+    plan = search(w, top=3)
+    assert plan.best.memory.total <= 24 * GB
