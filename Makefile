@@ -29,7 +29,6 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m ruff format --check src tests benchmarks
 
 format: $(STAMP)
 	$(PY) -m ruff format src tests benchmarks
