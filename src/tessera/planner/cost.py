@@ -359,8 +359,13 @@ def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
 
 def p2p_link(hw: Hardware, span: int) -> Link:
     """A point-to-point transfer between ranks of a group spanning `span` ranks: each GPU sends
-    through its own adapter when the group leaves the node."""
-    return hw.link(intra_node=span <= hw.gpus_per_node)
+    through its own adapter when the group leaves the node (calibrated CPU machines measure
+    sends separately from collectives)."""
+    link = hw.link(intra_node=span <= hw.gpus_per_node)
+    if hw.p2p_alpha_us is not None or hw.p2p_gbs is not None:
+        link = Link(alpha=link.alpha if hw.p2p_alpha_us is None else hw.p2p_alpha_us * 1e-6,
+                    bandwidth=link.bandwidth if hw.p2p_gbs is None else hw.p2p_gbs * 1e9)
+    return link
 
 
 # ---------------------------------------------------------------------------------------------
