@@ -20,10 +20,12 @@ this 2-core machine) and in fp32 (what ``tessera train`` computes in on a CPU):
   more);
 - the per-kernel overhead: the time of an elementwise op on a one-element tensor with autograd
   recording (dispatch, allocation, graph bookkeeping);
-- collective α and β over gloo: :func:`tessera.collectives.measure_alpha_beta` on ``ranks``
-  processes started with :func:`tessera.testing.run_ranks` (ping-pong between two ranks, fit
-  of ``t = α + n·β``); the same numbers serve as intra- and inter-node link, since every rank
-  lives on this machine; ``gamma`` (the local reduction) is folded into β;
+- α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
+  for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
+  ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
+  (:func:`tessera.collectives.fit_alpha_beta`) to gloo's own ``all_reduce`` at 4 KiB-4 MiB,
+  which costs several times what the ping-pong predicts, converted to the ring form the
+  planner uses. Intra- and inter-node are the same link: every rank lives on this machine;
 - memory: the machine's RAM divided among its cores (one rank per core), and the cores
   themselves: with more ranks than cores, ranks time-share them (``cores``).
 
@@ -35,6 +37,7 @@ file says ``dp_overlap = 0``.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -161,21 +164,43 @@ def op_overhead() -> float:
     return _best_time(run, repeats=9) / 200
 
 
-def _collective_worker() -> tuple[float, float, float]:
-    from tessera.collectives import measure_alpha_beta
+def _timed_all_reduce(nbytes: int, repeats: int) -> float:
+    import torch.distributed as dist
 
-    # Up to 16 MiB so that β is pinned by large messages; 25 repeats for a stable median on a
-    # machine shared with other jobs.
-    model = measure_alpha_beta(None, sizes=tuple(4 ** k for k in range(2, 13)), repeats=25)
-    return model.alpha, model.beta, model.gamma
+    x = torch.ones(nbytes // 4)
+    samples = []
+    for _ in range(repeats + 3):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[3:])
 
 
-def collective_alpha_beta(ranks: int = 2) -> tuple[float, float, float]:
-    """(α seconds, β seconds per byte, γ seconds per byte) over gloo between local processes."""
+def _collective_worker() -> tuple[float, float, float, float]:
+    import torch.distributed as dist
+
+    from tessera.collectives import fit_alpha_beta, measure_alpha_beta
+
+    # Point to point: a ping-pong up to 16 MiB (so that β is pinned by large messages), 25
+    # repeats for a stable median on a machine shared with other jobs.
+    p2p = measure_alpha_beta(None, sizes=tuple(4 ** k for k in range(2, 13)), repeats=25)
+    # Collectives: gloo's own all-reduce costs several times what the ping-pong predicts (its
+    # algorithm, threads, copies), so the link is fitted to it: t = a + b·n, and for the ring
+    # form 2(N−1)·α + 2(N−1)/N·n·β that the planner uses, α = a / (2(N−1)), β = b·N / (2(N−1)).
+    sizes = [4 ** k for k in range(6, 12)]  # 4 KiB to 4 MiB
+    seconds = [_timed_all_reduce(n, repeats=15) for n in sizes]
+    a, b = fit_alpha_beta(sizes, seconds)
+    n = dist.get_world_size()
+    return p2p.alpha, p2p.beta + p2p.gamma, a / (2 * (n - 1)), b * n / (2 * (n - 1))
+
+
+def collective_alpha_beta(ranks: int = 2) -> tuple[float, float, float, float]:
+    """(point-to-point α, β; all-reduce α, β) in seconds and seconds per byte, over gloo
+    between `ranks` local processes."""
     from tessera.testing import run_ranks
 
-    results = run_ranks(_collective_worker, ranks, timeout=120)
-    return results[0]
+    return run_ranks(_collective_worker, ranks, timeout=180)[0]
 
 
 def physical_memory_bytes() -> float:
@@ -197,15 +222,16 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
     finally:
         torch.set_num_threads(threads)
-    alpha, beta, gamma = collective_alpha_beta(ranks)
+    p2p_alpha, p2p_beta, alpha, beta = collective_alpha_beta(ranks)
     cores = os.cpu_count() or 1
-    link_gbs = 1.0 / (beta + gamma) / 1e9
+    link_gbs = 1.0 / beta / 1e9
     return Hardware(
         name=name, peak_tflops=mm / 1e12, matmul_efficiency=1.0,
         attention_tflops=attn / 1e12, memory_gb=physical_memory_bytes() / cores / 1e9,
         memory_bw_gbs=bw / 1e9, intra_node_gbs=link_gbs, inter_node_gbs=link_gbs,
         gpus_per_node=LOCAL_RANKS, cores=cores, intra_node_alpha_us=alpha * 1e6,
-        inter_node_alpha_us=alpha * 1e6,
+        inter_node_alpha_us=alpha * 1e6, p2p_alpha_us=p2p_alpha * 1e6,
+        p2p_gbs=1.0 / p2p_beta / 1e9,
         link_efficiency=1.0, op_overhead_us=overhead * 1e6, elementwise_passes=passes,
         dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "

@@ -156,7 +156,7 @@ def calibrate_cmd(
         raise _fail(str(e)) from None
     path = save_hardware(hw, out)
     cores = os.cpu_count() or 1
-    if os.getloadavg()[0] > cores / 2:
+    if os.getloadavg()[0] > cores:
         print(f"warning: the 1-minute load average is {os.getloadavg()[0]:.1f} on {cores} "
               f"cores: other jobs slowed the measurement; calibrate on an idle machine",
               file=sys.stderr)

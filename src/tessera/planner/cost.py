@@ -359,8 +359,13 @@ def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
 
 def p2p_link(hw: Hardware, span: int) -> Link:
     """A point-to-point transfer between ranks of a group spanning `span` ranks: each GPU sends
-    through its own adapter when the group leaves the node."""
-    return hw.link(intra_node=span <= hw.gpus_per_node)
+    through its own adapter when the group leaves the node (calibrated CPU machines measure
+    sends separately from collectives)."""
+    link = hw.link(intra_node=span <= hw.gpus_per_node)
+    if hw.p2p_alpha_us is not None or hw.p2p_gbs is not None:
+        link = Link(alpha=link.alpha if hw.p2p_alpha_us is None else hw.p2p_alpha_us * 1e-6,
+                    bandwidth=link.bandwidth if hw.p2p_gbs is None else hw.p2p_gbs * 1e9)
+    return link
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,18 +585,29 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     head = head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw
     last.forward_compute += head
     last.backward_compute += 2 * head
+    if t > 1:
+        # Vocabulary-parallel embedding: each rank looks up its rows, an all-reduce (with SP a
+        # reduce-scatter) sums them; the loss over split logits all-reduces the b·s row maxima,
+        # then the sums of exponentials with the target logits (Shoeybi et al. 2019 §3).
+        tp_link = group_link(hw, t)
+        act = e * tokens * spec.hidden
+        embed_comm = (allgather_time(act, t, tp_link) if L.sequence_parallel
+                      else allreduce_time(act, t, tp_link))
+        loss_comm = allreduce_time(4 * tokens, t, tp_link) + allreduce_time(8 * tokens, t,
+                                                                             tp_link)
+        first.tp_forward += embed_comm * keep
+        first.tp_hidden += embed_comm * w.tp_overlap
+        last.tp_forward += loss_comm
     # A tied head on another rank than the embedding keeps its own copy of the matrix.
     tied_copy = spec.tied_embeddings and L.pp > 1
     last.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
     last.tensors += 2
     last.act_bytes += logits_bytes + 2 * e * tokens * spec.hidden / split
-    if n_chunks == 1:
-        only = last
-        only.forward_compute += embed_mem
-        only.backward_compute += 2 * embed_mem
-        only.params += spec.embedding_params / t
-        only.tensors += first.tensors - middle().tensors
-        only.act_bytes += first.act_bytes - middle().act_bytes
+    if n_chunks == 1:  # one chunk holds both ends: add the first chunk's extras to the last
+        only, plain = last, middle()
+        for name in ("forward_compute", "backward_compute", "tp_forward", "tp_hidden", "params",
+                     "tensors", "act_bytes"):
+            setattr(only, name, getattr(only, name) + getattr(first, name) - getattr(plain, name))
         distinct = [only]
         chunks = [only]
     else:

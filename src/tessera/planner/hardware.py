@@ -73,6 +73,11 @@ class Hardware:
     """Latency of one message step on the intra-node link, microseconds."""
     inter_node_alpha_us: float = 10.0
     """Latency of one message step on the inter-node link, microseconds."""
+    p2p_alpha_us: float | None = None
+    """Latency of a point-to-point send when it differs from the collectives' α (gloo on a
+    CPU); None: the link's."""
+    p2p_gbs: float | None = None
+    """Bandwidth of a point-to-point send when it differs from the link's; None: the link's."""
     matmul_efficiency: float = MATMUL_EFFICIENCY
     """Fraction of peak_tflops that large matrix multiplies achieve."""
     attention_tflops: float | None = None
