@@ -8,42 +8,35 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from cli_errors import cli_error
 from tessera.cli import app
 
 runner = CliRunner()
 
 
-def _fail(args: list[str]) -> str:
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    return lines[0]
-
-
 def test_layout_not_matching_world(tiny_data):
-    line = _fail(["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "4", "--dp", "3"])
+    line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "4",
+                      "--dp", "3"])
     assert "dp*tp*pp*cp=3 must equal the world size 4" in line
 
 
 def test_heads_not_divisible(tiny_data):
-    line = _fail(["train", "--preset", "tiny", "--data", tiny_data, "--tp", "3"])
+    line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--tp", "3"])
     assert "parallel.tp=3: must divide model.n_heads=4" in line
 
 
 def test_missing_data_path(tmp_path):
-    line = _fail(["train", "--preset", "tiny", "--data", str(tmp_path / "nothing")])
+    line = cli_error(["train", "--preset", "tiny", "--data", str(tmp_path / "nothing")])
     assert f"{tmp_path / 'nothing'}: data directory not found" in line
 
 
 def test_unknown_preset(tiny_data):
-    line = _fail(["train", "--preset", "huge", "--data", tiny_data])
+    line = cli_error(["train", "--preset", "huge", "--data", tiny_data])
     assert "preset='huge': unknown; known: tiny, demo, gpt2-124m, llama-1b" in line
 
 
 def test_bad_override(tiny_data):
-    assert "train.lr=-1.0: must be > 0" in _fail(["train", "--data", tiny_data, "--set",
+    assert "train.lr=-1.0: must be > 0" in cli_error(["train", "--data", tiny_data, "--set",
                                                   "train.lr=-1"])
 
 

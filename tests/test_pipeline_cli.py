@@ -7,6 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from cli_errors import cli_error
 from tessera.cli import app
 from tessera.config import ConfigError, make_config
 from tessera.engine import check_supported
@@ -14,14 +15,6 @@ from tessera.testing import run_ranks
 from tessera.trainer import train
 
 runner = CliRunner()
-
-
-def _fail(args: list[str]) -> str:
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def test_schedule_command_prints_grid_bubble_inflight_and_writes_pictures(tmp_path):
@@ -48,11 +41,11 @@ def test_schedule_command_interleaved_closed_form():
 
 
 def test_schedule_command_bad_input():
-    assert "microbatches=3: interleaved 1F1B needs micro-batches a multiple of pp=2" in _fail(
+    assert "microbatches=3: interleaved 1F1B needs micro-batches a multiple of pp=2" in cli_error(
         ["schedule", "--schedule", "interleaved", "--pp", "2", "--microbatches", "3",
          "--virtual", "2"])
-    assert "schedule='zb'" in _fail(["schedule", "--schedule", "zb"])
-    assert "virtual=2" in _fail(["schedule", "--schedule", "gpipe", "--virtual", "2"])
+    assert "schedule='zb'" in cli_error(["schedule", "--schedule", "zb"])
+    assert "virtual=2" in cli_error(["schedule", "--schedule", "gpipe", "--virtual", "2"])
 
 
 def test_custom_schedule_file(tmp_path):
@@ -63,23 +56,23 @@ def test_custom_schedule_file(tmp_path):
     assert "schedule mine: pp=2" in result.output
     bad = tmp_path / "bad.txt"
     bad.write_text("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1F0 1B0 1B1\n")
-    assert "deadlocks" in _fail(["schedule", "--file", str(bad)])
+    assert "deadlocks" in cli_error(["schedule", "--file", str(bad)])
     bad.write_text("rank 0: 0F0 0F1 0B1 0B0\nrank 1: 1F0 1B0 1F1 1B1\n")
-    assert "must come in the same order" in _fail(["schedule", "--file", str(bad)])
+    assert "must come in the same order" in cli_error(["schedule", "--file", str(bad)])
     bad.write_text("rank 0: 0F0 0X1\n")
-    assert "action '0X1'" in _fail(["schedule", "--file", str(bad)])
+    assert "action '0X1'" in cli_error(["schedule", "--file", str(bad)])
 
 
 def test_train_refuses_bad_pipeline_input_before_launch(tiny_data):
     base = ["train", "--preset", "tiny", "--data", tiny_data]
-    line = _fail(base + ["--pp", "4", "--set", "model.n_layers=2"])
+    line = cli_error(base + ["--pp", "4", "--set", "model.n_layers=2"])
     assert "parallel.pp=4: pp*virtual_stages=4 stages exceed model.n_layers=2" in line
-    line = _fail(base + ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3",
+    line = cli_error(base + ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3",
                          "--set", "model.n_layers=4"])
     assert "train.grad_accum=3" in line and "multiple of parallel.pp=2" in line
-    line = _fail(base + ["--pp", "2", "--tp", "2"])
+    line = cli_error(base + ["--pp", "2", "--tp", "2"])
     assert "tp=2" in line and "do not compose yet" in line
-    line = _fail(base + ["--pp", "2", "--schedule", "1f1b", "--virtual", "2"])
+    line = cli_error(base + ["--pp", "2", "--schedule", "1f1b", "--virtual", "2"])
     assert "parallel.virtual_stages=2" in line
 
 

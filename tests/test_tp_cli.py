@@ -12,22 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from tessera.cli import app
+from cli_errors import cli_error
 from tessera.config import make_config
 from tessera.trainer import run
 
-runner = CliRunner()
-
 
 def _fail(args: list[str]) -> str:
-    result = runner.invoke(app, ["train", "--preset", "tiny", "--no-progress", *args])
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    return lines[0]
+    return cli_error(["train", "--preset", "tiny", "--no-progress", *args])
 
 
 def test_heads_not_divisible_by_tp(tiny_data):

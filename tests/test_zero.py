@@ -12,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cli_errors import cli_error
 from tessera.cli import app
 from tessera.config import Config, make_config
 from tessera.engine import adamw, build_engine, lr_lambda
@@ -286,17 +287,12 @@ def test_cli_zero_stage_reaches_the_run(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("stage", ["4", "-1"])
 def test_cli_zero_stage_out_of_range(tiny_data, stage):
-    result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", tiny_data,
-                                      "--dp", "2", f"--zero-stage={stage}"])
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert lines == [f"error: parallel.zero_stage={stage}: must be 0, 1, 2 or 3"]
+    line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--dp", "2",
+                      f"--zero-stage={stage}"])
+    assert line == f"error: parallel.zero_stage={stage}: must be 0, 1, 2 or 3"
 
 
 def test_cli_zero_with_tensor_parallelism_is_refused(tiny_data):
-    result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", tiny_data,
-                                      "--nproc", "4", "--dp", "2", "--tp", "2",
-                                      "--zero-stage", "1"])
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "tensor parallelism and ZeRO do not compose yet" in lines[0]
+    line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "4",
+                      "--dp", "2", "--tp", "2", "--zero-stage", "1"])
+    assert "tensor parallelism and ZeRO do not compose yet" in line
