@@ -44,7 +44,7 @@ class Case:
     micro_batch: int = 16
     microbatches: int = 1
     measured: list[float] = field(default_factory=list)
-    loads: list[float] = field(default_factory=list)
+    idle: list[float] = field(default_factory=list)
 
 
 CASES = [
@@ -105,14 +105,27 @@ def predict(case: Case, hw_path: str) -> float:
     return estimate(w, layout).step_time
 
 
-def wait_for_quiet(limit_s: float, threshold: float = 1.0) -> float:
-    """Wait (up to `limit_s`) until the 1-minute load average drops below `threshold`: other
-    jobs on this shared 2-core machine slow a run by 30-60% without showing as steal time.
-    Returns the load average when the wait ended."""
+def idle_fraction(seconds: float = 2.0) -> float:
+    """Fraction of this machine's CPU time that was idle over the next `seconds` (/proc/stat)."""
+    def sample() -> tuple[int, int]:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return values[3] + values[4], sum(values)  # idle + iowait, total
+
+    idle0, total0 = sample()
+    time.sleep(seconds)
+    idle1, total1 = sample()
+    return (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_quiet(limit_s: float, threshold: float = 0.9) -> float:
+    """Wait (up to `limit_s`) until at least `threshold` of the CPU time is idle: other jobs
+    on this shared 2-core machine slow a run by 30-60%. Returns the idle fraction when the
+    wait ended. (The load average would also count the run that just finished.)"""
     deadline = time.monotonic() + limit_s
-    while os.getloadavg()[0] >= threshold and time.monotonic() < deadline:
-        time.sleep(5)
-    return os.getloadavg()[0]
+    idle = idle_fraction()
+    while idle < threshold and time.monotonic() < deadline:
+        idle = idle_fraction()
+    return idle
 
 
 def measure(case: Case, steps: int, data: str) -> list[float]:
@@ -142,7 +155,7 @@ def main() -> None:
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--only", help="comma-separated case names to run")
     ap.add_argument("--out", default="benchmarks/results/planner_local.txt")
-    ap.add_argument("--quiet-wait", type=float, default=120.0,
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
                     help="seconds to wait for a quiet machine before each run")
     args = ap.parse_args()
 
@@ -172,14 +185,15 @@ def main() -> None:
             runnable.append(c)
     for r in range(args.rounds):
         for c in (runnable if r % 2 == 0 else reversed(runnable)):
-            load = wait_for_quiet(args.quiet_wait)
-            c.loads.append(load)
+            idle = wait_for_quiet(args.quiet_wait)
+            c.idle.append(idle)
             c.measured += measure(c, args.steps, args.data)
             print(f"round {r + 1}: {c.name}: median so far "
-                  f"{statistics.median(c.measured):.3f} s (load {load:.1f} at start)", flush=True)
+                  f"{statistics.median(c.measured):.3f} s ({100 * idle:.0f}% idle at start)",
+                  flush=True)
 
     head = (f"{'layout':<24} {'predicted s':>11} {'measured s':>10} {'spread':>13} "
-            f"{'error':>7} {'load':>5}")
+            f"{'error':>7} {'idle':>5}")
     table = [head]
     errors = []
     for c in runnable:
@@ -190,12 +204,12 @@ def main() -> None:
         errors.append(err)
         mark = "" if abs(err) <= TARGET else "  <-- outside ±25%"
         table.append(f"{c.name:<24} {pred:>11.3f} {meas:>10.3f} {q[0]:>6.3f}-{q[2]:<6.3f} "
-                     f"{100 * err:>+6.1f}% {max(c.loads):>5.1f}{mark}")
+                     f"{100 * err:>+6.1f}% {100 * min(c.idle):>4.0f}%{mark}")
     within = sum(abs(e) <= TARGET for e in errors)
     table.append(f"{within} of {len(errors)} layouts within ±25% (target: at least 4, covering "
                  f"dp, tp, pp and a mix)")
-    table.append("spread: interquartile range of the measured steps; load: the highest 1-minute "
-                 "load average when one of its runs started")
+    table.append("spread: interquartile range of the measured steps; idle: the lowest idle "
+                 "share of the CPUs just before one of its runs started")
     lines += table
     text = "\n".join(lines) + "\n"
     print(text)

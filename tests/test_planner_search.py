@@ -15,7 +15,14 @@ from typer.testing import CliRunner
 from tessera.cli import app
 from tessera.config import ConfigError
 from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
-from tessera.planner.cost import GB, Layout, Workload
+from tessera.planner.cost import (
+    GB,
+    Layout,
+    Workload,
+    allreduce_time,
+    block_costs,
+    straggler_time,
+)
 from tessera.planner.hardware import Hardware, load_hardware, save_hardware
 from tessera.planner.models import load_model
 from tessera.planner.pipeline import build, inflight, lower_bound, time_pipeline
@@ -34,6 +41,50 @@ A100 = load_hardware("A100-80GB")
 def workload(model: str, gpus: int, batch: int, **kw) -> Workload:
     return Workload(model=load_model(model), hardware=kw.pop("hardware", A100), gpus=gpus,
                     global_batch=batch, seq_len=kw.pop("seq_len", 2048), **kw)
+
+
+# -- communication terms ------------------------------------------------------------------------
+
+
+def test_tensor_and_sequence_parallel_collective_counts():
+    """Per block and micro-batch: TP all-reduces twice forward and twice backward; SP replaces
+    each with an all-gather plus a reduce-scatter and all-gathers the two stored inputs again in
+    backward; a gather efficiency below 1 (gloo) slows only SP's collectives. Exact up to
+    float rounding (rel 1e-12)."""
+    import dataclasses
+
+    w = workload("gpt2-124m", 8, 8, seq_len=1024)
+    h, e = w.model.hidden, 2
+    act = e * 4 * 1024 * h  # b = 4
+    link = A100.link(intra_node=True)
+    ar = allreduce_time(act, 8, link)
+    ag = ar / 2  # a ring all-gather is half a ring all-reduce, latency terms included
+    tp = block_costs(w, 8, 1, 4, False, "none")
+    sp = block_costs(w, 8, 1, 4, True, "none")
+    assert tp.tp_forward == pytest.approx(2 * ar, rel=1e-12)
+    assert tp.tp_backward == pytest.approx(2 * ar, rel=1e-12)
+    assert sp.tp_forward == pytest.approx(4 * ag, rel=1e-12)
+    assert sp.tp_backward == pytest.approx(6 * ag, rel=1e-12)
+    slow = dataclasses.replace(w, hardware=dataclasses.replace(A100, gather_efficiency=0.5))
+    assert block_costs(slow, 8, 1, 4, True, "none").tp_backward == pytest.approx(
+        2 * sp.tp_backward, rel=1e-12)
+    assert block_costs(slow, 8, 1, 4, False, "none").tp_backward == pytest.approx(
+        tp.tp_backward, rel=1e-12)
+
+
+def test_straggler_wait_grows_with_group_noise_and_compute():
+    """The expected wait for the slowest of N ranks: 0 without jitter (the catalog's GPUs, so
+    the published figures are untouched) and for one rank; for two ranks Blom's approximation
+    of E[max of 2 normals] = 1/√π within 5%; σ grows as √T."""
+    import dataclasses
+
+    assert straggler_time(A100, 8, 1.0) == 0.0
+    noisy = dataclasses.replace(A100, jitter=0.02)
+    assert straggler_time(noisy, 1, 1.0) == 0.0
+    assert straggler_time(noisy, 2, 1.0) == pytest.approx(0.02 / 3.14159265 ** 0.5, rel=0.05)
+    assert straggler_time(noisy, 2, 4.0) == pytest.approx(2 * straggler_time(noisy, 2, 1.0))
+    assert straggler_time(noisy, 2, 1.0) < straggler_time(noisy, 8, 1.0) < straggler_time(
+        noisy, 64, 1.0)
 
 
 # -- the simulator, as the planner uses it ------------------------------------------------------

@@ -47,6 +47,10 @@ from tessera.collectives.p2p import (
 )
 from tessera.config import ConfigError
 
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 ALL_REDUCE_ALGORITHMS = ("naive", "parallel", "ring", "rabenseifner", "auto", "backend")
 REDUCE_SCATTER_ALGORITHMS = ("ring", "recursive", "auto", "backend")
 ALL_GATHER_ALGORITHMS = ("ring", "recursive", "auto", "backend")
@@ -358,7 +362,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
         start, stop = blocks[me]
         if flat.numel() % world == 0:
             out = torch.empty(stop - start, dtype=flat.dtype)
-            _reduce_scatter_single(out, flat.contiguous(), _TORCH_OP[op], group)
+            reduce_scatter_single(out, flat.contiguous(), op=_TORCH_OP[op], group=group)
         else:  # unequal shards: torch has no such reduce-scatter, so reduce everything
             full = flat.clone()
             dist.all_reduce(full, op=_TORCH_OP[op], group=group)
@@ -422,15 +426,9 @@ def all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     return out.view(shape)
 
 
-def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp,
-                           group: dist.ProcessGroup | None) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=op, group=group)
-
-
 def _backend_all_gather(out: torch.Tensor, piece: torch.Tensor, blocks: Blocks,
                         group: dist.ProcessGroup | None) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn = all_gather_single
     world = len(blocks)
     widest = max(b - a for a, b in blocks)
     if all(b - a == widest for a, b in blocks):

@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def ring_bytes_sent(op: str, numel: int, element_size: int, group_size: int) -> float:
@@ -134,7 +133,7 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None,
     x = x.detach().contiguous()  # collectives are not differentiable; the autograd Functions are
     # Gloo wants the concatenated form, (t·n_0, ...); viewed as the stack (t, *x.shape).
     flat = torch.empty((t * x.numel(),), dtype=x.dtype, device=x.device)
-    work = _all_gather_single(flat, x.view(-1), group=group, async_op=async_op)
+    work = all_gather_single(flat, x.view(-1), group=group, async_op=async_op)
     stacked = flat.view(t, *x.shape)
     _log(stats, tag, "all_gather", phase, stacked.numel(), x, t)
 
@@ -167,7 +166,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None,
     chunks = x.unflatten(dim, (t, x.shape[dim] // t)).movedim(dim, 0).contiguous()
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     # Gloo wants the concatenated forms: output (n,), input (t·n,).
-    work = _reduce_scatter_single(out.view(-1), chunks.detach().view(-1), group=group,
+    work = reduce_scatter_single(out.view(-1), chunks.detach().view(-1), group=group,
                                   async_op=async_op)
     _log(stats, tag, "reduce_scatter", phase, x.numel(), x, t)
 

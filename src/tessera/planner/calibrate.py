@@ -1,9 +1,12 @@
 """Measure this machine and describe it as a :class:`~tessera.planner.hardware.Hardware`.
 
-Every compute rate is the best of several repeats in thread CPU time, which other jobs on a
-shared machine do not inflate (collectives, which wait on another process, use wall time).
-What is measured, all with one thread per process (as each rank of ``tessera train`` runs on
-this 2-core machine) and in fp32 (what ``tessera train`` computes in on a CPU):
+Every compute rate is measured the way ``tessera train`` computes: in ``ranks`` processes at
+once (every core busy, so the ranks share memory bandwidth and cache as they do in training,
+which costs ~10% against one process alone), one thread per process, fp32. Each rate is the
+median of several repeats in thread CPU time, which other jobs on a shared machine do not
+inflate; the median, not the best, because a training step is a typical repeat, not the luckiest
+(the two differ by ~15% here). Collectives, which wait on another process, use wall time.
+What is measured:
 
 - the matrix-multiply rate at the model's shapes: every forward and backward GEMM of one block
   (x·Wᵀ, dY·W, dYᵀ·x for Q, K, V, O and the MLP) on b·s tokens, total FLOPs over total time;
@@ -25,7 +28,11 @@ this 2-core machine) and in fp32 (what ``tessera train`` computes in on a CPU):
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
   (:func:`tessera.collectives.fit_alpha_beta`) to gloo's own ``all_reduce`` at 4 KiB-4 MiB,
   which costs several times what the ping-pong predicts, converted to the ring form the
-  planner uses. Intra- and inter-node are the same link: every rank lives on this machine;
+  planner uses; all-gather and reduce-scatter are timed too and their speed relative to the
+  ring form on that link stored as ``gather_efficiency``. Intra- and inter-node are the same
+  link: every rank lives on this machine;
+- jitter: the spread of one block's forward + backward in wall time while every rank computes
+  (σ/√T, σ from the interquartile range): how far apart ranks reach a collective;
 - memory: the machine's RAM divided among its cores (one rank per core), and the cores
   themselves: with more ranks than cores, ranks time-share them (``cores``).
 
@@ -57,8 +64,8 @@ LOCAL_RANKS = 64
 `cores` says how many of them compute at full speed."""
 
 
-def _best_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
-    """The fastest of `repeats` calls, in this thread's CPU time. With one intra-op thread
+def _typical_time(fn: Callable[[], object], repeats: int = 11, warmup: int = 2) -> float:
+    """The median of `repeats` calls, in this thread's CPU time. With one intra-op thread
     torch runs every kernel in the calling thread, so CPU time is what the kernel costs, and
     unlike wall time it does not grow when other jobs on a shared machine take the core."""
     samples = []
@@ -67,7 +74,7 @@ def _best_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> f
         fn()
         if i >= warmup:
             samples.append(time.thread_time() - start)
-    return min(samples)
+    return statistics.median(samples)
 
 
 def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
@@ -88,7 +95,7 @@ def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
             dy @ w
             dy.t() @ x
 
-        total_s += _best_time(run)
+        total_s += _typical_time(run)
         total_flops += flops
     return total_flops / total_s
 
@@ -106,7 +113,7 @@ def attention_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
                                            enable_gqa=spec.kv_heads != spec.heads)
         y.backward(grad)
 
-    seconds = _best_time(run)
+    seconds = _typical_time(run)
     return 1.5 * 4 * micro_batch * seq * seq * spec.hidden / seconds
 
 
@@ -117,11 +124,11 @@ def memory_bandwidth(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     act = spec.layers * layer_activation_bytes(spec, micro_batch, seq, e=4, flash=True)
     n = max(int(act / 3 / 4), 8 * 2**20)
     a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
-    seconds = _best_time(lambda: torch.add(a, b, alpha=0.5, out=out), repeats=9)
+    seconds = _typical_time(lambda: torch.add(a, b, alpha=0.5, out=out), repeats=9)
     return 3 * 4 * n / seconds
 
 
-def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
+def _block_step(spec: ModelSpec, seq: int, micro_batch: int) -> Callable[[], None]:
     """Forward + backward of one block of tessera's reference model at the model's shapes."""
     from tessera.config import ModelConfig
     from tessera.model import Block, rope_tables
@@ -137,7 +144,27 @@ def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     def run() -> None:
         block(x, cos, sin).backward(grad)
 
-    return _best_time(run, repeats=9)
+    return run
+
+
+def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
+    """Seconds of one block's forward + backward (a typical repeat)."""
+    return _typical_time(_block_step(spec, seq, micro_batch), repeats=9)
+
+
+def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 24) -> float:
+    """σ/√T of a block's forward + backward in wall time (what a collective waits for): the
+    interquartile range / 1.349 (σ of a normal, robust to the odd long pause) over the
+    median T."""
+    run = _block_step(spec, seq, micro_batch)
+    run()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    q1, median, q3 = statistics.quantiles(samples, n=4)
+    return (q3 - q1) / 1.349 / median ** 0.5
 
 
 def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, attn: float,
@@ -161,23 +188,53 @@ def op_overhead() -> float:
         y = x
         for _ in range(200):
             y = y * 1.0
-    return _best_time(run, repeats=9) / 200
+    return _typical_time(run, repeats=9) / 200
 
 
-def _timed_all_reduce(nbytes: int, repeats: int) -> float:
+def _timed_collective(op: str, nbytes: int, repeats: int,
+                      before: Callable[[], object] | None = None) -> float:
+    """Median wall seconds of gloo's `op` ('all_reduce', 'all_gather', 'reduce_scatter') whose
+    full (unsharded) tensor has `nbytes`, each call right after `before` (compute)."""
     import torch.distributed as dist
 
-    x = torch.ones(nbytes // 4)
+    from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
+
+    n = dist.get_world_size()
+    full = torch.ones(nbytes // 4 // n * n)
+    shard = torch.ones(full.numel() // n)
+    run = {"all_reduce": lambda: dist.all_reduce(full),
+           "all_gather": lambda: all_gather_single(full, shard),
+           "reduce_scatter": lambda: reduce_scatter_single(shard, full)}[op]
     samples = []
     for _ in range(repeats + 3):
         dist.barrier()
+        if before is not None:
+            before()
         start = time.perf_counter()
-        dist.all_reduce(x)
+        run()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples[3:])
 
 
-def _collective_worker() -> tuple[float, float, float, float]:
+def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
+    """This process's compute measurements (see the module docstring), one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mm = matmul_rate(spec, seq, micro_batch)
+        attn = attention_rate(spec, seq, micro_batch)
+        bw = memory_bandwidth(spec, seq, micro_batch)
+        overhead = op_overhead()
+        passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
+        noise = jitter(spec, seq, micro_batch)
+    finally:
+        torch.set_num_threads(threads)
+    return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
+            "jitter": noise}
+
+
+def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
+    """Point-to-point and collective α and β of this process's default group."""
     import torch.distributed as dist
 
     from tessera.collectives import fit_alpha_beta, measure_alpha_beta
@@ -188,19 +245,51 @@ def _collective_worker() -> tuple[float, float, float, float]:
     # Collectives: gloo's own all-reduce costs several times what the ping-pong predicts (its
     # algorithm, threads, copies), so the link is fitted to it: t = a + b·n, and for the ring
     # form 2(N−1)·α + 2(N−1)/N·n·β that the planner uses, α = a / (2(N−1)), β = b·N / (2(N−1)).
+    # Each call follows a matmul at the model's shapes, as in training: the ranks arrive a
+    # little apart, with cold caches and idle gloo threads, which costs up to twice a call
+    # timed back to back.
+    x = torch.randn(micro_batch * seq, spec.hidden)
+    w = torch.randn(spec.ffn_hidden, spec.hidden)
+
+    def compute() -> None:
+        x @ w.t()
+
     sizes = [4 ** k for k in range(6, 12)]  # 4 KiB to 4 MiB
-    seconds = [_timed_all_reduce(n, repeats=15) for n in sizes]
+    seconds = [_timed_collective("all_reduce", n, 15, compute) for n in sizes]
     a, b = fit_alpha_beta(sizes, seconds)
     n = dist.get_world_size()
-    return p2p.alpha, p2p.beta + p2p.gamma, a / (2 * (n - 1)), b * n / (2 * (n - 1))
+    alpha, beta = a / (2 * (n - 1)), b * n / (2 * (n - 1))
+    # All-gather and reduce-scatter against the ring form on that link, (n−1)·α + (n−1)/n·n·β,
+    # at the sizes tensor and sequence parallelism move (64 KiB to 4 MiB): their speed relative
+    # to it, the median over sizes and both operations.
+    ratios = []
+    for op in ("all_gather", "reduce_scatter"):
+        for size in sizes[2:]:
+            ring = (n - 1) * alpha + (n - 1) / n * size * beta
+            ratios.append(ring / _timed_collective(op, size, 15, compute))
+    return {"p2p_alpha": p2p.alpha, "p2p_beta": p2p.beta + p2p.gamma, "alpha": alpha,
+            "beta": beta, "gather_efficiency": min(1.0, statistics.median(ratios))}
 
 
-def collective_alpha_beta(ranks: int = 2) -> tuple[float, float, float, float]:
-    """(point-to-point α, β; all-reduce α, β) in seconds and seconds per byte, over gloo
-    between `ranks` local processes."""
+def _calibration_worker(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank computes at once, as in training
+    rates = _compute_rates(spec, seq, micro_batch)
+    dist.barrier()
+    return {**rates, **_collective_link(spec, seq, micro_batch)}
+
+
+def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2) -> dict[str, float]:
+    """Compute rates (the median over `ranks` processes measuring at once) and the gloo link
+    between them (rank 0's measurement)."""
     from tessera.testing import run_ranks
 
-    return run_ranks(_collective_worker, ranks, timeout=180)[0]
+    results = run_ranks(_calibration_worker, ranks, args=(spec, seq, micro_batch), timeout=600)
+    out = dict(results[0])
+    for key in ("mm", "attn", "bw", "overhead", "passes", "jitter"):
+        out[key] = statistics.median(r[key] for r in results)
+    return out
 
 
 def physical_memory_bytes() -> float:
@@ -212,17 +301,9 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
               name: str = "local-cpu") -> Hardware:
     """Measure this machine at `spec`'s shapes (see module docstring)."""
     load = os.getloadavg()[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        mm = matmul_rate(spec, seq, micro_batch)
-        attn = attention_rate(spec, seq, micro_batch)
-        bw = memory_bandwidth(spec, seq, micro_batch)
-        overhead = op_overhead()
-        passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
-    finally:
-        torch.set_num_threads(threads)
-    p2p_alpha, p2p_beta, alpha, beta = collective_alpha_beta(ranks)
+    r = measure(spec, seq, micro_batch, ranks)
+    mm, attn, bw, overhead, passes = r["mm"], r["attn"], r["bw"], r["overhead"], r["passes"]
+    p2p_alpha, p2p_beta, alpha, beta = r["p2p_alpha"], r["p2p_beta"], r["alpha"], r["beta"]
     cores = os.cpu_count() or 1
     link_gbs = 1.0 / beta / 1e9
     return Hardware(
@@ -232,8 +313,9 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         gpus_per_node=LOCAL_RANKS, cores=cores, intra_node_alpha_us=alpha * 1e6,
         inter_node_alpha_us=alpha * 1e6, p2p_alpha_us=p2p_alpha * 1e6,
         p2p_gbs=1.0 / p2p_beta / 1e9,
-        link_efficiency=1.0, op_overhead_us=overhead * 1e6, elementwise_passes=passes,
+        link_efficiency=1.0, gather_efficiency=r["gather_efficiency"],
+        op_overhead_us=overhead * 1e6, elementwise_passes=passes, jitter=r["jitter"],
         dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
-               f"1 thread per rank, fp32, gloo over {ranks} local ranks, "
+               f"1 thread per rank, {ranks} ranks measuring at once, fp32, gloo, "
                f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")

@@ -61,6 +61,12 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
 - context parallelism (ring attention, Liu et al. 2023): each of the c−1 ring steps passes a
   K/V block of b·(s/c)·kv forward and K/V plus their gradients backward, overlapped with the
   attention compute of the step;
+- stragglers: ranks reach a collective after a stretch of compute whose time varies, and the
+  collective waits for the slowest; for N ranks with independent normal noise the wait
+  beyond a typical rank is the expected maximum of N standard normals (Blom's approximation,
+  ``Φ⁻¹((N − 0.375)/(N + 0.25))``) times σ, with σ = jitter·√T for T seconds of compute
+  (zero jitter on GPUs; a shared CPU measures several percent). Counted at every blocking
+  tensor-parallel collective and at each data-parallel reduction;
 - the step: the pipeline simulator (``tessera.pipeline.simulator``) runs the chosen schedule
   with per-chunk forward/backward times (compute + exposed TP and CP communication), the
   point-to-point costs and each chunk's data-parallel reduction, and returns step time,
@@ -78,6 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
+from statistics import NormalDist
 
 from tessera.config import ConfigError
 from tessera.planner.hardware import Hardware, Link
@@ -338,10 +345,19 @@ def allreduce_time(nbytes: float, n: int, link: Link) -> float:
 
 
 def allgather_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather (or reduce-scatter) of a `nbytes` result: half an all-reduce."""
+    """Ring all-gather (or reduce-scatter) of a `nbytes` result: half an all-reduce, at the
+    link's gather efficiency."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
+    return ((n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta) / link.gather_efficiency
+
+
+def straggler_time(hw: Hardware, n: int, busy: float) -> float:
+    """Expected wait at a collective of `n` ranks after `busy` seconds of compute on each:
+    σ·E[max of n standard normals] with σ = jitter·√busy (module docstring)."""
+    if n <= 1 or busy <= 0 or hw.jitter <= 0:
+        return 0.0
+    return hw.jitter * busy ** 0.5 * NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
 def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
@@ -354,7 +370,8 @@ def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
         return hw.link(intra_node=True)
     per_node = max(1, hw.gpus_per_node // stride)
     inter, intra = hw.link(intra_node=False), hw.link(intra_node=True)
-    return Link(alpha=inter.alpha, bandwidth=min(intra.bandwidth, per_node * inter.bandwidth))
+    return Link(alpha=inter.alpha, bandwidth=min(intra.bandwidth, per_node * inter.bandwidth),
+                gather_efficiency=inter.gather_efficiency)
 
 
 def p2p_link(hw: Hardware, span: int) -> Link:
@@ -430,11 +447,20 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) 
             "full": fwd}[recompute]
     # Tensor parallel: 2 all-reduces forward, 2 backward (with sequence parallelism an
     # all-gather plus a reduce-scatter each: the same volume), 2 more for a recomputed forward.
+    # Sequence parallelism keeps only the s/t slice of the attention's and the MLP's input for
+    # backward and all-gathers it again there (Korthikanti et al. §4.2.2): 2 more all-gathers.
     act_tensor = e * b * (s // cp) * spec.hidden
     one = 2 * allgather_time(act_tensor, t, tp_link) if sp else allreduce_time(act_tensor, t,
                                                                                tp_link)
+    regather = 2 * allgather_time(act_tensor, t, tp_link) if sp else 0.0
     tp_fwd = 2 * one
-    tp_bwd = 2 * one + (2 * one if recompute == "full" else 0.0)
+    tp_bwd = 2 * one + regather + (2 * one if recompute == "full" else 0.0)
+    # Each blocking collective (2 forward and 2 backward; SP: 4 and 4, the regather overlaps)
+    # ends a stretch of compute, and waits for the slowest rank of the group.
+    syncs = 4 if sp else 2
+    bwd = 2 * fwd + redo
+    tp_fwd += syncs * straggler_time(hw, t, fwd / syncs)
+    tp_bwd += syncs * straggler_time(hw, t, bwd / syncs)
     # Context parallel ring: c−1 steps passing K and V forward; K, V, dK, dV backward, each
     # hidden behind the attention of the block it overlaps.
     kv_block = 2 * e * b * (s // cp) * spec.kv_dim / min(t, spec.kv_heads)
@@ -632,16 +658,21 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     for ch in distinct:
         grads, weights = gb * ch.params, pb * ch.params
         bucket = min(grads, w.bucket_mb * 2**20)
+        # The reduction waits for the slowest replica: after the step's backward (ZeRO-0/1),
+        # after each micro-batch (ZeRO-2/3).
+        wait = straggler_time(hw, dp_group, (m if L.zero <= 1 else 1) * (ch.forward
+                                                                         + ch.backward))
         if L.zero <= 1:
             total = allreduce_time(grads, dp_group, dp_link) if L.zero == 0 else (
                 allgather_time(grads, dp_group, dp_link)
                 + allgather_time(weights, dp_group, dp_link))
+            total += wait
             ch.dp_total = total
             last_bucket = allreduce_time(bucket, dp_group, dp_link)
             ch.dp_reduce = total if ovl == 0 else max(total - ovl * ch.backward,
                                                        min(total, last_bucket))
         else:
-            rs = allgather_time(grads, dp_group, dp_link)  # a reduce-scatter moves the same
+            rs = allgather_time(grads, dp_group, dp_link) + wait  # as much as an all-gather
             ag = allgather_time(weights, dp_group, dp_link)
             if L.zero == 2:
                 ch.zero_backward = max(0.0, rs - ovl * ch.backward)

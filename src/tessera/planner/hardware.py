@@ -84,6 +84,10 @@ class Hardware:
     """Rate of the attention kernel in TFLOP/s; None uses peak_tflops * matmul_efficiency."""
     link_efficiency: float = LINK_EFFICIENCY
     """Fraction of the nominal link bandwidths that collectives achieve."""
+    gather_efficiency: float = 1.0
+    """Speed of an all-gather or a reduce-scatter relative to the ring algorithm on the link
+    that all-reduce achieves: 1 where both run the ring (NCCL); calibrate measures it for gloo,
+    whose all-gather and reduce-scatter are slower than half its all-reduce."""
     op_overhead_us: float = 0.0
     """Fixed cost per kernel (launch, dispatch): negligible on GPUs at these sizes, but
     dominant for small models on a CPU, where calibrate measures it."""
@@ -95,6 +99,11 @@ class Hardware:
     """CPU cores that the ranks of one machine share (0: one device per rank, as on GPUs).
     With more ranks on a machine than cores, ranks time-share the cores and every rank's
     compute stretches by ranks / cores."""
+    jitter: float = 0.0
+    """Run-to-run noise of compute, in s^½: a stretch of T seconds of kernels takes T ± σ with
+    σ = jitter·√T (independent noise adding up). Ranks reach a collective that far apart, so
+    each collective waits for the slowest (:func:`tessera.planner.cost.straggler_time`). 0 for
+    the catalog's GPUs; calibrate measures it on a shared CPU, where it is several percent."""
     dp_overlap: float = 1.0
     """Fraction of the data-parallel reduction that can hide behind backward compute (1 on
     GPUs, where NCCL runs on its own stream; calibrate measures it on a CPU)."""
@@ -103,7 +112,8 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for f in ("peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gbs",
-                  "inter_node_gbs", "matmul_efficiency", "link_efficiency"):
+                  "inter_node_gbs", "matmul_efficiency", "link_efficiency",
+                  "gather_efficiency"):
             value = getattr(self, f)
             if not (isinstance(value, int | float) and value > 0):
                 raise ConfigError(f"hardware.{f}", value, "must be a positive number")
@@ -115,7 +125,7 @@ class Hardware:
         if not 0.0 <= self.dp_overlap <= 1.0:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
-                  "elementwise_passes"):
+                  "elementwise_passes", "jitter"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
@@ -143,9 +153,11 @@ class Hardware:
         """The α–β parameters of the intra-node or the inter-node link."""
         if intra_node:
             return Link(alpha=self.intra_node_alpha_us * 1e-6,
-                        bandwidth=self.intra_node_gbs * 1e9 * self.link_efficiency)
+                        bandwidth=self.intra_node_gbs * 1e9 * self.link_efficiency,
+                        gather_efficiency=self.gather_efficiency)
         return Link(alpha=self.inter_node_alpha_us * 1e-6,
-                    bandwidth=self.inter_node_gbs * 1e9 * self.link_efficiency)
+                    bandwidth=self.inter_node_gbs * 1e9 * self.link_efficiency,
+                    gather_efficiency=self.gather_efficiency)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -158,6 +170,8 @@ class Link:
 
     alpha: float
     bandwidth: float
+    gather_efficiency: float = 1.0
+    """All-gather and reduce-scatter speed relative to the ring form (Hardware's field)."""
 
     @property
     def beta(self) -> float:
