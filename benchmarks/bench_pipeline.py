@@ -248,7 +248,8 @@ def main() -> None:
         f"# model: {a.layers} layers, d_model {a.d_model}, {a.heads} heads, vocab {a.vocab}; "
         f"batch {a.microbatches} micro-batches x {a.micro_batch_size} x {a.seq} tokens; "
         f"AdamW; {a.pairs} alternating pairs x {a.steps} steps",
-        f"# machine: {os.cpu_count()} cores, shared with other jobs; times are medians, "
+        f"# machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
+        f"(above the ranks running here: other jobs shared it); times are medians, "
         f"ratio = median over pairs of ours/torch [spread]",
         "# bubble = (pipeline wall - busy compute) / busy compute, measured with the same "
         "timing marks in both; CPU = user+sys seconds per step summed over ranks",

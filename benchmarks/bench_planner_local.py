@@ -164,7 +164,7 @@ def main() -> None:
     hw_path = args.hardware
     lines = [f"# bench_planner_local.py, {time.strftime('%Y-%m-%d %H:%M')}, "
              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
-             f"(the machine is shared with other jobs)"]
+             f"(each run waits for idle CPUs: see the idle column)"]
     if hw_path is None:
         hw_path = str(ROOT / "benchmarks/results/local_hardware.toml")
         wait_for_quiet(args.quiet_wait)

@@ -223,7 +223,8 @@ def main() -> None:
              f"# model {MODEL}, batch {BATCH}x{SEQ}, {args.pairs} alternating pairs x "
              f"{args.steps} timed steps (after {args.warmup} warm-up), SP re-gather "
              f"{'on' if args.sp_regather else 'off'}",
-             "# the machine was shared with other jobs; medians of alternating pairs",
+             f"# load average {os.getloadavg()[0]:.1f} at start (above the ranks running here: "
+             "other jobs shared the machine); medians of alternating pairs",
              f"{'tp':>3} {'SP':>3} | {'ours ms':>8} {'dtensor ms':>10} {'ratio':>6} "
              f"{'(min-max)':>11} | {'ours cpu':>8} {'dt cpu':>7} | {'ours KiB':>8} "
              f"{'dt KiB':>7} | {'ours loss':>9} {'dt loss':>8}"]
