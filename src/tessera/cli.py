@@ -92,6 +92,9 @@ def train(
         help="Micro-batches per step per dp rank (gradient accumulation; the pipeline's m).")
     ] = None,
     virtual: Annotated[int | None, typer.Option(help="Virtual stages per pipeline rank.")] = None,
+    recompute: Annotated[str | None, typer.Option(
+        help="Activation recomputation: none, selective (attention core), full (each block).")
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")
                                 ] = None,
@@ -109,7 +112,7 @@ def train(
                          bucket_mb=bucket_mb, allreduce_algorithm=allreduce_algorithm,
                          max_staleness=max_staleness,
                          sequence_parallel=sequence_parallel, schedule=schedule,
-                         virtual_stages=virtual),
+                         virtual_stages=virtual, recompute=recompute),
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out),
         "data": dict(path=data),

@@ -29,6 +29,7 @@ from torch import nn
 from tessera.config import Config, ConfigError, TrainConfig
 from tessera.model import Transformer, build_model, cross_entropy
 from tessera.parallel.ddp import DataParallel
+from tessera.parallel.recompute import apply_recompute
 from tessera.topology import Topology
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
@@ -152,6 +153,7 @@ class DataParallelEngine(Engine):
     def __init__(self, cfg: Config, topo: Topology, device: torch.device):
         super().__init__(cfg, topo, device)
         self.model: Transformer = build_model(cfg.model, cfg.train.seed, device)
+        apply_recompute(self.model, cfg.parallel.recompute)
         self.ddp = DataParallel(self.model, topo.group("dp"), bucket_mb=cfg.parallel.bucket_mb,
                                 algorithm=cfg.parallel.allreduce_algorithm)
 

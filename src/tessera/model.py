@@ -48,6 +48,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+class AttentionCore(nn.Module):
+    """Causal softmax(q·kᵀ/√d)·v with grouped-query heads: (B, nh|nkv, T, hd) -> (B, nh, T, hd).
+    No parameters; a module of its own so that selective recomputation can target it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -56,6 +65,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -66,8 +76,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, h)
 
 

@@ -56,6 +56,7 @@ from torch import nn
 from tessera.config import Config, TrainConfig
 from tessera.engine import Engine, MicroBatch, adamw
 from tessera.model import Transformer, build_model, cross_entropy
+from tessera.parallel.recompute import apply_recompute
 from tessera.topology import Topology
 
 SERVER = 0
@@ -263,6 +264,7 @@ class ParameterServerEngine(Engine):
     def __init__(self, cfg: Config, topo: Topology, device: torch.device):
         super().__init__(cfg, topo, device)
         self.model: Transformer = build_model(cfg.model, cfg.train.seed, device)
+        apply_recompute(self.model, cfg.parallel.recompute)
         self.ps = ParameterServer(list(self.model.parameters()), parameter_server_group(topo),
                                   asynchronous=cfg.parallel.dp_mode == "ps-async",
                                   max_staleness=cfg.parallel.max_staleness)

@@ -54,6 +54,7 @@ from torch.autograd import Function
 from tessera.config import ModelConfig
 from tessera.model import (
     Attention,
+    AttentionCore,
     Block,
     FeedForward,
     Transformer,
@@ -296,6 +297,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.head_dim, self.tp, self.tag = head_dim, tp, tag
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
@@ -309,8 +311,7 @@ class ParallelAttention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T|T/t, h)
 
 

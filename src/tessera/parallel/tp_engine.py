@@ -24,6 +24,7 @@ from tessera.config import Config
 from tessera.engine import Engine, MicroBatch, all_reduce_sum
 from tessera.parallel.comm import CommStats
 from tessera.parallel.ddp import DataParallel
+from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
     TPContext,
     build_tensor_parallel_model,
@@ -47,6 +48,7 @@ class TensorParallelEngine(Engine):
                             sequence_parallel=cfg.parallel.sequence_parallel, regather=regather,
                             stats=self.stats)
         self.model = build_tensor_parallel_model(cfg.model, cfg.train.seed, self.tp).to(device)
+        apply_recompute(self.model, cfg.parallel.recompute)
         self.ddp = DataParallel(self.model, topo.group("dp"))
 
     def parameters(self) -> list[nn.Parameter]:

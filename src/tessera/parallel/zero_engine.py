@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tessera.config import Config, TrainConfig
 from tessera.engine import Engine, MicroBatch, all_reduce_sum
 from tessera.model import build_model, cross_entropy
+from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.zero import ZeroModel
 from tessera.parallel.zero_state import (
     ShardedAdamW,
@@ -39,6 +40,7 @@ class ZeroEngine(Engine):
         self.stage = cfg.parallel.zero_stage if stage is None else stage
         dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
         model = build_model(cfg.model, cfg.train.seed, device)
+        apply_recompute(model, cfg.parallel.recompute)
         self.zero = ZeroModel(model, topo.group("dp"), stage=self.stage, dtype=dtype)
         self.opt: ShardedAdamW | None = None
 

@@ -34,6 +34,7 @@ from tessera.config import Config, ConfigError
 from tessera.engine import Engine, MicroBatch, all_reduce_sum
 from tessera.model import Transformer, cross_entropy
 from tessera.parallel.ddp import DataParallel
+from tessera.parallel.recompute import apply_recompute
 from tessera.pipeline.partition import Chunk, partition
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
 from tessera.pipeline.schedule import F, Schedule, forward_only, validate
@@ -104,6 +105,7 @@ class PipelineEngine(Engine):
         for c in schedule.chunks_of(self.pp_rank):
             shared = self.chunks[0].tok_embeddings if 0 in self.chunks else None
             self.chunks[c] = Chunk(cfg.model, specs[c], cfg.train.seed, device, shared)
+            apply_recompute(self.chunks[c], cfg.parallel.recompute)
         self.ddp = {c: DataParallel(m, self.dp_group) for c, m in self.chunks.items()}
         self.tie_group = self._tie_group(topo, owner) if cfg.model.tie_embeddings else None
         self.runtime = PipelineRuntime(self.chunks, self.pp_rank, topo.ranks("pp"),
