@@ -61,6 +61,10 @@ CASES = [
     Case("pp=2, gpipe, m=4, b=4", 2,
          {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 4, "micro-batch-size": 4},
          dict(pp=2, schedule="gpipe", micro_batch=4), micro_batch=4, microbatches=4),
+    Case("dp=2, full recompute", 2, {"dp": 2, "recompute": "full"},
+         dict(dp=2, recompute="full")),
+    Case("tp=2, full recompute", 2, {"tp": 2, "dp": 1, "recompute": "full"},
+         dict(tp=2, recompute="full")),
     Case("dp=2 x tp=2 (4 ranks)", 4, {"dp": 2, "tp": 2}, dict(dp=2, tp=2)),
     Case("dp=2 x pp=2 (4 ranks)", 4,
          {"dp": 2, "pp": 2, "schedule": "1f1b", "microbatches": 4, "micro-batch-size": 4},
@@ -81,6 +85,8 @@ def supported(case: Case) -> str | None:
         parallel["schedule"] = case.flags["schedule"]
     if "sequence-parallel" in case.flags:
         parallel["sequence_parallel"] = True
+    if "recompute" in case.flags:
+        parallel["recompute"] = case.flags["recompute"]
     try:
         cfg = make_config("demo", parallel=parallel,
                           train=dict(grad_accum=case.microbatches,
@@ -153,7 +159,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--hardware", help="an existing calibration (skips calibrate)")
     ap.add_argument("--data", default="data/stdlib")
-    ap.add_argument("--only", help="comma-separated case names to run")
+    ap.add_argument("--only", nargs="+", help="case names to run (quote each)")
     ap.add_argument("--out", default="benchmarks/results/planner_local.txt")
     ap.add_argument("--quiet-wait", type=float, default=60.0,
                     help="seconds to wait for a quiet machine before each run")
@@ -175,7 +181,7 @@ def main() -> None:
         lines.append(f"# calibrated in {time.perf_counter() - t0:.1f} s -> {hw_path}")
     lines.append("# " + Path(hw_path).read_text().replace("\n", "\n# ").rstrip("# "))
 
-    cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
+    cases = [c for c in CASES if not args.only or c.name in args.only]
     runnable = []
     for c in cases:
         why = supported(c)
