@@ -96,6 +96,11 @@ def train(
         help="Activation recomputation: none, selective (attention core), full (each block).")
     ] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
+    checkpoint_interval: Annotated[int | None, typer.Option(
+        help="Save a checkpoint every N steps and at the end (under <out>/checkpoints).")
+    ] = None,
+    resume: Annotated[str | None, typer.Option(
+        help="Continue from a checkpoint directory, or 'latest' (the newest, if any).")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")
                                 ] = None,
     precision: Annotated[str | None, typer.Option(help="fp32 or bf16.")] = None,
@@ -114,12 +119,14 @@ def train(
                          sequence_parallel=sequence_parallel, schedule=schedule,
                          virtual_stages=virtual, recompute=recompute),
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
-                      precision=precision, peak_tflops=peak_tflops, out_dir=out),
+                      precision=precision, peak_tflops=peak_tflops, out_dir=out,
+                      checkpoint_interval=checkpoint_interval, resume=resume),
         "data": dict(path=data),
     }
+    from tessera.checkpoint import CheckpointError, verify
     from tessera.data.loader import DataError
     from tessera.engine import check_supported
-    from tessera.trainer import check_data
+    from tessera.trainer import check_data, resume_path
 
     under_launcher = "RANK" in os.environ
     try:
@@ -131,7 +138,10 @@ def train(
         cfg.validate(world)
         check_supported(cfg)
         check_data(cfg)
-    except (ConfigError, DataError) as e:
+        resume_from = resume_path(cfg)
+        if resume_from is not None:
+            verify(resume_from, cfg, world)
+    except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
 
     if not under_launcher and world > 1:
@@ -144,7 +154,7 @@ def train(
 
     try:
         run(cfg, progress=not no_progress)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
 
 

@@ -218,9 +218,26 @@ class TrainConfig:
     """Prompt of the sample generated at the end."""
     peak_tflops: float | None = None
     """Peak FLOP/s of one device in TFLOP/s for MFU; None asks the device (GPUs) or skips MFU."""
+    checkpoint_interval: int = 0
+    """Save a checkpoint every this many steps and after the last one; 0 saves none."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (step-NNNNNNN/ directories); empty: <out_dir>/checkpoints."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; 0 keeps them all."""
+    resume: str = ""
+    """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
+    there is one (else start fresh, so a restarted job picks up where it stopped)."""
+
+    @property
+    def checkpoint_root(self) -> str:
+        return self.checkpoint_dir or f"{self.out_dir}/checkpoints"
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "micro_batch_size", "grad_accum")
+        _require(self.checkpoint_interval >= 0, "train.checkpoint_interval",
+                 self.checkpoint_interval, "must be >= 0")
+        _require(self.keep_checkpoints >= 0, "train.keep_checkpoints", self.keep_checkpoints,
+                 "must be >= 0")
         _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
                  "must be in [0, 1]")
@@ -271,6 +288,10 @@ class Config:
         if p.pp > 1 and p.schedule == "interleaved":
             _require(self.train.grad_accum % p.pp == 0, "train.grad_accum", self.train.grad_accum,
                      f"interleaved 1F1B needs micro-batches a multiple of parallel.pp={p.pp}")
+        _require(not (p.dp_mode == "ps-async" and (self.train.checkpoint_interval
+                                                     or self.train.resume)),
+                 "parallel.dp_mode", p.dp_mode, "cannot checkpoint or resume: gradients in "
+                 "flight to the asynchronous parameter server are not saved")
         # Last: a layout that cannot split the model is the more useful message.
         if world_size is not None:
             _require(p.world_size == world_size, "parallel", f"dp={p.dp} tp={p.tp} pp={p.pp} "

@@ -95,6 +95,9 @@ class Engine(ABC):
     def optimizer(self, cfg: TrainConfig) -> torch.optim.Optimizer:
         return adamw(self.parameters(), cfg)
 
+    def after_parameters_loaded(self) -> None:  # noqa: B027 - a hook, most engines need none
+        """parameters() were overwritten (a checkpoint): refresh anything derived from them."""
+
     def grad_norm_groups(self) -> list[dist.ProcessGroup]:
         """Groups over which gradient shards must be summed for the global norm."""
         return []

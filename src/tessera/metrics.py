@@ -41,11 +41,13 @@ def mfu(flops_per_s: float, peak_tflops: float | None, n_devices: int) -> float 
 class JsonlLogger:
     """Appends one JSON object per line; only the writing rank opens the file."""
 
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, append: bool = False):
+        """A new file, or with `append` (a resumed run) the existing one continued."""
         self.path = Path(path) if path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if not (append and self.path.exists()):
+                self.path.write_text("")
 
     def log(self, record: dict[str, Any]) -> None:
         if self.path:

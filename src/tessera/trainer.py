@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tessera import checkpoint
+from tessera.checkpoint import CheckpointError
 from tessera.config import Config, ConfigError
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
 from tessera.data.tokenizer import load_tokenizer
@@ -75,6 +77,15 @@ class RunResult:
         return dict(self.__dict__)
 
 
+def resume_path(cfg: Config) -> Path | None:
+    """The checkpoint train.resume names ('latest': the newest one, None if there is none)."""
+    if not cfg.train.resume:
+        return None
+    if cfg.train.resume == "latest":
+        return checkpoint.latest(cfg.train.checkpoint_root)
+    return Path(cfg.train.resume)
+
+
 def evaluate(engine, cfg: Config, dataset: TokenDataset, topo: Topology) -> float:
     """Mean validation loss in nats per token over data.val_tokens held-out tokens."""
     batches = val_windows(dataset.val, cfg.data.seq_len, cfg.data.val_tokens,
@@ -91,6 +102,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     cfg.validate(world)
     check_supported(cfg)
     dataset = check_data(cfg)
+    resume_from = resume_path(cfg)
+    if resume_from is not None:
+        checkpoint.verify(resume_from, cfg, world)
 
     init_distributed(backend)
     topo = Topology.build(cfg.parallel, device.type)
@@ -103,8 +117,14 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     loader = BatchLoader(dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size,
                          cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed)
 
+    start = 0
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, topo.rank)
+        start = checkpoint.restore(state, resume_from, engine, optimizer, scheduler, loader)
+        del state
+
     out = Path(cfg.train.out_dir)
-    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None)
+    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None, append=start > 0)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -116,18 +136,22 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     result = RunResult(steps=cfg.train.steps, final_loss=float("nan"))
     step_times: list[float] = []
 
-    # Validation before the first step shows where the loss starts (~ln V for a fresh model).
-    val0 = evaluate(engine, cfg, dataset, topo)
-    result.val_losses.append((0, val0))
-    logger.log({"step": 0, "val_loss": val0})
-    if rank0:
-        print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
-              f"{math.log(cfg.model.vocab_size):.4f})", flush=True)
+    if start == 0:
+        # Validation before the first step shows where the loss starts (~ln V for a fresh
+        # model).
+        val0 = evaluate(engine, cfg, dataset, topo)
+        result.val_losses.append((0, val0))
+        logger.log({"step": 0, "val_loss": val0})
+        if rank0:
+            print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
+                  f"{math.log(cfg.model.vocab_size):.4f})", flush=True)
+    elif rank0:
+        print(f"resumed from {resume_from} at step {start}", flush=True)
 
     # The bar only on a terminal: in a log file its redraws bury the metric lines.
     show_bar = rank0 and progress and sys.stderr.isatty()
-    bar = tqdm(range(cfg.train.steps), disable=not show_bar, unit="step",
-               dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.train.steps), disable=not show_bar, unit="step",
+               dynamic_ncols=True, initial=start, total=cfg.train.steps)
     for step in bar:
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -165,7 +189,16 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             if "val_loss" in record:
                 line += f" | val {record['val_loss']:.4f}"
             bar.write(line)
+        every = cfg.train.checkpoint_interval
+        if every and ((step + 1) % every == 0 or last):
+            saved = checkpoint.save(cfg.train.checkpoint_root, step + 1, cfg, engine, optimizer,
+                                    scheduler, loader, topo.rank, topo.world_size)
+            if rank0:
+                checkpoint.prune(cfg.train.checkpoint_root, cfg.train.keep_checkpoints)
+                bar.write(f"step {step + 1:5d} | checkpoint {saved}")
 
+    if not step_times:  # resumed at the last step: nothing left to run
+        step_times.append(float("nan"))
     warm = step_times[min(len(step_times) - 1, 2):]
     result.median_step_s = sorted(warm)[len(warm) // 2]
     result.tokens_per_s = tokens_per_step / result.median_step_s
@@ -201,4 +234,4 @@ def run(cfg: Config, progress: bool = True) -> RunResult:
             dist.destroy_process_group()
 
 
-__all__ = ["train", "run", "RunResult", "DataError", "ConfigError"]
+__all__ = ["train", "run", "RunResult", "DataError", "ConfigError", "CheckpointError"]

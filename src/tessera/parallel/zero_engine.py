@@ -52,6 +52,10 @@ class ZeroEngine(Engine):
         self.opt = ShardedAdamW(self.zero, cfg)
         return self.opt
 
+    def after_parameters_loaded(self) -> None:
+        """The fp32 masters were loaded: cast them into the compute parameters (and gather)."""
+        self.zero.publish_parameters()
+
     def grad_norm_groups(self) -> list[dist.ProcessGroup]:
         return [self.zero.group] if self.zero.world > 1 else []
 

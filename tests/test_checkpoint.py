@@ -1,0 +1,215 @@
+"""Checkpoints: a resumed run continues bit for bit; a bad checkpoint is refused with its path.
+
+Exactness: a run of 6 steps that saved at step 3, and a second run resumed from that step-3
+checkpoint, must log the same loss and gradient norm at steps 4-6 and end with the same full
+model (tolerance 0: the same kernels run on the same numbers in the same order). Shown for
+one process, dp=2 (DDP), dp=2 with ZeRO-3 (fp32 shards) and ZeRO-2 in bf16 (fp32 masters
+apart from the bf16 weights), the synchronous parameter server, tp=2 and pp=2 (1F1B). The
+asynchronous parameter server is refused: its in-flight gradients are not saved.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli_errors import cli_error
+from tessera.checkpoint import CheckpointError, latest, step_dir, verify
+from tessera.cli import app
+from tessera.config import make_config
+from tessera.testing import run_ranks
+
+STEPS, EVERY = 6, 3
+
+
+def _cfg(data: str, out: str, parallel: dict | None = None, **train) -> object:
+    overrides = [f"data.path={data}", "data.seq_len=16", "data.val_tokens=256",
+                 f"train.steps={STEPS}", f"train.checkpoint_interval={EVERY}",
+                 "train.keep_checkpoints=0", "train.sample_tokens=0", "train.eval_interval=0",
+                 "train.grad_accum=2", f"train.out_dir={out}"]
+    overrides += [f"{k}={v}" if "." in k else f"parallel.{k}={v}"
+                  for k, v in (parallel or {}).items()]
+    overrides += [f"train.{k}={v}" for k, v in train.items()]
+    return make_config("tiny", overrides=overrides)
+
+
+def _records(out: Path) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
+
+
+def _resume_rank(data: str, root: str, parallel: dict) -> dict | None:
+    from tessera.trainer import train
+
+    a, b = Path(root) / "a", Path(root) / "b"
+    train(_cfg(data, str(a), parallel), progress=False)
+    resume = step_dir(a / "checkpoints", EVERY)
+    train(_cfg(data, str(b), parallel, resume=str(resume)), progress=False)
+    if torch.distributed.get_rank() != 0:
+        return None
+    model = {run: torch.load(step_dir(run / "checkpoints", STEPS) / "model.pt")
+             for run in (a, b)}
+    return dict(a=_records(a), b=_records(b), model_a=model[a], model_b=model[b])
+
+
+LAYOUTS = {
+    "dp=2": dict(dp=2),
+    "zero-3 dp=2": dict(dp=2, zero_stage=3),
+    # bf16: the fp32 masters are separate from the bf16 compute weights, so loading must
+    # re-publish them (in fp32 ZeRO the shards are their own masters).
+    "zero-2 dp=2 bf16": {"dp": 2, "zero_stage": 2, "train.precision": "bf16"},
+    "parameter server dp=2": dict(dp=2, dp_mode="ps"),
+    "tp=2": dict(dp=1, tp=2),
+    "pp=2 1f1b": dict(dp=1, pp=2, schedule="1f1b"),
+}
+
+
+def _check_resumed(got: dict, label: str) -> None:
+    a, b = got["a"], got["b"]
+    assert sorted(a) == list(range(1, STEPS + 1)), label
+    assert sorted(b) == list(range(EVERY + 1, STEPS + 1)), label  # nothing before the resume
+    for step in b:
+        assert b[step] == a[step], f"{label} step {step}: {b[step]} != {a[step]}"
+    assert got["model_a"].keys() == got["model_b"].keys()
+    for name, value in got["model_a"].items():
+        torch.testing.assert_close(got["model_b"][name], value, rtol=0, atol=0,
+                                   msg=f"{label} {name}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_resumed_run_continues_exactly(tiny_data, tmp_path, name):
+    got = run_ranks(_resume_rank, 2, args=(tiny_data, str(tmp_path), LAYOUTS[name]),
+                    timeout=240)[0]
+    _check_resumed(got, name)
+    meta = json.loads((step_dir(tmp_path / "a" / "checkpoints", EVERY) / "meta.json")
+                      .read_text())
+    assert meta["world_size"] == 2 and sorted(meta["files"]) == [
+        "model.pt", "rank-00000.pt", "rank-00001.pt"]
+
+
+def test_one_process_resume_and_latest(tiny_data, tmp_path):
+    from tessera.trainer import run
+
+    run(_cfg(tiny_data, str(tmp_path / "a")), progress=False)
+    assert latest(tmp_path / "a" / "checkpoints") == step_dir(tmp_path / "a" / "checkpoints",
+                                                              STEPS)
+    run(_cfg(tiny_data, str(tmp_path / "b"),
+             resume=str(step_dir(tmp_path / "a" / "checkpoints", EVERY))), progress=False)
+    models = [torch.load(step_dir(tmp_path / r / "checkpoints", STEPS) / "model.pt")
+              for r in ("a", "b")]
+    _check_resumed(dict(a=_records(tmp_path / "a"), b=_records(tmp_path / "b"),
+                        model_a=models[0], model_b=models[1]), "one process")
+
+
+def _train_cli(data: str, out: Path, *extra: str) -> list[str]:
+    return ["train", "--preset", "tiny", "--data", data, "--steps", str(STEPS),
+            "--checkpoint-interval", str(EVERY), "--out", str(out), "--no-progress",
+            "--set", "data.seq_len=16", "--set", "data.val_tokens=256",
+            "--set", "train.sample_tokens=0", *extra]
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_data, tmp_path_factory) -> Path:
+    """A one-process run's checkpoint directory (steps 3 and 6)."""
+    out = tmp_path_factory.mktemp("saved")
+    result = CliRunner().invoke(app, _train_cli(tiny_data, out))
+    assert result.exit_code == 0, result.output
+    return out / "checkpoints"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_latest_resumes_the_newest_and_starts_fresh_without_one(tiny_data, saved, tmp_path):
+    # A directory left by a crash mid-write (no manifest) is not a checkpoint.
+    (saved.parent / "checkpoints" / "step-0000009.tmp").mkdir(exist_ok=True)
+    assert latest(saved) == step_dir(saved, STEPS)
+    result = CliRunner().invoke(app, _train_cli(tiny_data, tmp_path / "fresh",
+                                                "--resume", "latest"))
+    assert result.exit_code == 0, result.output
+    assert _records(tmp_path / "fresh").keys() == set(range(1, STEPS + 1))
+
+
+def test_corrupt_missing_and_mismatched_checkpoints_are_refused(tiny_data, saved, tmp_path):
+    good = step_dir(saved, EVERY)
+    # A flipped byte in a rank file.
+    bad = _copy(good, tmp_path / "flipped")
+    data = bytearray((bad / "rank-00000.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "rank-00000.pt").write_bytes(bytes(data))
+    line = cli_error(_train_cli(tiny_data, tmp_path / "r1", "--resume", str(bad)))
+    assert f"checkpoint {bad / 'rank-00000.pt'}: size or SHA-256 differs" in line
+    # A truncated model file.
+    cut = _copy(good, tmp_path / "cut")
+    (cut / "model.pt").write_bytes((cut / "model.pt").read_bytes()[:100])
+    assert "model.pt: size or SHA-256 differs" in cli_error(
+        _train_cli(tiny_data, tmp_path / "r2", "--resume", str(cut)))
+    # No manifest: an unfinished write, or not a checkpoint at all.
+    bare = _copy(good, tmp_path / "bare")
+    (bare / "meta.json").unlink()
+    assert f"checkpoint {bare}: no meta.json" in cli_error(
+        _train_cli(tiny_data, tmp_path / "r3", "--resume", str(bare)))
+    # An unreadable manifest.
+    junk = _copy(good, tmp_path / "junk")
+    (junk / "meta.json").write_text("{not json")
+    assert "unreadable manifest" in cli_error(
+        _train_cli(tiny_data, tmp_path / "r4", "--resume", str(junk)))
+    # Another model or layout names the field and both values.
+    line = cli_error(_train_cli(tiny_data, tmp_path / "r5", "--resume", str(good),
+                                "--set", "model.n_layers=3"))
+    assert f"checkpoint {good}: model.n_layers=2 there, 3 in this run" in line
+    line = cli_error(_train_cli(tiny_data, tmp_path / "r6", "--resume", str(good),
+                                "--microbatches", "2"))
+    assert "grad_accum=1 there, 2 in this run" in line
+    # Nothing was written for any refused run.
+    assert not any((tmp_path / f"r{i}").exists() for i in range(1, 7))
+
+
+def _refuse_rank(data: str, bad: str) -> str:
+    from tessera.trainer import train
+
+    try:
+        train(_cfg(data, bad + "-out", dict(dp=2), resume=bad), progress=False)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_every_rank_refuses_before_any_collective(tiny_data, tmp_path):
+    """A checkpoint whose rank-1 file is corrupt: both ranks refuse (rank 0 too, though its own
+    file is fine), so no rank is left waiting in a collective."""
+    out = tmp_path / "two"
+    run_ranks(_save_two_ranks, 2, args=(tiny_data, str(out)))
+    bad = step_dir(out / "checkpoints", EVERY)
+    raw = bytearray((bad / "rank-00001.pt").read_bytes())
+    raw[-10] ^= 0xFF
+    (bad / "rank-00001.pt").write_bytes(bytes(raw))
+    messages = run_ranks(_refuse_rank, 2, args=(tiny_data, str(bad)))
+    assert all(f"checkpoint {bad / 'rank-00001.pt'}: size or SHA-256" in m for m in messages)
+    with pytest.raises(CheckpointError, match="world_size=2 there, 1 in this run"):
+        verify(bad, _cfg(tiny_data, str(tmp_path / "x")), 1)
+
+
+def _save_two_ranks(data: str, out: str) -> None:
+    from tessera.trainer import train
+
+    train(_cfg(data, out, dict(dp=2)), progress=False)
+
+
+def test_asynchronous_parameter_server_cannot_checkpoint():
+    from tessera.config import ConfigError
+
+    cfg = make_config("tiny", parallel=dict(dp=2, dp_mode="ps-async"),
+                      train=dict(checkpoint_interval=2))
+    with pytest.raises(ConfigError, match="parallel.dp_mode='ps-async': cannot checkpoint"):
+        cfg.validate(2)
