@@ -53,11 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 from tessera.model import Transformer
-
-# torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def transformer_units(model: Transformer) -> list[tuple[str, list[nn.Module]]]:
@@ -307,11 +304,11 @@ class ZeroModel(nn.Module):
         # Sum, then divide the shard (1/N of the work of dividing the full gradient).
         if u.grad_fresh:  # first micro-batch of the step: reduce straight into the shard
             u.grad_fresh = False
-            work = reduce_scatter_into(u.grad, full_grad, group=self.group, async_op=True)
+            work = reduce_scatter_single(u.grad, full_grad, group=self.group, async_op=True)
             self._reduces.append((work, lambda: u.grad.div_(self.world), full_grad))
             return
         part = torch.empty_like(u.grad)
-        work = reduce_scatter_into(part, full_grad, group=self.group, async_op=True)
+        work = reduce_scatter_single(part, full_grad, group=self.group, async_op=True)
         self._reduces.append((work, lambda: u.grad.add_(part, alpha=1 / self.world), full_grad))
 
     def _drain(self, limit: int) -> None:
@@ -335,7 +332,7 @@ class ZeroModel(nn.Module):
     # -- gathering (stage 3) -------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.pending = all_gather_into(u.full, u.shard, group=self.group, async_op=True)
+        u.pending = all_gather_single(u.full, u.shard, group=self.group, async_op=True)
         gathered = sum(v.full.untyped_storage().nbytes() for v in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
@@ -394,6 +391,6 @@ class ZeroModel(nn.Module):
             if target.data_ptr() != u.master.data_ptr():
                 target.copy_(u.master)
             if self.stage in (1, 2):
-                works.append(all_gather_into(u.full, u.shard, group=self.group, async_op=True))
+                works.append(all_gather_single(u.full, u.shard, group=self.group, async_op=True))
         for w in works:
             w.wait()

@@ -29,8 +29,9 @@ from collections.abc import Iterable
 
 import torch
 
+from tessera.collectives.algorithms import all_gather_single
 from tessera.config import TrainConfig
-from tessera.parallel.zero import FlatUnit, ZeroModel, all_gather_into
+from tessera.parallel.zero import FlatUnit, ZeroModel
 
 BYTES_PER_PARAM = {torch.bfloat16: (2, 2, 12), torch.float32: (4, 4, 8)}
 """(parameter, gradient, optimizer-state) bytes per parameter by compute dtype: (P, G, K)."""
@@ -111,7 +112,7 @@ def gather_owned(zero: ZeroModel, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
     if zero.stage == 0:
         return t.clone()
     out = torch.empty(u.padded, dtype=t.dtype, device=t.device)
-    all_gather_into(out, t.contiguous(), group=zero.group)
+    all_gather_single(out, t.contiguous(), group=zero.group)
     return out
 
 
