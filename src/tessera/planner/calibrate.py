@@ -53,10 +53,11 @@ import torch.nn.functional as F
 
 from tessera.planner.cost import (
     OPS_PER_LAYER_FORWARD,
+    allgather_time,
     layer_activation_bytes,
     layer_forward_flops,
 )
-from tessera.planner.hardware import Hardware
+from tessera.planner.hardware import Hardware, Link
 from tessera.planner.models import ModelSpec
 
 LOCAL_RANKS = 64
@@ -64,17 +65,23 @@ LOCAL_RANKS = 64
 `cores` says how many of them compute at full speed."""
 
 
+def _samples(fn: Callable[[], object], repeats: int, warmup: int = 2,
+             clock: Callable[[], float] = time.thread_time) -> list[float]:
+    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones, on `clock`."""
+    samples = []
+    for i in range(warmup + repeats):
+        start = clock()
+        fn()
+        if i >= warmup:
+            samples.append(clock() - start)
+    return samples
+
+
 def _typical_time(fn: Callable[[], object], repeats: int = 11, warmup: int = 2) -> float:
     """The median of `repeats` calls, in this thread's CPU time. With one intra-op thread
     torch runs every kernel in the calling thread, so CPU time is what the kernel costs, and
     unlike wall time it does not grow when other jobs on a shared machine take the core."""
-    samples = []
-    for i in range(warmup + repeats):
-        start = time.thread_time()
-        fn()
-        if i >= warmup:
-            samples.append(time.thread_time() - start)
-    return statistics.median(samples)
+    return statistics.median(_samples(fn, repeats, warmup))
 
 
 def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
@@ -156,13 +163,8 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 24) -> fl
     """σ/√T of a block's forward + backward in wall time (what a collective waits for): the
     interquartile range / 1.349 (σ of a normal, robust to the odd long pause) over the
     median T."""
-    run = _block_step(spec, seq, micro_batch)
-    run()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
+    samples = _samples(_block_step(spec, seq, micro_batch), repeats, warmup=1,
+                       clock=time.perf_counter)
     q1, median, q3 = statistics.quantiles(samples, n=4)
     return (q3 - q1) / 1.349 / median ** 0.5
 
@@ -259,14 +261,13 @@ def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, f
     a, b = fit_alpha_beta(sizes, seconds)
     n = dist.get_world_size()
     alpha, beta = a / (2 * (n - 1)), b * n / (2 * (n - 1))
-    # All-gather and reduce-scatter against the ring form on that link, (n−1)·α + (n−1)/n·n·β,
-    # at the sizes tensor and sequence parallelism move (64 KiB to 4 MiB): their speed relative
-    # to it, the median over sizes and both operations.
-    ratios = []
-    for op in ("all_gather", "reduce_scatter"):
-        for size in sizes[2:]:
-            ring = (n - 1) * alpha + (n - 1) / n * size * beta
-            ratios.append(ring / _timed_collective(op, size, 15, compute))
+    # All-gather and reduce-scatter against the ring form on that link (the cost model's
+    # allgather_time at gather efficiency 1), at the sizes tensor and sequence parallelism
+    # move (64 KiB to 4 MiB): their speed relative to it, the median over sizes and both
+    # operations.
+    ring = Link(alpha=alpha, bandwidth=1.0 / beta)
+    ratios = [allgather_time(size, n, ring) / _timed_collective(op, size, 15, compute)
+              for op in ("all_gather", "reduce_scatter") for size in sizes[2:]]
     return {"p2p_alpha": p2p.alpha, "p2p_beta": p2p.beta + p2p.gamma, "alpha": alpha,
             "beta": beta, "gather_efficiency": min(1.0, statistics.median(ratios))}
 
