@@ -170,8 +170,23 @@ def test_corrupt_missing_and_mismatched_checkpoints_are_refused(tiny_data, saved
     line = cli_error(_train_cli(tiny_data, tmp_path / "r6", "--resume", str(good),
                                 "--microbatches", "2"))
     assert "grad_accum=1 there, 2 in this run" in line
+    line = cli_error(_train_cli(tiny_data, tmp_path / "r7", "--resume", str(good),
+                                "--set", "data.seed=7"))
+    assert "data_seed=1234 there, 7 in this run" in line
     # Nothing was written for any refused run.
-    assert not any((tmp_path / f"r{i}").exists() for i in range(1, 7))
+    assert not any((tmp_path / f"r{i}").exists() for i in range(1, 8))
+
+
+def test_settings_that_leave_the_state_alone_may_change_on_resume(tiny_data, saved, tmp_path):
+    """Recomputation and the DDP bucket size change how a step runs, not what a rank holds:
+    the resumed run continues with the same numbers (recomputation is bitwise neutral, and
+    one rank has nothing to reduce)."""
+    out = tmp_path / "changed"
+    result = CliRunner().invoke(app, _train_cli(
+        tiny_data, out, "--resume", str(step_dir(saved, EVERY)), "--recompute", "full",
+        "--bucket-mb", "1"))
+    assert result.exit_code == 0, result.output
+    assert _records(out) == {s: r for s, r in _records(saved.parent).items() if s > EVERY}
 
 
 def _refuse_rank(data: str, bad: str) -> str:

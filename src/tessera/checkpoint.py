@@ -8,15 +8,16 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/``:
   scheduler's state, and the data loader's position;
 - ``model.pt``: the full model in the reference model's names (``engine.full_state_dict()``,
   gathered), for inference or for starting a run with another layout;
-- ``meta.json``, written last: the step, the world size, the model and parallel sections of
-  the config, and the SHA-256 and size of every file.
+- ``meta.json``, written last: the step, the world size, the model, the layout
+  (:data:`LAYOUT_FIELDS`), the batch shape and data seed, and the SHA-256 and size of every
+  file.
 
 Writing goes to ``step-0000100.tmp`` and is renamed into place after every rank has written
 and rank 0 has written the manifest, so a crash never leaves a directory that looks complete.
 
 Loading checks everything before anything is read into the run, on every rank and before any
-collective: the manifest parses, the layout and model match this run's (a mismatch names the
-field and both values), and every rank's file has the recorded size and checksum. A bad
+collective: the manifest parses, the model, layout and batches match this run's (a mismatch
+names the field and both values), and every rank's file has the recorded size and checksum. A bad
 checkpoint is refused with its path (:class:`CheckpointError`), never half-read. Resuming with
 another layout is refused; ``model.pt`` is the way to carry weights across layouts.
 """
@@ -60,11 +61,20 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "dp_mode", "schedule",
+                 "virtual_stages")
+"""The parallel fields that decide what each rank holds. The others (bucket size, all-reduce
+algorithm, recomputation, sequence parallelism) change how a step runs, not its state, and may
+differ on resume."""
+
+
 def _identity(cfg: Config) -> dict[str, Any]:
-    """What must be equal to resume: the model and the layout."""
-    return {"model": asdict(cfg.model), "parallel": asdict(cfg.parallel),
+    """What must be equal to resume: the model, the layout, and what the loader's position
+    means (batch shape, accumulation, data order)."""
+    return {"model": asdict(cfg.model),
+            "parallel": {k: getattr(cfg.parallel, k) for k in LAYOUT_FIELDS},
             "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
-            "seq_len": cfg.data.seq_len}
+            "seq_len": cfg.data.seq_len, "data_seed": cfg.data.seed}
 
 
 def latest(root: str | Path) -> Path | None:
@@ -129,8 +139,8 @@ def _barrier(world: int) -> None:
 
 def _mismatch(path: Path, field: str, saved: Any, ours: Any) -> CheckpointError:
     return CheckpointError(f"checkpoint {path}: {field}={saved!r} there, {ours!r} in this run: "
-                           "resuming needs the same model and layout (model.pt carries the "
-                           "weights to another layout)")
+                           "resuming needs the same model, layout and batches (model.pt "
+                           "carries the weights to another layout)")
 
 
 def verify(path: str | Path, cfg: Config, world: int) -> dict[str, Any]:
@@ -196,10 +206,11 @@ def restore(state: dict[str, Any], path: str | Path, engine, optimizer, schedule
     """Put a loaded rank state into the run; returns the step to continue from."""
     params = engine.parameters()
     tensors = state["tensors"]
-    if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params,
-                                                                              strict=True)):
+    if len(tensors) != len(params) or any(
+            (t.shape, t.dtype) != (p.shape, p.dtype) for t, p in zip(tensors, params,
+                                                                     strict=True)):
         raise CheckpointError(f"checkpoint {path}: this rank's tensors do not have the shapes "
-                              "of the run's parameters")
+                              "and dtypes of the run's parameters")
     with torch.no_grad():
         for p, t in zip(params, tensors, strict=True):
             p.copy_(t)
