@@ -7,6 +7,7 @@ is one process running the same engine code with dp=1 on the whole batch as one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,22 +54,31 @@ def local_micro_batches(step: int, dp_rank: int, dp: int, accum: int, pattern: b
     return list(zip(x.chunk(accum), y.chunk(accum), strict=True))
 
 
+def named_grads(engine: Engine) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone()
+            for n, p in engine.model.named_parameters()}
+
+
+def named_params(engine: Engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
 def train_and_record(engine: Engine, cfg: Config, dp_rank: int, steps: int = STEPS,
-                     pattern: bool = False) -> dict[str, Any]:
-    """Run `steps` optimizer steps; record the loss and every gradient (after the step's
-    synchronization, before clipping) of each step, and the final parameters."""
+                     pattern: bool = False, grads: Callable[[Engine], Any] = named_grads,
+                     params: Callable[[Engine], Any] = named_params) -> dict[str, Any]:
+    """Run `steps` optimizer steps; record the loss and the gradients (`grads(engine)`, after
+    the step's synchronization, before clipping) of each step, and the final parameters
+    (`params(engine)`; by default both by name from ``engine.model``)."""
     opt = engine.optimizer(cfg.train)
-    losses, grads = [], []
+    losses, recorded = [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         micro = local_micro_batches(step, dp_rank, cfg.parallel.dp, cfg.train.grad_accum, pattern)
         losses.append(engine.forward_backward(micro))
-        grads.append({n: None if p.grad is None else p.grad.clone()
-                      for n, p in engine.model.named_parameters()})
+        recorded.append(grads(engine))
         engine.clip_grad_norm_(cfg.train.grad_clip)
         opt.step()
-    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    return dict(losses=losses, grads=grads, params=params)
+    return dict(losses=losses, grads=recorded, params=params(engine))
 
 
 def reference_run(steps: int = STEPS) -> dict[str, Any]:
@@ -78,12 +88,13 @@ def reference_run(steps: int = STEPS) -> dict[str, Any]:
     return train_and_record(engine, cfg, dp_rank=0, steps=steps)
 
 
-def distributed_run(cfg: Config, steps: int = STEPS, pattern: bool = False
+def distributed_run(cfg: Config, steps: int = STEPS, pattern: bool = False, **record: Any
                     ) -> tuple[Engine, dict[str, Any]]:
-    """Build the engine `cfg` asks for on this rank (all ranks call) and train it."""
+    """Build the engine `cfg` asks for on this rank (all ranks call) and train it; `record`
+    goes to train_and_record (grads=, params=)."""
     topo = Topology.build(cfg.parallel)
     engine = build_engine(cfg, topo, torch.device("cpu"))
-    return engine, train_and_record(engine, cfg, topo.coords()["dp"], steps, pattern)
+    return engine, train_and_record(engine, cfg, topo.coords()["dp"], steps, pattern, **record)
 
 
 # fp32 tolerances. N ranks sum N partial means where one process sums all tokens at once, so the

@@ -19,7 +19,9 @@ every gradient are bitwise equal to the run without it (tolerance 0). Proofs:
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,20 +34,34 @@ from dp_parity import (
     assert_matches_reference,
     distributed_run,
     global_batch,
-    local_micro_batches,
     reference_run,
     tiny_config,
 )
 from tessera.cli import app
 from tessera.config import ConfigError, make_config
-from tessera.engine import build_engine
 from tessera.model import build_model, cross_entropy
 from tessera.parallel.recompute import apply_recompute
 from tessera.testing import run_ranks
-from tessera.topology import Topology
 
 
-def _one_step(mode: str, monkeypatch) -> dict[str, Any]:
+@contextlib.contextmanager
+def count_attention() -> Iterator[list[int]]:
+    """Count calls of the attention kernel (forward and recomputation) in this process."""
+    calls: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = counted
+    try:
+        yield calls
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+def _one_step(mode: str) -> dict[str, Any]:
     cfg = tiny_config()
     model = build_model(cfg.model, seed=0)
     wrapped = apply_recompute(model, mode)
@@ -57,26 +73,18 @@ def _one_step(mode: str, monkeypatch) -> dict[str, Any]:
             saved.append(t.numel() * t.element_size())
         return t
 
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = cross_entropy(model(x), y)
-    loss.backward()
-    monkeypatch.undo()
+    with count_attention() as calls:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = cross_entropy(model(x), y)
+        loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return dict(loss=loss.detach(), grads=grads, saved=sum(saved), attention=len(calls),
                 wrapped=wrapped)
 
 
-def test_single_process_same_numbers_less_memory(monkeypatch):
+def test_single_process_same_numbers_less_memory():
     layers = tiny_config().model.n_layers
-    none, sel, full = (_one_step(mode, monkeypatch) for mode in ("none", "selective", "full"))
+    none, sel, full = (_one_step(mode) for mode in ("none", "selective", "full"))
     assert (none["wrapped"], sel["wrapped"], full["wrapped"]) == (0, layers, layers)
     for run in (sel, full):
         torch.testing.assert_close(run["loss"], none["loss"], rtol=0, atol=0)
@@ -131,36 +139,11 @@ def _local_grads(engine) -> list[torch.Tensor]:
 
 
 def _trajectory(parallel: dict, recompute: str, steps: int = 3) -> dict[str, Any]:
-    calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return sdpa(*args, **kwargs)
-
-    F.scaled_dot_product_attention = counted  # this rank's process only
-    try:
-        run = _train(parallel, recompute, steps)
-    finally:
-        F.scaled_dot_product_attention = sdpa
-    return dict(run, attention=len(calls))
-
-
-def _train(parallel: dict, recompute: str, steps: int) -> dict[str, Any]:
     cfg = tiny_config(accum=2, recompute=recompute, **parallel)
-    topo = Topology.build(cfg.parallel)
-    engine = build_engine(cfg, topo, torch.device("cpu"))
-    opt = engine.optimizer(cfg.train)
-    dp = cfg.parallel.dp
-    losses, grads = [], []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        micro = local_micro_batches(step, topo.coords()["dp"], dp, cfg.train.grad_accum)
-        losses.append(engine.forward_backward(micro))
-        grads.append(_local_grads(engine))
-        engine.clip_grad_norm_(cfg.train.grad_clip)
-        opt.step()
-    return dict(losses=losses, grads=grads, params=engine.full_state_dict())
+    with count_attention() as calls:
+        _, run = distributed_run(cfg, steps, grads=_local_grads,
+                                 params=lambda engine: engine.full_state_dict())
+    return dict(run, attention=len(calls))
 
 
 def _layout_rank(parallel: dict, modes: tuple[str, ...]) -> dict[str, Any]:
