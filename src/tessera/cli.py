@@ -125,7 +125,6 @@ def train(
     }
     from tessera.checkpoint import CheckpointError, verify
     from tessera.data.loader import DataError
-    from tessera.engine import check_supported
     from tessera.trainer import check_data, resume_path
 
     under_launcher = "RANK" in os.environ
@@ -136,7 +135,6 @@ def train(
         world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
             nproc or cfg.parallel.world_size)
         cfg.validate(world)
-        check_supported(cfg)
         check_data(cfg)
         resume_from = resume_path(cfg)
         if resume_from is not None:

@@ -269,25 +269,11 @@ class Config:
     def validate(self, world_size: int | None = None) -> Config:
         """Check the rules that tie sections together; call on every rank before any collective."""
         m, p, d = self.model, self.parallel, self.data
-        _require(m.n_heads % p.tp == 0, "parallel.tp", p.tp,
-                 f"must divide model.n_heads={m.n_heads}")
-        _require(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
-                 f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it")
-        # tp | n_heads and n_heads | d_model already give tp | d_model.
-        _require(m.ffn_hidden % p.tp == 0, "parallel.tp", p.tp,
-                 f"must divide model.ffn_hidden={m.ffn_hidden}")
-        _require(not p.sequence_parallel or d.seq_len % p.tp == 0, "data.seq_len", d.seq_len,
-                 f"must be divisible by parallel.tp={p.tp} with sequence parallelism")
-        _require(d.seq_len % p.cp == 0, "data.seq_len", d.seq_len,
-                 f"must be divisible by parallel.cp={p.cp}")
-        _require(p.pp * p.virtual_stages <= m.n_layers, "parallel.pp", p.pp,
-                 f"pp*virtual_stages={p.pp * p.virtual_stages} stages exceed "
-                 f"model.n_layers={m.n_layers}")
         _require(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len,
                  f"must be <= model.max_seq_len={m.max_seq_len}")
-        if p.pp > 1 and p.schedule == "interleaved":
-            _require(self.train.grad_accum % p.pp == 0, "train.grad_accum", self.train.grad_accum,
-                     f"interleaved 1F1B needs micro-batches a multiple of parallel.pp={p.pp}")
+        from tessera.layout import check_layout  # the layout rules, shared with the planner
+
+        check_layout(self)
         _require(not (p.dp_mode == "ps-async" and (self.train.checkpoint_interval
                                                      or self.train.resume)),
                  "parallel.dp_mode", p.dp_mode, "cannot checkpoint or resume: gradients in "

@@ -1,7 +1,8 @@
-"""The training loop, read top to bottom: set up ranks, data, engine; step; evaluate; sample.
+"""The training loop, read top to bottom: set up ranks, data, model; step; evaluate; sample.
 
-One process per rank. The loop is the same for every layout: the engine (see ``engine.py``)
-hides how the model is split, so this file never mentions a process group except to start one.
+One process per rank. The loop is the same for every layout: ``parallelize`` builds this rank's
+part of the model with every mechanism applied, and the ``Executor`` (``step.py``) runs each
+step, so this file never mentions a process group except to start one.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from tessera.checkpoint import CheckpointError
 from tessera.config import Config, ConfigError
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
 from tessera.data.tokenizer import load_tokenizer
-from tessera.engine import build_engine, check_supported, lr_lambda
 from tessera.generate import generate
 from tessera.metrics import JsonlLogger, device_peak_tflops, mfu, peak_memory_bytes
 from tessera.model import Transformer, flops_per_token
+from tessera.optim import lr_lambda
+from tessera.parallelize import parallelize
+from tessera.step import Executor
 from tessera.topology import Topology
 
 
@@ -86,11 +89,11 @@ def resume_path(cfg: Config) -> Path | None:
     return Path(cfg.train.resume)
 
 
-def evaluate(engine, cfg: Config, dataset: TokenDataset, topo: Topology) -> float:
+def evaluate(executor, cfg: Config, dataset: TokenDataset, topo: Topology) -> float:
     """Mean validation loss in nats per token over data.val_tokens held-out tokens."""
     batches = val_windows(dataset.val, cfg.data.seq_len, cfg.data.val_tokens,
                           cfg.train.micro_batch_size * 4, topo.coords()["dp"], topo.dp)
-    loss_sum, count = engine.eval_loss(batches)
+    loss_sum, count = executor.eval_loss(batches)
     return loss_sum / count
 
 
@@ -100,7 +103,6 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     world = int(os.environ.get("WORLD_SIZE", 1))
     # Every rule is checked, and the data opened, before the first collective.
     cfg.validate(world)
-    check_supported(cfg)
     dataset = check_data(cfg)
     resume_from = resume_path(cfg)
     if resume_from is not None:
@@ -111,8 +113,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     rank0 = topo.rank == 0
     torch.manual_seed(cfg.train.seed)
 
-    engine = build_engine(cfg, topo, device)
-    optimizer = engine.optimizer(cfg.train)
+    model = parallelize(cfg, topo, device)
+    executor = Executor(model)
+    optimizer = model.optimizer(cfg.train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
     loader = BatchLoader(dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size,
                          cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed)
@@ -120,7 +123,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     start = 0
     if resume_from is not None:
         state = checkpoint.load(resume_from, topo.rank)
-        start = checkpoint.restore(state, resume_from, engine, optimizer, scheduler, loader)
+        start = checkpoint.restore(state, resume_from, executor, optimizer, scheduler, loader)
         del state
 
     out = Path(cfg.train.out_dir)
@@ -139,7 +142,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     if start == 0:
         # Validation before the first step shows where the loss starts (~ln V for a fresh
         # model).
-        val0 = evaluate(engine, cfg, dataset, topo)
+        val0 = evaluate(executor, cfg, dataset, topo)
         result.val_losses.append((0, val0))
         logger.log({"step": 0, "val_loss": val0})
         if rank0:
@@ -155,8 +158,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     for step in bar:
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = engine.forward_backward(next(loader))
-        grad_norm = engine.clip_grad_norm_(cfg.train.grad_clip)
+        loss = executor.forward_backward(next(loader))
+        grad_norm = executor.clip_grad_norm_(cfg.train.grad_clip)
         optimizer.step()
         scheduler.step()
         if device.type == "cuda":
@@ -175,7 +178,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         last = step + 1 == cfg.train.steps
         every = cfg.train.eval_interval
         if last or (every and (step + 1) % every == 0):
-            record["val_loss"] = evaluate(engine, cfg, dataset, topo)
+            record["val_loss"] = evaluate(executor, cfg, dataset, topo)
             result.val_losses.append((step + 1, record["val_loss"]))
         logger.log(record)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -191,7 +194,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             bar.write(line)
         every = cfg.train.checkpoint_interval
         if every and ((step + 1) % every == 0 or last):
-            saved = checkpoint.save(cfg.train.checkpoint_root, step + 1, cfg, engine, optimizer,
+            saved = checkpoint.save(cfg.train.checkpoint_root, step + 1, cfg, executor, optimizer,
                                     scheduler, loader, topo.rank, topo.world_size)
             if rank0:
                 checkpoint.prune(cfg.train.checkpoint_root, cfg.train.keep_checkpoints)
@@ -203,7 +206,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     result.median_step_s = sorted(warm)[len(warm) // 2]
     result.tokens_per_s = tokens_per_step / result.median_step_s
 
-    state = engine.full_state_dict()
+    state = executor.full_state_dict()
     if rank0 and cfg.train.sample_tokens:
         result.sample = sample_text(cfg, state, dataset, device)
         (out / "sample.txt").write_text(result.sample)

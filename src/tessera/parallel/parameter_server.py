@@ -53,10 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.config import Config, TrainConfig
-from tessera.engine import Engine, MicroBatch, adamw
-from tessera.model import Transformer, build_model, cross_entropy
-from tessera.parallel.recompute import apply_recompute
+from tessera.config import ParallelConfig, TrainConfig
+from tessera.optim import adamw
 from tessera.topology import Topology
 
 SERVER = 0
@@ -258,46 +256,39 @@ def parameter_server_group(topo: Topology) -> dist.ProcessGroup:
     return mine
 
 
-class ParameterServerEngine(Engine):
-    """The reference model on every rank; the dp group's first rank is the parameter server."""
+class ServerSync:
+    """The parameter server as the data-parallel step of ``tessera.step.Executor``: the chunks
+    of this rank (pp = tp = 1: the whole model) replicated over the dp group, whose first rank
+    is the server. The executor runs the schedule locally, then ``exchange`` replaces the
+    all-reduce: push/pull (sync) or bounded-staleness serving (async)."""
 
-    def __init__(self, cfg: Config, topo: Topology, device: torch.device):
-        super().__init__(cfg, topo, device)
-        self.model: Transformer = build_model(cfg.model, cfg.train.seed, device)
-        apply_recompute(self.model, cfg.parallel.recompute)
-        self.ps = ParameterServer(list(self.model.parameters()), parameter_server_group(topo),
-                                  asynchronous=cfg.parallel.dp_mode == "ps-async",
-                                  max_staleness=cfg.parallel.max_staleness)
+    def __init__(self, chunks: dict[int, nn.Module], topo: Topology, cfg: ParallelConfig):
+        self.params = [p for c in sorted(chunks) for p in chunks[c].parameters()]
+        self.ps = ParameterServer(self.params, parameter_server_group(topo),
+                                  asynchronous=cfg.dp_mode == "ps-async",
+                                  max_staleness=cfg.max_staleness)
         self._loss = 0.0
         self._grad_norm = 0.0
         self._serving = False
+        self._grad_clip = 0.0
 
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self.model.parameters())
-
-    def optimizer(self, cfg: TrainConfig) -> torch.optim.Optimizer:
+    def optimizer(self, params: Sequence[nn.Parameter], cfg: TrainConfig
+                  ) -> torch.optim.Optimizer:
+        self._grad_clip = cfg.grad_clip
         if not self.ps.is_server:
-            return PulledParameters(self.parameters(), cfg.lr)
-        opt = adamw(self.parameters(), cfg)
+            return PulledParameters(params, cfg.lr)
+        opt = adamw(params, cfg)
         opt.register_step_post_hook(lambda o, args, kwargs: self._after_server_step(o))
         return opt
 
-    def _local_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
-        self.model.train()
-        total = 0.0
-        for x, y in micro_batches:
-            with self.autocast_ctx():
-                logits = self.model(x.to(self.device))
-            loss = cross_entropy(logits, y.to(self.device)) / len(micro_batches)
-            loss.backward()
-            total += float(loss.detach())
-        return total
+    def _local_grad_norm(self) -> float:
+        sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if p.grad is not None)
+        return sq ** 0.5
 
-    def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
-        """Sync: the mean loss over all ranks (workers return after pulling the new parameters).
-        Async: a worker's own loss; the server's mean of its own loss and those it served in its
-        previous step."""
-        loss = self._local_forward_backward(micro_batches)
+    def exchange(self, loss: float, model=None) -> float:
+        """After the local backward. Sync: the mean loss over all ranks (workers return after
+        pulling the new parameters). Async: a worker's own loss; the server's mean of its own
+        loss and those it served in its previous step."""
         ps = self.ps
         if ps.is_server:
             if ps.asynchronous:
@@ -308,7 +299,7 @@ class ParameterServerEngine(Engine):
                 self._loss = ps.gather_gradients(loss)
             return self._loss
         if ps.asynchronous:
-            self._grad_norm = float(self.local_grad_sq().sqrt())
+            self._grad_norm = self._local_grad_norm()
             ps.push(loss)
             ps.pull()
             return loss
@@ -317,13 +308,23 @@ class ParameterServerEngine(Engine):
         return self._loss
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, executor, max_norm: float) -> float:
         """The server clips; a worker reports the norm the server sent (sync) or the norm of
         its own gradient, which the server clips on arrival (async)."""
         if not self.ps.is_server:
             return self._grad_norm
-        self._grad_norm = super().clip_grad_norm_(max_norm)
+        self._grad_norm = self._clip(max_norm)
         return self._grad_norm
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> float:
+        norm = self._local_grad_norm()
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
 
     def _after_server_step(self, opt: torch.optim.Optimizer) -> None:
         if self._serving:
@@ -335,7 +336,7 @@ class ParameterServerEngine(Engine):
         ps.version += 1  # the server's own gradient, just applied
 
         def apply(lr_scale: float) -> None:
-            super(ParameterServerEngine, self).clip_grad_norm_(self.cfg.train.grad_clip)
+            self._clip(self._grad_clip)
             saved = [group["lr"] for group in opt.param_groups]
             for group in opt.param_groups:
                 group["lr"] = group["lr"] * lr_scale
@@ -349,21 +350,11 @@ class ParameterServerEngine(Engine):
 
         ps.serve(ps.world - 1, apply, self._grad_norm)
 
-    def _sync_replicas(self) -> None:
+    def sync_replicas(self) -> None:
         """Async: give every rank the server's parameters before a collective read of them."""
         if self.ps.asynchronous:
             self.ps.broadcast_parameters()
 
-    @torch.no_grad()
-    def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:
-        self._sync_replicas()
-        self.model.eval()
-        return self.summed_loss(batches, lambda x, y: self.reference_loss(self.model, x, y))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        self._sync_replicas()
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-
-__all__ = ["ParameterServer", "ParameterServerEngine", "PulledParameters", "Traffic",
+__all__ = ["ParameterServer", "ServerSync", "PulledParameters", "Traffic",
            "StalenessLog", "parameter_server_group"]

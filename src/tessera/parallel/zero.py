@@ -57,6 +57,36 @@ from tessera.collectives.algorithms import all_gather_single, reduce_scatter_sin
 from tessera.model import Transformer
 
 
+def chunk_units(chunk: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The ZeRO units of a pipeline chunk (``tessera.pipeline.partition.Chunk``, any
+    tensor-parallel form) in forward order: its embedding, each block, the head.
+
+    Units are named by reference names. The final norm and the LM head form one unit, except
+    when the head is a tied copy of an embedding held by another pipeline rank: then the head's
+    weight is a unit of its own, laid out exactly like that rank's embedding unit (same numel,
+    same padding, same dp shards), so the pair's gradients can be summed shard by shard. A
+    chunk holding both the embedding and its tied head keeps them in one unit.
+    """
+    units: list[tuple[str, list[nn.Module]]] = []
+    has_embedding = hasattr(chunk, "tok_embeddings")
+    has_output = hasattr(chunk, "output") and "output" in chunk._modules
+    tied_here = has_embedding and has_output and \
+        chunk.output.weight is chunk.tok_embeddings.weight
+    if has_embedding and not tied_here:
+        units.append(("tok_embeddings", [chunk.tok_embeddings]))
+    units += [(f"layers.{i}", [layer]) for i, layer in chunk.layers.items()]
+    if hasattr(chunk, "norm"):
+        if tied_here:
+            units.append(("embed_head", [chunk.tok_embeddings, chunk.norm, chunk.output]))
+        elif has_output and getattr(chunk, "tied_copy", False):
+            units += [("norm", [chunk.norm]), ("output", [chunk.output])]
+        elif has_output:
+            units.append(("head", [chunk.norm, chunk.output]))
+        else:  # the head reads an embedding of another chunk on this rank
+            units.append(("norm", [chunk.norm]))
+    return units
+
+
 def transformer_units(model: Transformer) -> list[tuple[str, list[nn.Module]]]:
     """The ZeRO units of the reference model in forward order: (name, modules)."""
     head = [model.norm, model.output]

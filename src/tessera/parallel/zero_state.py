@@ -3,7 +3,7 @@
 ``ShardedAdamW`` steps each unit's fp32 master shard with exactly the arithmetic of
 ``torch.optim.AdamW`` (single-tensor path: decoupled weight decay, then the bias-corrected
 moment update), so on the elements it owns a rank computes what a replicated AdamW would. Weight
-decay applies to the ranges of the shard that hold matrices (as ``tessera.engine.adamw`` does).
+decay applies to the ranges of the shard that hold matrices (as ``tessera.optim.adamw`` does).
 After the step it asks the ``ZeroModel`` to publish the new weights (cast, and all-gather at
 stages 1-2).
 
@@ -25,7 +25,7 @@ model's state dict and ``ShardedAdamW.full_state`` the Adam moments by reference
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -38,21 +38,32 @@ BYTES_PER_PARAM = {torch.bfloat16: (2, 2, 12), torch.float32: (4, 4, 8)}
 
 
 class ShardedAdamW(torch.optim.Optimizer):
-    """AdamW on each ZeRO unit's fp32 master shard; one param group (the lr scheduler's)."""
+    """AdamW on each ZeRO unit's fp32 master shard; one param group (the lr scheduler's).
 
-    def __init__(self, zero: ZeroModel, cfg: TrainConfig, eps: float = 1e-8):
+    `zero`: one ``ZeroModel``, or several (the chunks a pipeline rank holds); their units are
+    stepped in order and each model publishes its new parameters after the step."""
+
+    def __init__(self, zero: ZeroModel | Sequence[ZeroModel], cfg: TrainConfig,
+                 eps: float = 1e-8):
         defaults = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=eps,
                         weight_decay=cfg.weight_decay)
-        super().__init__([u.master for u in zero.units], defaults)
-        self.zero = zero
+        self.zeros = [zero] if isinstance(zero, ZeroModel) else list(zero)
+        self.units = [u for z in self.zeros for u in z.units]
+        super().__init__([u.master for u in self.units], defaults)
         # Moments are allocated up front so memory accounting sees them from the start.
-        for u in zero.units:
+        for u in self.units:
             self.state[u.master] = {"step": 0, "exp_avg": torch.zeros_like(u.master),
                                     "exp_avg_sq": torch.zeros_like(u.master)}
 
+    @property
+    def zero(self) -> ZeroModel:
+        """The wrapped model, when there is one (single-model use)."""
+        return self.zeros[0]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the units' gradient buffers (they are reused, never set to None)."""
-        self.zero.zero_grad()
+        for z in self.zeros:
+            z.zero_grad()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -63,7 +74,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2) = group["lr"], group["betas"]
             eps, weight_decay = group["eps"], group["weight_decay"]
-            for u in self.zero.units:
+            for u in self.units:
                 master, state = u.master, self.state[u.master]
                 state["step"] += 1
                 step = float(state["step"])
@@ -77,7 +88,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                 bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
                 denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
                 master.addcdiv_(state["exp_avg"], denom, value=-step_size)
-        self.zero.publish_parameters()
+        for z in self.zeros:
+            z.publish_parameters()
         return loss
 
     @torch.no_grad()
@@ -85,17 +97,18 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Reference-named Adam state gathered on every rank:
         {"step": int, "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}."""
         out: dict = {"step": 0, "exp_avg": {}, "exp_avg_sq": {}}
-        for u in self.zero.units:
-            state = self.state[u.master]
-            out["step"] = state["step"]
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[key].update(unflatten(u, gather_owned(self.zero, u, state[key])))
+        for z in self.zeros:
+            for u in z.units:
+                state = self.state[u.master]
+                out["step"] = state["step"]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out[key].update(unflatten(u, gather_owned(z, u, state[key])))
         return out
 
     @torch.no_grad()
     def load_full_state(self, full: dict) -> None:
         """Take this rank's shard of a state produced by `full_state` (any dp size)."""
-        for u in self.zero.units:
+        for u in self.units:
             state = self.state[u.master]
             state["step"] = int(full["step"])
             for key in ("exp_avg", "exp_avg_sq"):

@@ -122,20 +122,37 @@ def partition(cfg: ModelConfig, n_chunks: int, seq_len: int | None = None,
 
 
 class Chunk(nn.Module):
-    """One pipeline chunk: [embedding] → blocks → [norm → head → loss], reference names."""
+    """One pipeline chunk: [embedding] → blocks → [norm → head], reference parameter names.
 
-    def __init__(self, cfg: ModelConfig, spec: ChunkSpec, seed: int,
+    Built like the reference model (on the meta device when the caller asks for it, see
+    ``tessera.parallelize``), then transformed in place by the parallel mechanisms: tensor
+    parallelism swaps its blocks, embedding and head (``parallelize_module`` works on any subset
+    of the model), recomputation wraps its blocks. The forward reads only what the chunk holds:
+
+    - ``seq_scale``: under sequence parallelism a chunk past the embedding receives (B, T/t, h)
+      and its blocks still need the RoPE tables of the whole sequence, T = seq_scale·T_local;
+    - ``compute_dtype``: activations entering the chunk are cast to it (bf16 parameters need
+      bf16 inputs; activations may arrive in another dtype from another rank);
+    - the head is ``self.output`` (a plain or column-parallel linear), or the embedding of
+      another chunk on this rank when embeddings are tied (``shared_head``; kept in a list so
+      that the weight is registered, and reduced, in one chunk only).
+    """
+
+    def __init__(self, cfg: ModelConfig, spec: ChunkSpec, seed: int | None = None,
                  device: str | torch.device = "cpu",
                  shared_embedding: nn.Embedding | None = None):
+        """`seed`: initialize from the reference initializer now (None: leave the parameters
+        as built, e.g. on the meta device, for ``materialize`` later)."""
         super().__init__()
         self.cfg, self.spec = cfg, spec
         self.tied_copy = False
+        self.seq_scale = 1
+        self.compute_dtype: torch.dtype | None = None
         if spec.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in spec.layers})
-        # The head's weight when it is the embedding of another chunk on this rank: kept in a
-        # list so it is not registered twice (its gradient accumulates in one place).
-        self._shared: list[nn.Embedding] = []
+        # The head's weight when it is the embedding of another chunk on this rank.
+        self._shared: list[nn.Module] = []
         if spec.has_head:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             if cfg.tie_embeddings and spec.has_embedding:
@@ -149,8 +166,8 @@ class Chunk(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._init(seed)
-        self.to(device)
+        if seed is not None:
+            self.materialize(seed, device)
 
     def reference_name(self, name: str) -> str:
         """This chunk's parameter name in the reference model's named_parameters()."""
@@ -159,24 +176,49 @@ class Chunk(nn.Module):
         return name
 
     @torch.no_grad()
-    def _init(self, seed: int) -> None:
-        for name, p in self.named_parameters():
-            p.copy_(init_tensor(self.cfg, self.reference_name(name), p.shape, seed))
+    def materialize(self, seed: int, device: str | torch.device = "cpu") -> Chunk:
+        """Give every parameter its reference initial value (``init_tensor`` under its
+        reference name) on `device`; meta parameters are replaced, others overwritten."""
+        for name, p in list(self.named_parameters()):
+            value = init_tensor(self.cfg, self.reference_name(name), p.shape, seed)
+            if p.is_meta:
+                owner_name, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(owner_name), attr,
+                        nn.Parameter(value.to(device)))
+            else:
+                p.copy_(value)
+        if self.spec.has_head and self.cfg.tie_embeddings and self.spec.has_embedding \
+                and isinstance(self.output, nn.Linear):
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos, self.rope_sin = cos, sin
+        return self.to(device)
 
     def head_weight(self) -> torch.Tensor:
         return self._shared[0].weight if self._shared else self.output.weight
 
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) — or this rank's vocabulary columns under tensor parallelism."""
+        if self._shared:
+            shared = self._shared[0]  # another chunk's embedding, or a head reading its weight
+            return F.linear(x, shared.weight) if isinstance(shared, nn.Embedding) else shared(x)
+        return self.output(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Chunk 0: tokens (B, T) int64; otherwise the residual stream (B, T, h).
-        Returns the residual stream, or logits (B, T, V) from the last chunk."""
-        T = x.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        """Chunk 0: tokens (B, T) int64; otherwise the residual stream (B, T_local, h).
+        Returns the residual stream, or logits (B, T, V[/t]) from the last chunk."""
         if self.spec.has_embedding:
-            x = self.tok_embeddings(x)  # (B, T, h)
+            T = x.shape[1]
+            x = self.tok_embeddings(x)  # (B, T[/t under SP], h)
+        else:
+            T = x.shape[1] * self.seq_scale
+            if self.compute_dtype is not None:
+                x = x.to(self.compute_dtype)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.spec.has_head:
-            return F.linear(self.norm(x), self.head_weight())  # (B, T, V)
+            return self.head(self.norm(x))  # (B, T, V[/t])
         return x
 
 

@@ -104,11 +104,17 @@ class PipelineRuntime:
     def __init__(self, stages: dict[int, nn.Module], pp_rank: int, pp_ranks: Sequence[int],
                  group: dist.ProcessGroup | None, device: torch.device, d_model: int,
                  autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 measure_memory: bool = False):
+                 measure_memory: bool = False, activation_dtype: torch.dtype = torch.float32,
+                 seq_divisor: int = 1):
+        """`stages`: chunk index -> the module to call (a chunk, or its data-parallel wrapper).
+        `activation_dtype`: what activations and their gradients travel in between ranks.
+        `seq_divisor`: activations hold T/seq_divisor tokens per sequence (sequence
+        parallelism splits the residual stream over the tp group)."""
         self.stages, self.pp_rank, self.pp_ranks = stages, pp_rank, list(pp_ranks)
         self.group, self.device, self.d_model = group, device, d_model
         self.autocast = autocast or contextlib.nullcontext
         self.measure_memory = measure_memory
+        self.activation_dtype, self.seq_divisor = activation_dtype, seq_divisor
         self._lowered: dict[tuple, Schedule] = {}
         # gloo returns one request per operation, so receives can be posted ahead and waited
         # for later; a coalescing backend (NCCL) returns one request for the whole batch.
@@ -124,8 +130,14 @@ class PipelineRuntime:
         return self._lowered[key]
 
     def run(self, schedule: Schedule, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
-            *, scale: float = 1.0) -> StepRecord:
-        """Execute this rank's part of `schedule`; forward-only if it has no backward actions."""
+            *, scale: float = 1.0,
+            around: Callable[[Action], contextlib.AbstractContextManager] | None = None
+            ) -> StepRecord:
+        """Execute this rank's part of `schedule`; forward-only if it has no backward actions.
+        `around(action)` gives a context each compute action runs in (the executor's hook for
+        when data parallelism reduces: e.g. outside ``no_sync`` only for a chunk's last
+        backward)."""
+        around = around or (lambda a: contextlib.nullcontext())
         s = self.lowered(schedule)
         if len(micro_batches) != s.n_microbatches:
             raise ValueError(f"schedule {s.name!r} is for {s.n_microbatches} micro-batches, got "
@@ -146,7 +158,7 @@ class PipelineRuntime:
 
         def activation_shape(mb: int) -> tuple[int, ...]:
             tokens = micro_batches[mb][0]
-            return (tokens.shape[0], tokens.shape[1], self.d_model)  # (B, T, h)
+            return (tokens.shape[0], tokens.shape[1] // self.seq_divisor, self.d_model)  # (B, T, h)
 
         steps = batches(s.actions[me])
         comm_steps = [i for i, step in enumerate(steps) if not step[0].kind.is_compute]
@@ -156,13 +168,15 @@ class PipelineRuntime:
         def op_for(c: Action) -> dist.P2POp:
             peer = self.pp_ranks[owner[c.chunk + 1 if c.kind in (Kind.SEND_F, Kind.RECV_B)
                                        else c.chunk - 1]]
-            if c.kind is Kind.SEND_F:  # activations travel in fp32, whatever autocast made
+            if c.kind is Kind.SEND_F:  # activations travel in activation_dtype
                 key = (c.chunk, c.microbatch)
-                tensor = (outputs[key] if training else outputs.pop(key)).detach().float()
+                tensor = (outputs[key] if training else outputs.pop(key)).detach()
+                tensor = tensor.to(self.activation_dtype).contiguous()
             elif c.kind is Kind.SEND_B:
-                tensor = grads_in.pop((c.chunk, c.microbatch))
+                tensor = grads_in.pop((c.chunk, c.microbatch)).to(self.activation_dtype)
             else:
-                tensor = torch.empty(activation_shape(c.microbatch), device=self.device)
+                tensor = torch.empty(activation_shape(c.microbatch), device=self.device,
+                                     dtype=self.activation_dtype)
                 received[c] = tensor
             op = dist.isend if c.kind.is_send else dist.irecv
             return dist.P2POp(op, tensor, peer, self.group, _tag(c, s.n_microbatches))
@@ -211,7 +225,7 @@ class PipelineRuntime:
                     x = received.pop(Action(c, Kind.RECV_F, mb))
                 else:
                     prev = outputs[(c - 1, mb)] if training else outputs.pop((c - 1, mb))
-                    x = prev.detach().float()
+                    x = prev.detach().to(self.activation_dtype)
                 if training and c > 0:
                     x.requires_grad_()
                 counter = None
@@ -220,7 +234,7 @@ class PipelineRuntime:
                     counter = _SavedBytes([*stage.parameters(), *stage.buffers(), *tokens])
                 hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) \
                     if counter else contextlib.nullcontext()
-                with hooks, self.autocast():
+                with hooks, self.autocast(), around(a):
                     out = stage(x)
                     if c == last:
                         out = loss_fn(out, micro_batches[mb][1].to(self.device)) * scale
@@ -236,12 +250,13 @@ class PipelineRuntime:
                     peak = max(peak, held)
             else:
                 out = outputs.pop((c, mb))
-                if c == last:
-                    torch.autograd.backward(out)
-                else:
-                    grad = received.pop(Action(c, Kind.RECV_B, mb)) if owner[c + 1] != me else \
-                        grads_in.pop((c + 1, mb))
-                    torch.autograd.backward(out, grad.to(out.dtype))
+                with around(a):
+                    if c == last:
+                        torch.autograd.backward(out)
+                    else:
+                        grad = received.pop(Action(c, Kind.RECV_B, mb)) \
+                            if owner[c + 1] != me else grads_in.pop((c + 1, mb))
+                        torch.autograd.backward(out, grad.to(out.dtype))
                 x = inputs.pop((c, mb))
                 if c > 0:
                     grads_in[(c, mb)] = x.grad

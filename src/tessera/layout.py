@@ -1,0 +1,73 @@
+"""The one layout check: which parallel layouts tessera can build, and why not the others.
+
+``check_layout(cfg)`` holds every rule that ties the parallel layout to the model, the data and
+the other mechanisms. ``Config.validate`` calls it (so every rank runs it before any collective,
+and the command line before any process starts), ``tessera.parallelize`` calls it before
+building, and the planner asks it of every layout it proposes, so that the planner proposes
+only what ``tessera train`` runs. Each failure is a :class:`ConfigError` naming the field, the
+value and the rule.
+"""
+
+from __future__ import annotations
+
+from tessera.config import Config, ConfigError
+
+
+def _require(ok: bool, field: str, value, rule: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, rule)
+
+
+def check_layout(cfg: Config) -> None:
+    """Raise ConfigError if `cfg`'s layout cannot be built (see the module doc)."""
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+    # Tensor and sequence parallelism (Megatron): heads, kv heads and MLP columns split by tp.
+    _require(m.n_heads % p.tp == 0, "parallel.tp", p.tp,
+             f"must divide model.n_heads={m.n_heads}")
+    _require(m.n_kv_heads % p.tp == 0 or p.tp % m.n_kv_heads == 0, "parallel.tp", p.tp,
+             f"must divide model.n_kv_heads={m.n_kv_heads} or be a multiple of it")
+    _require(m.ffn_hidden % p.tp == 0, "parallel.tp", p.tp,
+             f"must divide model.ffn_hidden={m.ffn_hidden}")
+    _require(not p.sequence_parallel or d.seq_len % p.tp == 0, "data.seq_len", d.seq_len,
+             f"must be divisible by parallel.tp={p.tp} with sequence parallelism")
+    # Context and expert parallelism have no implementation yet.
+    _require(p.cp == 1, "parallel.cp", p.cp,
+             "context parallelism is not in this build yet (must be 1)")
+    _require(p.ep == 1, "parallel.ep", p.ep,
+             "expert parallelism is not in this build yet (must be 1)")
+    # The parameter server holds one model replica per server rank.
+    if p.dp_mode != "allreduce":
+        for name, value in (("tp", p.tp), ("pp", p.pp)):
+            _require(value == 1, f"parallel.{name}", value,
+                     f"dp_mode={p.dp_mode!r} composes only with data parallelism (must be 1): "
+                     "the server holds whole parameters and clips alone, with no model-parallel "
+                     "peers to agree the gradient norm with; use dp_mode='allreduce'")
+        _require(t.precision == "fp32", "train.precision", t.precision,
+                 f"dp_mode={p.dp_mode!r} trains in fp32 (the server keeps one copy of the "
+                 "weights, no fp32 master); use dp_mode='allreduce' for bf16")
+    # Pipeline: enough layers for the chunks, a schedule that exists for this many
+    # micro-batches.
+    n_chunks = p.pp * p.virtual_stages
+    _require(n_chunks <= m.n_layers, "parallel.pp", p.pp,
+             f"pp*virtual_stages={n_chunks} stages exceed model.n_layers={m.n_layers} "
+             "(each stage needs a block)")
+    from tessera.pipeline.schedules import SCHEDULES, build_schedule
+
+    if p.pp > 1 or p.virtual_stages > 1:
+        spec = SCHEDULES[p.schedule]
+        _require(p.virtual_stages == 1 or spec.virtual, "parallel.virtual_stages",
+                 p.virtual_stages, f"needs schedule interleaved or bfs, not {p.schedule!r}")
+        try:
+            build_schedule(p.schedule, p.pp, t.grad_accum, p.virtual_stages)
+        except ConfigError as e:
+            field = {"microbatches": "train.grad_accum", "virtual": "parallel.virtual_stages",
+                     "schedule": "parallel.schedule", "pp": "parallel.pp"}.get(e.field_name,
+                                                                                e.field_name)
+            raise ConfigError(field, e.value, e.rule) from None
+    # ZeRO-3 gathers a unit when its module runs; a head reading another chunk's embedding on
+    # the same rank would read a weight that is not gathered.
+    if p.zero_stage == 3 and m.tie_embeddings and n_chunks > 1 and p.pp == 1:
+        raise ConfigError("parallel.zero_stage", p.zero_stage,
+                          "ZeRO-3 with tied embeddings needs the first and last chunks on "
+                          f"different ranks or in one chunk (pp=1 with virtual_stages="
+                          f"{p.virtual_stages} puts both on one rank)")

@@ -1,0 +1,35 @@
+"""The optimizer and learning-rate schedule every layout uses (AdamW, warm-up + cosine)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tessera.config import TrainConfig
+
+
+def adamw(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    params = list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up to 1, then cosine decay to min_lr_ratio at the last step."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+
+    return factor

@@ -1,0 +1,415 @@
+"""Apply every parallel mechanism to the chunks this rank holds: the one way a model is split.
+
+``parallelize(cfg, topo, device)`` builds this rank's part of the reference model and returns a
+:class:`ParallelModel`. The mechanisms are applied in one order, each as a transformation of
+the chunks (each mechanism lives in its own module; this one only composes them):
+
+1. **pipeline split** (``pipeline.partition``): the model is cut into pp·v chunks and the
+   schedule places them on pp ranks; pp = 1 is one chunk on one rank. Chunks are built on the
+   meta device: no rank ever materializes layers it does not hold.
+2. **tensor / sequence parallelism** (``parallel.tensor_parallel``, ``sequence_parallel``) on
+   each chunk's blocks, embedding and head over the tp group; each shard is cut from the
+   reference initializer's full value (``init_tensor``), so every layout starts from the
+   single-device model's weights. With tp = 1 the chunk is materialized as it is.
+3. **context parallelism**: the cp axis exists in the topology; attention is not split yet and
+   ``check_layout`` refuses cp > 1 (the context-parallel issue plugs in here).
+4. **activation recomputation** (``parallel.recompute``) per block or attention core.
+5. **data parallelism** per chunk over the dp group: DDP buckets (``parallel.ddp``), ZeRO-1/2/3
+   units (``parallel.zero``) or the parameter server (``parallel.parameter_server``).
+
+Precision policy, every layout: ``fp32`` trains in float32. ``bf16`` keeps parameters and
+gradients in bfloat16 and fp32 master weights and Adam moments in the optimizer (Micikevicius
+et al. 2018; the ZeRO paper's 2 + 2 + 12 bytes per parameter); RMSNorm, softmax and the loss
+compute in fp32 whatever their input. bf16 runs through ZeRO's flat buffers at every stage
+(stage 0 is replicated data parallelism with fp32 masters).
+
+The step itself (micro-batches through the schedule, gradient synchronization, loss, norm) is
+``tessera.step``; this module owns what a rank holds and how it is read back (optimizer
+tensors, gradient ownership for the global norm, full state dicts in reference names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.config import Config, ConfigError, TrainConfig
+from tessera.layout import check_layout
+from tessera.model import Transformer, init_tensor, rope_tables
+from tessera.optim import adamw
+from tessera.parallel.comm import all_reduce
+from tessera.parallel.ddp import DataParallel
+from tessera.parallel.recompute import apply_recompute
+from tessera.parallel.tensor_parallel import (
+    ShardSpec,
+    TPContext,
+    gather_full,
+    param_specs,
+    parallelize_head,
+    parallelize_module,
+    sync_partial_grads,
+)
+from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
+from tessera.parallel.zero_state import ShardedAdamW, gather_owned, memory_report, unflatten
+from tessera.pipeline.partition import Chunk, partition
+from tessera.pipeline.schedule import Schedule, validate
+from tessera.pipeline.schedules import build_schedule
+from tessera.topology import Topology
+
+
+def training_schedule(cfg: Config, microbatches: int | None = None) -> Schedule:
+    """The schedule a step runs: parallel.schedule over pp ranks and m = train.grad_accum
+    micro-batches (pp = 1: the one-rank schedule F0 B0 F1 B1 ...)."""
+    p = cfg.parallel
+    m = cfg.train.grad_accum if microbatches is None else microbatches
+    name = p.schedule if p.pp > 1 or p.virtual_stages > 1 else "1f1b"
+    return build_schedule(name, p.pp, m, p.virtual_stages)
+
+
+@dataclass
+class ParallelModel:
+    """What one rank holds: its chunks, their wrappers, and the groups they use."""
+
+    cfg: Config
+    topo: Topology
+    device: torch.device
+    schedule: Schedule
+    chunks: dict[int, Chunk]
+    """Chunk index -> the chunk (TP-split, recomputing) this rank runs."""
+    tp: TPContext
+    specs: dict[int, dict[str, ShardSpec]]
+    """Chunk index -> tensor-parallel layout of each parameter (by name in the chunk)."""
+    wrappers: dict[int, nn.Module] = field(default_factory=dict)
+    """Chunk index -> the data-parallel wrapper the runtime calls (DataParallel, ZeroModel, or
+    the chunk itself under the parameter server)."""
+    tie_group: dist.ProcessGroup | None = None
+    """The (first chunk's rank, last chunk's rank) pair when a tied embedding is split."""
+    server: object | None = None
+    """The parameter server (``dp_mode='ps'|'ps-async'``), else None."""
+
+    # -- what the rank holds -------------------------------------------------------------------
+    @property
+    def sharded(self) -> bool:
+        """Parameters live in ZeRO's flat units (any stage, or bf16)."""
+        return isinstance(next(iter(self.wrappers.values())), ZeroModel)
+
+    @property
+    def zeros(self) -> list[ZeroModel]:
+        return [self.wrappers[c] for c in sorted(self.wrappers)] if self.sharded else []
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+
+    def named_chunk_parameters(self) -> Iterator[tuple[int, str, nn.Parameter]]:
+        for c in sorted(self.chunks):
+            for name, p in self.chunks[c].named_parameters():
+                yield c, name, p
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The tensors this rank's optimizer steps: parameters (or TP shards) of its chunks,
+        or, sharded, ZeRO's fp32 master shards."""
+        if self.sharded:
+            return [u.master for z in self.zeros for u in z.units]
+        return [p for _, _, p in self.named_chunk_parameters()]
+
+    def optimizer(self, cfg: TrainConfig) -> torch.optim.Optimizer:
+        if self.sharded:
+            return ShardedAdamW(self.zeros, cfg)
+        if self.server is not None:
+            return self.server.optimizer(self.parameters(), cfg)
+        return adamw(self.parameters(), cfg)
+
+    def after_parameters_loaded(self) -> None:
+        """parameters() were overwritten (a checkpoint): refresh what derives from them."""
+        for z in self.zeros:
+            z.publish_parameters()
+
+    # -- gradient ownership --------------------------------------------------------------------
+    def _owned(self, c: int, name: str) -> bool:
+        """Does this rank count parameter `name` of chunk `c` in the global norm? TP-sharded
+        pieces on every tp rank, replicated ones on their first holder, a tied copy never."""
+        chunk = self.chunks[c]
+        if chunk.tied_copy and name == "output.weight":
+            return False
+        return self.specs[c][name].owns(self.tp.rank, self.tp.size)
+
+    def norm_groups(self) -> list[dist.ProcessGroup]:
+        """Groups over which the owned squares are summed (dp only where ZeRO shards)."""
+        axes = ("dp", "tp", "pp") if self.sharded else ("tp", "pp")
+        return [self.topo.group(a) for a in axes
+                if self.topo.group(a) is not None and self.topo.size(a) > 1]
+
+    @torch.no_grad()
+    def local_grad_sq(self) -> torch.Tensor:
+        """Σ grad² over the gradient elements this rank owns (fp64); summed over norm_groups()
+        it is the squared norm of the single-device model's gradient, every element once."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if not self.sharded:
+            for c, name, p in self.named_chunk_parameters():
+                if p.grad is not None and self._owned(c, name):
+                    sq += p.grad.double().pow(2).sum()
+            return sq
+        for c, z in zip(sorted(self.wrappers), self.zeros, strict=True):
+            for u in z.units:
+                grad, base = u.dp_grad_slice(), u.lo
+                for s in u.slots:
+                    a, b = max(s.offset, base), min(s.offset + s.numel, base + grad.numel())
+                    if a < b and self._owned(c, s.name):
+                        sq += grad[a - base:b - base].double().pow(2).sum()
+        return sq
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        if self.sharded:
+            for z in self.zeros:
+                z.scale_grads(factor)
+            return
+        for _, _, p in self.named_chunk_parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    # -- after the data-parallel reduction -----------------------------------------------------
+    @torch.no_grad()
+    def sync_model_parallel_grads(self) -> None:
+        """Sum the gradients that are partial over model-parallel ranks: TP-replicated pieces
+        (norm gains under SP, replicated kv heads) over tp, and a split tied embedding over its
+        (first, last) rank pair. Linear, so it commutes with the dp mean done before it."""
+        if self.tp.size > 1:
+            if self.sharded:
+                self._sync_partial_unit_grads()
+            else:
+                for c in sorted(self.chunks):
+                    sync_partial_grads(self.chunks[c], self.tp)
+        if self.tie_group is not None:
+            grad = self._tied_grad()
+            dist.all_reduce(grad, group=self.tie_group)
+
+    def _tied_grad(self) -> torch.Tensor:
+        first, last = 0, self.schedule.n_chunks - 1
+        if self.sharded:
+            c, unit = (first, "tok_embeddings") if first in self.chunks else (last, "output")
+            return next(u for u in self.wrappers[c].units if u.name == unit).grad
+        if first in self.chunks:
+            return self.chunks[first].tok_embeddings.weight.grad
+        return self.chunks[last].output.weight.grad
+
+    def _held_slot_ranges(self, u: FlatUnit) -> Iterator[tuple[int, int, int]]:
+        """(slot index, start, end) of each slot's part inside the gradient this rank holds
+        for unit u (the whole unit at stages 0-1, the dp shard at 2-3), in u.grad's indices."""
+        base = 0 if u.stage < 2 else u.lo
+        for j, s in enumerate(u.slots):
+            a, b = max(s.offset, base), min(s.offset + s.numel, base + u.grad.numel())
+            if a < b:
+                yield j, a - base, b - base
+
+    def _sync_partial_unit_grads(self) -> None:
+        """sync_partial_grads on ZeRO's gradient buffers: every tp rank at one dp position has
+        the same unit layout and shard bounds, so slot ranges line up across the tp group."""
+        items = []
+        for c, z in zip(sorted(self.wrappers), self.zeros, strict=True):
+            for u in z.units:
+                for j, a, b in self._held_slot_ranges(u):
+                    spec = self.specs[c][u.slots[j].name]
+                    if spec.partial_grad:
+                        items.append((u.grad[a:b], spec))
+        if not items:
+            return
+        slots = []
+        for view, spec in items:
+            slot = view.new_zeros((spec.chunks, view.numel()))
+            slot[spec.index(self.tp.rank, self.tp.size)] = view
+            slots.append(slot.flatten())
+        flat = all_reduce(torch.cat(slots), self.tp.group, self.tp.stats, "grad_sync", "step",
+                          inplace=True)
+        offset = 0
+        for (view, spec), slot in zip(items, slots, strict=True):
+            summed = flat[offset:offset + slot.numel()].view(spec.chunks, -1)
+            view.copy_(summed[spec.index(self.tp.rank, self.tp.size)])
+            offset += slot.numel()
+
+    # -- reading the model back in reference names ---------------------------------------------
+    @torch.no_grad()
+    def _chunk_tensors(self, grads: bool) -> dict[int, dict[str, torch.Tensor]]:
+        """Per chunk, {name in chunk: full-over-dp tensor} of weights (fp32 masters when
+        sharded) or reduced gradients."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for c in sorted(self.chunks):
+            if not self.sharded:
+                out[c] = {n: (p.grad if grads else p).detach().float().clone()
+                          for n, p in self.chunks[c].named_parameters()
+                          if not grads or p.grad is not None}
+                continue
+            z, out[c] = self.wrappers[c], {}
+            for u in z.units:
+                if grads:
+                    flat = u.grad if u.stage < 2 else gather_owned_grad(z, u)
+                    tensors = unflatten(u, flat.float())
+                else:
+                    tensors = unflatten(u, gather_owned(z, u, u.master))
+                out[c].update(tensors)
+        return out
+
+    @torch.no_grad()
+    def _reference_named(self, per_chunk: dict[int, dict[str, torch.Tensor]]
+                         ) -> dict[str, torch.Tensor]:
+        """Gather TP shards over tp and chunks over pp; reference names, on every rank."""
+        local: dict[str, torch.Tensor] = {}
+        for c, tensors in per_chunk.items():
+            chunk = self.chunks[c]
+            for name in sorted(tensors):
+                if chunk.tied_copy and name == "output.weight":
+                    continue
+                full = gather_full(tensors[name], self.specs[c][name], self.tp)
+                local[chunk.reference_name(name)] = full.cpu()
+        parts = [local]
+        pp_group = self.topo.group("pp")
+        if pp_group is not None and self.topo.pp > 1:
+            parts = [None] * self.topo.pp
+            dist.all_gather_object(parts, local, group=pp_group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        if self.cfg.model.tie_embeddings and "tok_embeddings.weight" in merged:
+            merged["output.weight"] = merged["tok_embeddings.weight"]
+        with torch.device("meta"):
+            order = list(Transformer(self.cfg.model).state_dict())
+        return {k: merged[k].to(self.device) for k in order if k in merged}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The reference model's state dict (fp32), gathered from every shard, on every rank."""
+        if self.server is not None:
+            self.server.sync_replicas()
+        return self._reference_named(self._chunk_tensors(grads=False))
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The step's synchronized gradients by reference name, gathered, on every rank
+        (tests: compared with the single-device model's)."""
+        return self._reference_named(self._chunk_tensors(grads=True))
+
+    # -- memory ---------------------------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Parameter, gradient and optimizer-state bytes this rank holds between steps."""
+        if self.sharded:
+            total = {"params": 0, "grads": 0, "optimizer": 0}
+            for z in self.zeros:
+                for k, v in memory_report(z).items():
+                    total[k] += v
+            return total
+        n = sum(p.numel() for p in self.parameters())
+        return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+
+@torch.no_grad()
+def gather_owned_grad(z: ZeroModel, u: FlatUnit) -> torch.Tensor:
+    """The whole (padded,) reduced gradient of unit u from the dp shards (stages 2-3)."""
+    out = torch.empty(u.padded, dtype=u.grad.dtype, device=u.grad.device)
+    from tessera.collectives.algorithms import all_gather_single
+
+    all_gather_single(out, u.grad.contiguous(), group=z.group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _tie_group(topo: Topology, owner: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The (first chunk's rank, last chunk's rank) pair of every pipeline, when they differ.
+    Every rank creates every pair's group, in the same order (dist.new_group's rule)."""
+    first, last = owner[0], owner[-1]
+    if first == last or not dist.is_initialized():
+        return None
+    mine = None
+    for ranks in topo.all_groups("pp"):
+        pair = [ranks[first], ranks[last]]
+        group = dist.new_group(pair)
+        if topo.rank in pair:
+            mine = group
+    return mine
+
+
+def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Schedule,
+                 tp: TPContext) -> dict[int, Chunk]:
+    """Steps 1, 2 and 4 of the module doc: this rank's chunks, TP-split and recomputing."""
+    pp_rank = topo.coords()["pp"]
+    seed = cfg.train.seed
+    specs = partition(cfg.model, schedule.n_chunks, cfg.data.seq_len)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    chunks: dict[int, Chunk] = {}
+    for c in schedule.chunks_of(pp_rank):
+        shared = chunks[0].tok_embeddings if 0 in chunks else None
+        with torch.device("meta"):
+            chunk = Chunk(cfg.model, specs[c], shared_embedding=shared)
+        if tp.size > 1:
+            def full(name: str, shape: tuple[int, ...], chunk: Chunk = chunk) -> torch.Tensor:
+                return init_tensor(cfg.model, chunk.reference_name(name), shape, seed)
+
+            parallelize_module(chunk, tp, full)
+            if chunk._shared:  # the head reads the (vocab-parallel) embedding of chunk 0
+                emb = chunk._shared[0]
+                chunk._shared[0] = parallelize_head(
+                    nn.Linear(cfg.model.d_model, cfg.model.vocab_size, bias=False,
+                              device="meta"), tp, full, tied_to=emb)
+            chunk.rope_cos, chunk.rope_sin = rope_tables(cfg.model.head_dim,
+                                                         cfg.model.max_seq_len,
+                                                         cfg.model.rope_theta)
+            chunk.to(device)
+            if tp.sequence_parallel:
+                chunk.seq_scale = tp.size
+        else:
+            chunk.materialize(seed, device)
+        chunk.compute_dtype = dtype
+        apply_recompute(chunk, cfg.parallel.recompute)
+        chunks[c] = chunk
+    return chunks
+
+
+def parallelize(cfg: Config, topo: Topology, device: torch.device) -> ParallelModel:
+    """This rank's part of the model with every mechanism of `cfg.parallel` applied (module
+    doc). Every rank calls it (it creates groups and broadcasts initial weights over dp)."""
+    check_layout(cfg)
+    schedule = validate(training_schedule(cfg))
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel)
+    chunks = build_chunks(cfg, topo, device, schedule, tp)
+    specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}
+    model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs)
+    p = cfg.parallel
+    dp_group = topo.group("dp")
+    if p.dp_mode != "allreduce":
+        from tessera.parallel.parameter_server import ServerSync
+
+        model.server = ServerSync(chunks, topo, p)
+        model.wrappers = dict(chunks)
+    elif p.zero_stage > 0 or cfg.train.precision == "bf16":
+        model.wrappers = {c: ZeroModel(chunk, dp_group, stage=p.zero_stage,
+                                       dtype=model.compute_dtype, units=chunk_units(chunk))
+                          for c, chunk in chunks.items()}
+    else:
+        model.wrappers = {c: DataParallel(chunk, dp_group, bucket_mb=p.bucket_mb,
+                                          algorithm=p.allreduce_algorithm)
+                          for c, chunk in chunks.items()}
+    if cfg.model.tie_embeddings:
+        model.tie_group = _tie_group(topo, schedule.chunk_rank)
+    return model
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def sync_context(wrapper: nn.Module, reduce_now: bool) -> contextlib.AbstractContextManager:
+    """The context a chunk's backward runs in: the wrapper's no_sync() unless this backward is
+    the chunk's last of the step (then its reduction starts during this backward)."""
+    if reduce_now or not hasattr(wrapper, "no_sync"):
+        return _nothing()
+    return wrapper.no_sync()
+
+
+__all__ = ["ParallelModel", "parallelize", "training_schedule", "sync_context", "ConfigError"]

@@ -1,0 +1,233 @@
+"""The step executor: the one place a training step runs, for every layout.
+
+Every layout is a pipeline schedule (``tessera.parallelize.training_schedule``; pp = 1 is the
+one-rank schedule F0 B0 F1 B1 …), and ``Executor.forward_backward`` runs it with the pipeline
+runtime. One step:
+
+1. **micro-batches through the schedule** (``pipeline.runtime``): each loss is scaled by 1/m,
+   so the m micro-batches' gradients accumulate to the gradient of the whole batch's mean loss.
+   The loss is the reference cross-entropy, or its vocabulary-parallel form under tp.
+2. **data-parallel reduction, overlapped**: each chunk's backwards run under its wrapper's
+   ``no_sync()`` except the chunk's last one of the step, during which the reduction starts
+   (DDP buckets launch from gradient hooks as they fill; ZeRO-1 all-reduces and ZeRO-2/3
+   reduce-scatters each unit as its backward ends). A chunk that finishes early (the last
+   chunks, and breadth-first's early chunks) thus reduces while the pipeline computes the rest.
+   Then every reduction is waited for (``finish_gradient_sync``).
+3. **model-parallel gradient sums** (``ParallelModel.sync_model_parallel_grads``): partial
+   TP gradients over tp, a split tied embedding over its (first, last) rank pair.
+4. **the loss**: the last chunk's rank holds the micro-batches' scaled losses; summed over pp,
+   averaged over dp: the same value on every rank.
+
+``clip_grad_norm_`` then takes the global norm of the single-device model's gradient, each
+element counted once: each rank sums the squares it owns (``ParallelModel.local_grad_sq``:
+TP-sharded pieces everywhere, TP-replicated ones on their first holder, a tied copy never,
+ZeRO's dp slice) and the sum is all-reduced over tp and pp (and dp where ZeRO shards).
+
+Timing: the runtime stamps every compute action and wait; the last step's record gives the
+measured bubble and the timeline picture (``write_timeline``, called after training, outside
+any timed step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tessera.config import Config
+from tessera.model import cross_entropy
+from tessera.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from tessera.parallelize import ParallelModel, sync_context, training_schedule
+from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
+from tessera.pipeline.schedule import Action, F, Kind, Schedule, forward_only
+from tessera.pipeline.simulator import StageCosts, TimelineEvent, simulate
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup | None,
+                   device: torch.device) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def forward_pass(chunk_rank: Sequence[int], n_microbatches: int) -> Schedule:
+    """Evaluation order: micro-batch by micro-batch, each rank's chunks in model order (the
+    globally first unfinished forward can always run, so this never deadlocks)."""
+    n_ranks = max(chunk_rank) + 1
+    orders = [[F(c, mb) for mb in range(n_microbatches)
+               for c in range(len(chunk_rank)) if chunk_rank[c] == r] for r in range(n_ranks)]
+    return forward_only(Schedule("forward", orders, len(chunk_rank), n_microbatches,
+                                 tuple(chunk_rank)))
+
+
+def last_backwards(schedule: Schedule, rank: int) -> set[Action]:
+    """The backward of each chunk of `rank` that comes last in its order: where the chunk's
+    data-parallel reduction starts."""
+    last: dict[int, Action] = {}
+    for a in schedule.actions[rank]:
+        if a.kind is Kind.B:
+            last[a.chunk] = a
+    return set(last.values())
+
+
+class Executor:
+    """Runs steps of a ParallelModel (see the module doc)."""
+
+    def __init__(self, model: ParallelModel, measure_memory: bool = False):
+        self.model, self.cfg, self.topo = model, model.cfg, model.topo
+        self.device = model.device
+        self.pp_rank = self.topo.coords()["pp"]
+        self.pp_group, self.dp_group = self.topo.group("pp"), self.topo.group("dp")
+        self._schedules: dict[int, Schedule] = {model.schedule.n_microbatches: model.schedule}
+        tp = model.tp
+        self.runtime = PipelineRuntime(
+            model.wrappers, self.pp_rank, self.topo.ranks("pp"), self.pp_group, self.device,
+            self.cfg.model.d_model, measure_memory=measure_memory,
+            activation_dtype=model.compute_dtype,
+            seq_divisor=tp.size if tp.sequence_parallel else 1)
+        self.last_record: StepRecord | None = None
+
+    # -- what the trainer and checkpoints use --------------------------------------------------
+    def parameters(self) -> list[torch.Tensor]:
+        return self.model.parameters()
+
+    def optimizer(self, cfg=None) -> torch.optim.Optimizer:
+        return self.model.optimizer(cfg or self.cfg.train)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.full_state_dict()
+
+    def after_parameters_loaded(self) -> None:
+        self.model.after_parameters_loaded()
+
+    def schedule_for(self, microbatches: int) -> Schedule:
+        if microbatches not in self._schedules:
+            self._schedules[microbatches] = training_schedule(self.cfg, microbatches)
+        return self._schedules[microbatches]
+
+    # -- the step ------------------------------------------------------------------------------
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy of the last chunk's logits (vocabulary-split under tp)."""
+        if self.model.tp.size > 1:
+            return vocab_parallel_cross_entropy(logits, targets, self.cfg.model.vocab_size,
+                                                self.model.tp)
+        return cross_entropy(logits, targets)
+
+    def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
+        """One step's forward and backward over this rank's micro-batches; leaves synchronized
+        gradients; returns the step's mean loss (the same on every rank)."""
+        for chunk in self.model.chunks.values():
+            chunk.train()
+        schedule = self.schedule_for(len(micro_batches))
+        reduce_at = last_backwards(schedule, self.pp_rank)
+        wrappers = self.model.wrappers
+
+        def around(a: Action) -> contextlib.AbstractContextManager:
+            if a.kind is not Kind.B:
+                return contextlib.nullcontext()
+            return sync_context(wrappers[a.chunk], a in reduce_at)
+
+        record = self.runtime.run(schedule, micro_batches, self.loss_fn,
+                                  scale=1.0 / len(micro_batches), around=around)
+        self.last_record = record
+        server = self.model.server
+        if server is not None:  # push/pull instead of a collective reduction
+            return server.exchange(float(record.loss), self.model)
+        for c in sorted(wrappers):
+            wrappers[c].finish_gradient_sync()
+        self.model.sync_model_parallel_grads()
+        (loss,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
+        (loss,) = all_reduce_sum([loss], self.dp_group, self.device)
+        return loss / self.topo.dp
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Global L2 norm of the step's gradient (every element of the model once)."""
+        sq = self.model.local_grad_sq()
+        for group in self.model.norm_groups():
+            dist.all_reduce(sq, group=group)
+        return float(sq.sqrt())
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """The global norm; gradients scaled to max_norm when above it (0: only measure)."""
+        server = self.model.server
+        if server is not None:
+            return server.clip_grad_norm_(self, max_norm)
+        norm = self.grad_norm()
+        if max_norm > 0 and norm > max_norm:
+            self.model.scale_grads(max_norm / (norm + 1e-6))
+        return norm
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:
+        """Token-summed validation loss and token count over all data-parallel ranks."""
+        if self.model.server is not None:
+            self.model.server.sync_replicas()
+        for chunk in self.model.chunks.values():
+            chunk.eval()
+        schedule = forward_pass(self.model.schedule.chunk_rank, len(batches))
+        record = self.runtime.run(schedule, batches,
+                                  lambda logits, y: self.loss_fn(logits, y) * y.numel())
+        (loss_sum,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
+        count = sum(y.numel() for _, y in batches)
+        loss_sum, count = all_reduce_sum([loss_sum, count], self.dp_group, self.device)
+        return loss_sum, int(count)
+
+    # -- measured timeline ---------------------------------------------------------------------
+    def gather_events(self) -> list[TimelineEvent]:
+        """The last step's measured events of every pipeline rank (times from the first
+        start)."""
+        record = self.last_record
+        mine = (record.start, record.end, record.events) if record else (0.0, 0.0, [])
+        parts = [mine]
+        if self.pp_group is not None and self.topo.pp > 1:
+            parts = [None] * self.topo.pp
+            dist.all_gather_object(parts, mine, group=self.pp_group)
+        t0 = min(p[0] for p in parts)
+        return [TimelineEvent(e.rank, e.kind, e.microbatch, e.chunk, e.start - t0, e.end - t0)
+                for p in parts for e in p[2]]
+
+    def measured_bubble(self, events: Sequence[TimelineEvent]) -> float:
+        records = [StepRecord(loss=torch.zeros(()), events=[e for e in events if e.rank == r],
+                              start=0.0, end=max((e.end for e in events if e.rank == r),
+                                                 default=0.0))
+                   for r in range(self.topo.pp)]
+        return measured_bubble(records)
+
+    def write_timeline(self, out: Path) -> dict | None:
+        """Draw the last step's measured timeline (PNG + trace JSON) on rank 0; every pipeline
+        rank takes part in gathering the events. Returns what rank 0 wrote."""
+        from tessera.pipeline.timeline import write_chrome_trace, write_png
+
+        events = self.gather_events()
+        if self.topo.rank != 0:
+            return None
+        bubble = self.measured_bubble(events)
+        schedule = self.model.schedule
+        sim = simulate(schedule, StageCosts(forward=1.0, backward=2.0))
+        out.mkdir(parents=True, exist_ok=True)
+        title = (f"{schedule.name} measured: pp={self.topo.pp} v={schedule.virtual} "
+                 f"m={schedule.n_microbatches}, bubble {bubble:.3f}")
+        write_png(events, out / "pipeline_timeline.png", title=title)
+        write_chrome_trace(events, out / "pipeline_trace.json")
+        info = {"schedule": schedule.name, "pp": self.topo.pp, "virtual": schedule.virtual,
+                "microbatches": schedule.n_microbatches, "measured_bubble": bubble,
+                "simulated_bubble_equal_costs": sim.bubble_fraction,
+                "png": str(out / "pipeline_timeline.png")}
+        (out / "pipeline.json").write_text(json.dumps(info, indent=1))
+        return info
+
+
+def build_executor(cfg: Config, topo, device: torch.device, **kw) -> Executor:
+    """parallelize + Executor: what the trainer, tests and benchmarks start from."""
+    from tessera.parallelize import parallelize
+
+    return Executor(parallelize(cfg, topo, device), **kw)
