@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ModelConfig, TrainConfig
-from tessera.engine import adamw
 from tessera.model import build_model, cross_entropy, param_count
+from tessera.optim import adamw
 from tessera.parallel.ddp import DataParallel
 from tessera.parallel.zero import ZeroModel
 from tessera.parallel.zero_state import ShardedAdamW

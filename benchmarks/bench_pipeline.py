@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ModelConfig, TrainConfig
-from tessera.engine import adamw
 from tessera.model import cross_entropy
+from tessera.optim import adamw
 from tessera.pipeline.partition import Chunk, partition
 from tessera.pipeline.runtime import PipelineRuntime
 from tessera.pipeline.schedules import build_schedule, closed_form_bubble

@@ -5,7 +5,7 @@
 
 1. ``tessera plan calibrate`` measures this machine at the demo model's shapes (unless
    --hardware gives an earlier calibration) and writes benchmarks/results/local_hardware.toml.
-2. For each layout that this build's engines support (``tessera.engine.check_supported``), the
+2. For each layout that this build's engines support (``tessera.layout.check_layout``), the
    planner predicts the step time of the demo preset (fp32, micro-batch b, m micro-batches).
 3. ``tessera train --preset demo --nproc N ...`` runs it on the real corpus (prepared with
    ``tessera data prepare --out data/stdlib``); the measured step time is the median over all
@@ -74,8 +74,8 @@ CASES = [
 
 def supported(case: Case) -> str | None:
     """Why this build cannot run `case`, or None."""
+
     from tessera.config import ConfigError, make_config
-    from tessera.engine import check_supported
 
     p = {k: v for k, v in case.flags.items() if k in ("dp", "tp", "pp")}
     parallel = dict(p)
@@ -91,8 +91,7 @@ def supported(case: Case) -> str | None:
         cfg = make_config("demo", parallel=parallel,
                           train=dict(grad_accum=case.microbatches,
                                      micro_batch_size=case.micro_batch))
-        cfg.validate(case.nproc)
-        check_supported(cfg)
+        cfg.validate(case.nproc)  # includes tessera.layout.check_layout
     except ConfigError as e:
         return str(e)
     return None

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tessera.parallel.tp_engine import TensorParallelEngine
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -50,9 +51,8 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from tessera.engine import adamw
 from tessera.model import build_model, cross_entropy
-from tessera.parallel.tp_engine import TensorParallelEngine
+from tessera.optim import adamw
 from tessera.testing import RankFailure, run_ranks
 from tessera.topology import Topology
 

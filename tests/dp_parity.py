@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tessera.config import Config, make_config
-from tessera.engine import Engine, build_engine
+from tessera.step import Executor, build_executor
 from tessera.topology import Topology
 
 SEQ = 16
@@ -54,18 +54,19 @@ def local_micro_batches(step: int, dp_rank: int, dp: int, accum: int, pattern: b
     return list(zip(x.chunk(accum), y.chunk(accum), strict=True))
 
 
-def named_grads(engine: Engine) -> dict[str, torch.Tensor | None]:
+def named_grads(engine: Executor) -> dict[str, torch.Tensor | None]:
+    """This rank's gradients by name (pp = tp = 1: the reference model's names)."""
     return {n: None if p.grad is None else p.grad.clone()
-            for n, p in engine.model.named_parameters()}
+            for _, n, p in engine.model.named_chunk_parameters()}
 
 
-def named_params(engine: Engine) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+def named_params(engine: Executor) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for _, n, p in engine.model.named_chunk_parameters()}
 
 
-def train_and_record(engine: Engine, cfg: Config, dp_rank: int, steps: int = STEPS,
-                     pattern: bool = False, grads: Callable[[Engine], Any] = named_grads,
-                     params: Callable[[Engine], Any] = named_params) -> dict[str, Any]:
+def train_and_record(engine: Executor, cfg: Config, dp_rank: int, steps: int = STEPS,
+                     pattern: bool = False, grads: Callable[[Executor], Any] = named_grads,
+                     params: Callable[[Executor], Any] = named_params) -> dict[str, Any]:
     """Run `steps` optimizer steps; record the loss and the gradients (`grads(engine)`, after
     the step's synchronization, before clipping) of each step, and the final parameters
     (`params(engine)`; by default both by name from ``engine.model``)."""
@@ -84,16 +85,16 @@ def train_and_record(engine: Engine, cfg: Config, dp_rank: int, steps: int = STE
 def reference_run(steps: int = STEPS) -> dict[str, Any]:
     """One process, the whole global batch as one micro-batch, the same engine code (dp=1)."""
     cfg = tiny_config()
-    engine = build_engine(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+    engine = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
     return train_and_record(engine, cfg, dp_rank=0, steps=steps)
 
 
 def distributed_run(cfg: Config, steps: int = STEPS, pattern: bool = False, **record: Any
-                    ) -> tuple[Engine, dict[str, Any]]:
+                    ) -> tuple[Executor, dict[str, Any]]:
     """Build the engine `cfg` asks for on this rank (all ranks call) and train it; `record`
     goes to train_and_record (grads=, params=)."""
     topo = Topology.build(cfg.parallel)
-    engine = build_engine(cfg, topo, torch.device("cpu"))
+    engine = build_executor(cfg, topo, torch.device("cpu"))
     return engine, train_and_record(engine, cfg, topo.coords()["dp"], steps, pattern, **record)
 
 

@@ -29,13 +29,13 @@ def ddp_cases(world: int) -> dict:
         cfg = tiny_config(dp=world, accum=accum, bucket_mb=SMALL_BUCKET_MB)
         engine, run = distributed_run(cfg)
         out[f"backend accum={accum}"] = run
-    out["n_buckets"] = len(engine.ddp.buckets)
+    out["n_buckets"] = len(engine.model.wrappers[0].buckets)
     # Our point-to-point all-reduces, run from the background thread.
     for algorithm in ("ring", "rabenseifner"):
         cfg = tiny_config(dp=world, accum=2, bucket_mb=SMALL_BUCKET_MB,
                           allreduce_algorithm=algorithm)
         engine, run = distributed_run(cfg)
-        run["bytes_sent"] = engine.ddp.comm_stats.bytes_sent
+        run["bytes_sent"] = engine.model.wrappers[0].comm_stats.bytes_sent
         out[f"{algorithm} accum=2"] = run
     out["overlap"] = launched_before_backward_ends(engine)
     out["unused"] = unused_parameter_grads()
@@ -46,12 +46,12 @@ def ddp_cases(world: int) -> dict:
 def launched_before_backward_ends(engine) -> list[bool]:
     """Which buckets' all-reduces had started when the embedding (the last gradient backward
     produces) got its gradient."""
-    ddp, seen = engine.ddp, []
-    emb = engine.model.tok_embeddings.weight
+    ddp, seen = engine.model.wrappers[0], []
+    emb = engine.model.chunks[0].tok_embeddings.weight
     handle = emb.register_post_accumulate_grad_hook(
         lambda p: seen.append([b.work is not None for b in ddp.buckets]))
     x = torch.randint(0, 256, (2, 16))
-    engine.model.zero_grad(set_to_none=True)
+    engine.model.chunks[0].zero_grad(set_to_none=True)
     ddp(x).float().pow(2).mean().backward()
     handle.remove()
     ddp.finish_gradient_sync()

@@ -11,7 +11,7 @@ import torch
 from dp_parity import STEPS, assert_matches_reference, distributed_run, reference_run, tiny_config
 from tessera.collectives import CommStats, all_reduce
 from tessera.config import ConfigError, make_config
-from tessera.engine import check_supported
+from tessera.layout import check_layout
 from tessera.model import build_model, param_count
 from tessera.testing import run_ranks
 from tessera.trainer import train
@@ -25,20 +25,22 @@ def ps_cases(world: int) -> dict:
     out = {}
     for accum in (1, 2):
         engine, run = distributed_run(tiny_config(dp=world, accum=accum, dp_mode="ps"))
-        run["is_server"] = engine.ps.is_server
-        run["traffic_per_step"] = engine.ps.traffic.total / STEPS
+        run["is_server"] = engine.model.server.ps.is_server
+        run["traffic_per_step"] = engine.model.server.ps.traffic.total / STEPS
         run["worker_optimizer_state"] = len(engine.optimizer(engine.cfg.train).state)
         out[f"sync accum={accum}"] = run
 
     # Bound 1 is below the steady-state staleness N-1, so some gradients must be dropped.
     engine, _ = distributed_run(tiny_config(dp=world, dp_mode="ps-async", max_staleness=1),
                                 steps=6)
-    out["bound"] = (engine.ps.staleness.applied, engine.ps.staleness.dropped)
+    staleness = engine.model.server.ps.staleness
+    out["bound"] = (staleness.applied, staleness.dropped)
     engine, run = distributed_run(tiny_config(dp=world, dp_mode="ps-async",
                                               max_staleness=world - 1),
                                   steps=ASYNC_TRAIN_STEPS, pattern=True)
     out["async losses"] = run["losses"]
-    out["async applied"] = (engine.ps.staleness.applied, engine.ps.staleness.dropped)
+    staleness = engine.model.server.ps.staleness
+    out["async applied"] = (staleness.applied, staleness.dropped)
 
     # The peer: one ring all-reduce of the same S gradient elements, bytes counted.
     stats = CommStats()
@@ -130,9 +132,12 @@ def test_parameter_server_needs_two_ranks():
 def test_parameter_server_refuses_model_parallel_layouts():
     cfg = tiny_config(dp=2, dp_mode="ps")
     cfg.parallel.tp = 2
-    with pytest.raises(ConfigError, match="tensor parallelism and a parameter server do not "
-                                          "compose"):
-        check_supported(cfg)
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: dp_mode='ps' composes only with "
+                                          r"data parallelism"):
+        check_layout(cfg)
+    cfg.parallel.tp, cfg.parallel.pp = 1, 2
+    with pytest.raises(ConfigError, match=r"parallel.pp=2: dp_mode='ps' composes only"):
+        check_layout(cfg)
 
 
 def test_reference_is_deterministic():

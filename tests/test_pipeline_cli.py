@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from cli_errors import cli_error
 from tessera.cli import app
 from tessera.config import ConfigError, make_config
-from tessera.engine import check_supported
+from tessera.layout import check_layout
 from tessera.testing import run_ranks
 from tessera.trainer import train
 
@@ -70,20 +70,20 @@ def test_train_refuses_bad_pipeline_input_before_launch(tiny_data):
     line = cli_error(base + ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3",
                          "--set", "model.n_layers=4"])
     assert "train.grad_accum=3" in line and "multiple of parallel.pp=2" in line
-    line = cli_error(base + ["--pp", "2", "--tp", "2"])
-    assert "tp=2" in line and "do not compose yet" in line
+    line = cli_error(base + ["--pp", "2", "--cp", "2"])
+    assert line == "error: parallel.cp=2: context parallelism is not in this build yet (must be 1)"
     line = cli_error(base + ["--pp", "2", "--schedule", "1f1b", "--virtual", "2"])
     assert "parallel.virtual_stages=2" in line
 
 
-def test_check_supported_names_the_config_field():
+def test_check_layout_names_the_config_field():
     cfg = make_config("tiny", model=dict(n_layers=4),
                       parallel=dict(pp=2, schedule="interleaved", virtual_stages=2),
                       train=dict(grad_accum=2))
-    check_supported(cfg)
+    check_layout(cfg)
     cfg.train.grad_accum = 3
     with pytest.raises(ConfigError, match=r"train.grad_accum=3: interleaved 1F1B needs"):
-        check_supported(cfg)
+        check_layout(cfg)
 
 
 def _train_pp2_dp2(data: str, out: str):

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tessera.config import make_config
-from tessera.engine import adamw
 from tessera.model import build_model, cross_entropy
-from tessera.pipeline.engine import PipelineEngine
+from tessera.optim import adamw
 from tessera.pipeline.schedule import parse
+from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
@@ -95,7 +95,7 @@ def run_parity_cases(cases, references: bytes):
             topos[(p.pp, p.dp)] = Topology.build(p)
         topo = topos[(p.pp, p.dp)]
         custom = parse(case["custom"]) if "custom" in case else None
-        engine = PipelineEngine(cfg, topo, torch.device("cpu"), schedule=custom)
+        engine = build_executor(cfg, topo, torch.device("cpu"), schedule=custom)
         engine.cfg.train.steps = STEPS + 1  # no timeline pictures from this test
         opt = engine.optimizer(cfg.train)
         ref_steps, ref_state = references[reference_key(case)]
@@ -108,7 +108,7 @@ def run_parity_cases(cases, references: bytes):
             norm = engine.clip_grad_norm_(cfg.train.grad_clip)
             worst["loss"] = max(worst["loss"], abs(loss - ref_loss))
             worst["norm"] = max(worst["norm"], abs(norm - ref_norm) / ref_norm)
-            for chunk in engine.chunks.values():
+            for chunk in engine.model.chunks.values():
                 for name, param in chunk.named_parameters():
                     want = ref_grads[chunk.reference_name(name)]
                     worst["grad"] = max(worst["grad"], float((param.grad - want).abs().max()))
@@ -169,7 +169,7 @@ def first_stage_activation_peaks(pp: int = 2) -> dict[tuple[str, int], int]:
     for schedule in ("gpipe", "1f1b"):
         for m in (1, 2, 4, 8):
             cfg = case_config(schedule, pp, m)
-            engine = PipelineEngine(cfg, topo, torch.device("cpu"), measure_memory=True)
+            engine = build_executor(cfg, topo, torch.device("cpu"), measure_memory=True)
             engine.cfg.train.steps = 0
             engine.forward_backward(step_batches(0, m))
             peaks[(schedule, m)] = engine.last_record.peak_activation_bytes

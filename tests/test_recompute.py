@@ -132,9 +132,8 @@ LAYOUTS = {
 
 
 def _local_grads(engine) -> list[torch.Tensor]:
-    zero = getattr(engine, "zero", None)
-    if zero is not None:
-        return [u.grad.clone() for u in zero.units]
+    if engine.model.sharded:
+        return [u.grad.clone() for z in engine.model.zeros for u in z.units]
     return [p.grad.clone() for p in engine.parameters() if p.grad is not None]
 
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from tessera.engine import DataParallelEngine, lr_lambda
 from tessera.model import Transformer, build_model, cross_entropy
+from tessera.optim import lr_lambda
 from tessera.parallel import sequence_parallel as sp
 from tessera.parallel.comm import CommStats, ring_bytes_sent
 from tessera.parallel.tensor_parallel import (
@@ -44,7 +44,7 @@ from tessera.parallel.tensor_parallel import (
     sync_partial_grads,
     vocab_parallel_cross_entropy,
 )
-from tessera.parallel.tp_engine import TensorParallelEngine
+from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
@@ -357,14 +357,14 @@ def _curve_worker() -> list[dict]:
     for dp, t, kv, tie, sequence_parallel in CURVE_CASES:
         cfg = run_cfg(dp, t, kv, tie, sequence_parallel)
         topo = topology(dp, t, sequence_parallel)
-        engine = TensorParallelEngine(cfg, topo, cpu)
+        engine = build_executor(cfg, topo, cpu)
         d = topo.coords()["dp"]
         losses, norms = _train(
             engine, lambda s, dp=dp, d=d: _global_batch(s, dp)[d * ACCUM:(d + 1) * ACCUM])
         ref_cfg = copy.deepcopy(cfg)
         ref_cfg.parallel = ParallelConfig()
         ref_cfg.train.grad_accum = dp * ACCUM
-        ref = DataParallelEngine(ref_cfg, Topology(), cpu)
+        ref = build_executor(ref_cfg, Topology(), cpu)
         ref_losses, ref_norms = _train(ref, lambda s, dp=dp: _global_batch(s, dp))
         val = _global_batch(99, dp)
         state, ref_state = engine.full_state_dict(), ref.full_state_dict()

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tessera.config import make_config
-from tessera.engine import DataParallelEngine, lr_lambda
 from tessera.model import build_model, cross_entropy
+from tessera.optim import lr_lambda
+from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 from tessera.trainer import run, train
@@ -83,12 +84,12 @@ def test_two_rank_dp_matches_single_process(tiny_data, tmp_path):
 
 def _dp_grads(cfg, batch):
     topo = Topology.build(cfg.parallel)
-    engine = DataParallelEngine(cfg, topo, torch.device("cpu"))
+    engine = build_executor(cfg, topo, torch.device("cpu"))
     rank, n = topo.coords()["dp"], topo.dp
     x, y = batch
     mine = slice(rank * x.shape[0] // n, (rank + 1) * x.shape[0] // n)
     loss = engine.forward_backward([(x[mine], y[mine])])
-    return loss, {k: p.grad.clone() for k, p in engine.model.named_parameters()}
+    return loss, {k: p.grad.clone() for _, k, p in engine.model.named_chunk_parameters()}
 
 
 @pytest.mark.multiprocess

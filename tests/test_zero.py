@@ -15,10 +15,14 @@ from typer.testing import CliRunner
 from cli_errors import cli_error
 from tessera.cli import app
 from tessera.config import Config, make_config
-from tessera.engine import adamw, build_engine, lr_lambda
 from tessera.model import build_model, cross_entropy
-from tessera.parallel.zero_engine import ZeroEngine
-from tessera.parallel.zero_state import zero_formula_bytes
+from tessera.optim import adamw, lr_lambda
+from tessera.parallel.zero_state import (
+    allocated_model_state,
+    load_full_state_dict,
+    zero_formula_bytes,
+)
+from tessera.step import Executor, build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
@@ -77,13 +81,14 @@ def _unit_flat(u, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return flat
 
 
-def _check_stage(cfg: Config, trace: list[dict], moments: dict) -> ZeroEngine:
+def _check_stage(cfg: Config, trace: list[dict], moments: dict) -> tuple[Executor, object]:
     topo = Topology.build(cfg.parallel)
-    engine = build_engine(cfg, topo, torch.device("cpu"))
-    assert isinstance(engine, ZeroEngine) and engine.stage == cfg.parallel.zero_stage
+    engine = build_executor(cfg, topo, torch.device("cpu"))
+    (zero,) = engine.model.zeros
+    assert zero.stage == cfg.parallel.zero_stage
     opt = engine.optimizer(cfg.train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
-    stage, clipped = engine.stage, 0
+    stage, clipped = zero.stage, 0
     for step, ref in enumerate(trace):
         opt.zero_grad()
         loss = engine.forward_backward(_my_micro_batches(step, topo.rank, topo.dp))
@@ -96,7 +101,7 @@ def _check_stage(cfg: Config, trace: list[dict], moments: dict) -> ZeroEngine:
         # Gradients: this rank's dp slice of every unit equals the reference's slice, and at
         # stage 1, where the whole reduced gradient exists on every rank, every parameter's.
         # Same order-of-summation argument, on gradients of size ~1e-2: atol 1e-6.
-        for u in engine.zero.units:
+        for u in zero.units:
             want = _unit_flat(u, ref["grads"])[u.lo:u.hi]
             torch.testing.assert_close(u.dp_grad_slice(), want, rtol=1e-4, atol=1e-6)
             if stage == 1:
@@ -115,13 +120,13 @@ def _check_stage(cfg: Config, trace: list[dict], moments: dict) -> ZeroEngine:
     assert clipped >= 3, "the test must exercise clipping"
     # The gathered optimizer state is the reference AdamW's, by reference name (same tolerance
     # reasoning as the gradients: moments are running averages of them).
-    full = engine.full_optimizer_state()
+    full = opt.full_state()
     assert full["step"] == STEPS
     for name, want in moments.items():
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(full[key][name], want[key], rtol=1e-3, atol=1e-7,
                                        msg=f"{stage} {key} {name}")
-    return engine
+    return engine, opt
 
 
 def _parity_rank(dp: int, references: bytes) -> None:
@@ -133,21 +138,22 @@ def _parity_rank(dp: int, references: bytes) -> None:
         _check_round_trip(dp, engines[3])
 
 
-def _check_round_trip(dp: int, saved: ZeroEngine) -> None:
-    """A stage-3 engine's gathered state, loaded into a fresh stage-2 engine, continues the
+def _check_round_trip(dp: int, saved: tuple[Executor, object]) -> None:
+    """A stage-3 run's gathered state, loaded into a fresh stage-2 one, continues the
     same run: one more step on both gives the same weights."""
     cfg = _cfg(dp, 2)
     topo = Topology.build(cfg.parallel)
-    fresh = ZeroEngine(cfg, topo, torch.device("cpu"))
+    saved, saved_opt = saved
+    fresh = build_executor(cfg, topo, torch.device("cpu"))
     fresh_opt = fresh.optimizer(cfg.train)
-    fresh.load_full_state_dict(saved.full_state_dict())
-    fresh_opt.load_full_state(saved.full_optimizer_state())
-    for engine in (saved, fresh):
-        engine.opt.param_groups[0]["lr"] = 1e-2
-        engine.opt.zero_grad()
+    load_full_state_dict(fresh.model.zeros[0], saved.full_state_dict())
+    fresh_opt.load_full_state(saved_opt.full_state())
+    for engine, opt in ((saved, saved_opt), (fresh, fresh_opt)):
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.zero_grad()
         engine.forward_backward(_my_micro_batches(STEPS, topo.rank, dp))
         engine.clip_grad_norm_(CLIP)
-        engine.opt.step()
+        opt.step()
     a, b = saved.full_state_dict(), fresh.full_state_dict()
     # Both stages reduce-scatter the same gradients and step the same masters with the same
     # moments; they differ only in how the parameters reach the forward: atol 1e-6.
@@ -172,14 +178,17 @@ def _memory_rank(dp: int) -> list[str]:
     lines = []
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for stage in (0, 1, 2, 3):
+            if (precision, stage) == ("fp32", 0):
+                continue  # plain DDP (parallel.ddp): replicated tensors, no ZeRO units
             cfg = _cfg(dp, stage, precision)
-            engine = ZeroEngine(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+            engine = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+            (zero,) = engine.model.zeros
             opt = engine.optimizer(cfg.train)
             opt.zero_grad()
             engine.forward_backward(_my_micro_batches(0, engine.topo.rank, dp))
             engine.clip_grad_norm_(CLIP)
             opt.step()
-            report, allocated = engine.memory_report(), engine.allocated_model_state()
+            report, allocated = engine.model.model_state_bytes(), allocated_model_state(zero, opt)
             # The report is exactly what the tensors hold.
             assert report == allocated, (precision, stage, report, allocated)
             # ... and the paper's formula up to the padding: each unit is padded to a multiple
@@ -187,7 +196,7 @@ def _memory_rank(dp: int) -> list[str]:
             # most one per rank (dp - 1).
             psi = sum(p.numel() for p in build_model(cfg.model).parameters())
             formula = zero_formula_bytes(psi, stage, dp, dtype)
-            n_units = len(engine.zero.units)
+            n_units = len(zero.units)
             optimizer_bytes = 12 if dtype == torch.bfloat16 else 8
             for key, per_element, sharded in (("params", dtype.itemsize, stage >= 3),
                                               ("grads", dtype.itemsize, stage >= 2),
@@ -196,8 +205,8 @@ def _memory_rank(dp: int) -> list[str]:
                 bound = per_element * n_units * (1 if sharded else dp - 1)
                 assert 0 <= slack <= bound, (precision, stage, key, slack, bound)
             if stage == 3:  # at most the unit in use and the one prefetched are gathered
-                sizes = sorted(u.padded * dtype.itemsize for u in engine.zero.units)
-                assert 0 < engine.zero.peak_gathered_bytes <= sizes[-1] + sizes[-2]
+                sizes = sorted(u.padded * dtype.itemsize for u in zero.units)
+                assert 0 < zero.peak_gathered_bytes <= sizes[-1] + sizes[-2]
             total = sum(report.values())
             lines.append(f"{precision} stage {stage}: {total} bytes = "
                          f"{total / psi:.2f} bytes/param")
@@ -220,17 +229,18 @@ def _bf16_rank() -> list[float]:
     out = []
     for stage in (1, 2, 3):
         cfg = _cfg(2, stage, "bf16")
-        engine = ZeroEngine(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+        engine = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+        (zero,) = engine.model.zeros
         opt = engine.optimizer(cfg.train)
-        for u in engine.zero.units:
+        for u in zero.units:
             assert u.master.dtype == torch.float32 and u.full.dtype == torch.bfloat16
             assert opt.state[u.master]["exp_avg"].dtype == torch.float32
-        assert all(p.dtype == torch.bfloat16 for p in engine.zero.module.parameters())
+        assert all(p.dtype == torch.bfloat16 for p in zero.module.parameters())
         losses = []
         for _ in range(15):  # the same batch again and again: the loss must fall
             opt.zero_grad()
             losses.append(engine.forward_backward(_my_micro_batches(0, engine.topo.rank, 2)))
-            assert all(u.grad.dtype == torch.bfloat16 for u in engine.zero.units)
+            assert all(u.grad.dtype == torch.bfloat16 for u in zero.units)
             engine.clip_grad_norm_(1.0)
             opt.step()
         assert all(v.dtype == torch.float32 for v in engine.full_state_dict().values())
@@ -292,7 +302,7 @@ def test_cli_zero_stage_out_of_range(tiny_data, stage):
     assert line == f"error: parallel.zero_stage={stage}: must be 0, 1, 2 or 3"
 
 
-def test_cli_zero_with_tensor_parallelism_is_refused(tiny_data):
-    line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "4",
-                      "--dp", "2", "--tp", "2", "--zero-stage", "1"])
-    assert "tensor parallelism and ZeRO do not compose yet" in line
+def test_cli_zero_with_parameter_server_is_refused(tiny_data):
+    line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "2",
+                      "--dp", "2", "--dp-mode", "ps", "--zero-stage", "1"])
+    assert line == "error: parallel.zero_stage=1: needs parallel.dp_mode='allreduce', not 'ps'"

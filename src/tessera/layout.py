@@ -30,6 +30,8 @@ def check_layout(cfg: Config) -> None:
              f"must divide model.ffn_hidden={m.ffn_hidden}")
     _require(not p.sequence_parallel or d.seq_len % p.tp == 0, "data.seq_len", d.seq_len,
              f"must be divisible by parallel.tp={p.tp} with sequence parallelism")
+    _require(d.seq_len % p.cp == 0, "data.seq_len", d.seq_len,
+             f"must be divisible by parallel.cp={p.cp}")
     # Context and expert parallelism have no implementation yet.
     _require(p.cp == 1, "parallel.cp", p.cp,
              "context parallelism is not in this build yet (must be 1)")
@@ -57,6 +59,9 @@ def check_layout(cfg: Config) -> None:
         spec = SCHEDULES[p.schedule]
         _require(p.virtual_stages == 1 or spec.virtual, "parallel.virtual_stages",
                  p.virtual_stages, f"needs schedule interleaved or bfs, not {p.schedule!r}")
+        _require(p.schedule != "interleaved" or t.grad_accum % p.pp == 0, "train.grad_accum",
+                 t.grad_accum, f"interleaved 1F1B needs micro-batches a multiple of "
+                 f"parallel.pp={p.pp}")
         try:
             build_schedule(p.schedule, p.pp, t.grad_accum, p.virtual_stages)
         except ConfigError as e:

@@ -49,9 +49,9 @@ from tessera.parallel.tensor_parallel import (
     ShardSpec,
     TPContext,
     gather_full,
-    param_specs,
     parallelize_head,
     parallelize_module,
+    param_specs,
     sync_partial_grads,
 )
 from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
@@ -370,11 +370,23 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
     return chunks
 
 
-def parallelize(cfg: Config, topo: Topology, device: torch.device) -> ParallelModel:
+def parallelize(cfg: Config, topo: Topology, device: torch.device,
+                schedule: Schedule | None = None) -> ParallelModel:
     """This rank's part of the model with every mechanism of `cfg.parallel` applied (module
-    doc). Every rank calls it (it creates groups and broadcasts initial weights over dp)."""
+    doc). Every rank calls it (it creates groups and broadcasts initial weights over dp).
+
+    `schedule`: a custom schedule (any placement of chunks on ranks, e.g. V-shaped) instead of
+    parallel.schedule; validated here, before any communication, and run for its own number of
+    micro-batches (train.grad_accum is set to it)."""
     check_layout(cfg)
-    schedule = validate(training_schedule(cfg))
+    if schedule is None:
+        schedule = validate(training_schedule(cfg))
+    else:
+        validate(schedule)
+        if schedule.n_ranks != topo.pp:
+            raise ConfigError("schedule", schedule.name, f"is for {schedule.n_ranks} ranks, "
+                              f"but parallel.pp={topo.pp}")
+        cfg.train.grad_accum = schedule.n_microbatches
     tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel)
     chunks = build_chunks(cfg, topo, device, schedule, tp)
     specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}

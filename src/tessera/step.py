@@ -226,8 +226,9 @@ class Executor:
         return info
 
 
-def build_executor(cfg: Config, topo, device: torch.device, **kw) -> Executor:
+def build_executor(cfg: Config, topo, device: torch.device, schedule: Schedule | None = None,
+                   **kw) -> Executor:
     """parallelize + Executor: what the trainer, tests and benchmarks start from."""
     from tessera.parallelize import parallelize
 
-    return Executor(parallelize(cfg, topo, device), **kw)
+    return Executor(parallelize(cfg, topo, device, schedule), **kw)

@@ -31,6 +31,7 @@ from tessera.metrics import JsonlLogger, device_peak_tflops, mfu, peak_memory_by
 from tessera.model import Transformer, flops_per_token
 from tessera.optim import lr_lambda
 from tessera.parallelize import parallelize
+from tessera.report import gather_memory, summary_lines
 from tessera.step import Executor
 from tessera.topology import Topology
 
@@ -75,6 +76,10 @@ class RunResult:
     sample: str = ""
     median_step_s: float = 0.0
     tokens_per_s: float = 0.0
+    timeline: dict[str, Any] | None = None
+    """The last step's measured pipeline timeline (schedule, bubble, picture path)."""
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank: parameter, gradient, optimizer and peak activation bytes."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -156,6 +161,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     bar = tqdm(range(start, cfg.train.steps), disable=not show_bar, unit="step",
                dynamic_ncols=True, initial=start, total=cfg.train.steps)
     for step in bar:
+        # The last step also counts the activations saved for backward (the summary's memory).
+        executor.runtime.measure_memory = step + 1 == cfg.train.steps
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = executor.forward_backward(next(loader))
@@ -205,6 +212,18 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     warm = step_times[min(len(step_times) - 1, 2):]
     result.median_step_s = sorted(warm)[len(warm) // 2]
     result.tokens_per_s = tokens_per_step / result.median_step_s
+
+    # Outside any timed step: the last step's timeline, memory per rank, the summary.
+    timeline = executor.write_timeline(out)
+    memory = gather_memory(executor)
+    if rank0:
+        flops_per_s = flops_per_step / result.median_step_s
+        lines = summary_lines(cfg, topo.world_size, result.median_step_s, result.tokens_per_s,
+                              flops_per_s, mfu(flops_per_s, peak, topo.world_size),
+                              timeline, memory)
+        print("\n".join(lines), flush=True)
+        result.timeline = timeline
+        result.memory = memory
 
     state = executor.full_state_dict()
     if rank0 and cfg.train.sample_tokens:

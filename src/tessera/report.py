@@ -1,0 +1,106 @@
+"""The one-screen summary a training run ends with.
+
+What it shows, and where each number comes from:
+
+- the layout (``Topology.describe``-style degrees, schedule, ZeRO stage, precision);
+- tokens/s and model FLOP/s from the median step (after warm-up), MFU when the peak is known;
+- the planner's predicted step time for this very layout (``tessera.planner``, with the
+  hardware file ``tessera plan calibrate`` writes, ``benchmarks/results/local_hardware.toml``
+  on CPU) beside the measured median;
+- the pipeline bubble measured on the last step's timestamps beside the closed form
+  (p−1)/(v·m) of the schedule;
+- memory per rank by category: parameters, gradients and optimizer state counted from the
+  tensors each rank holds, and the peak of activations saved for backward, counted by the
+  runtime on the last step;
+- where the timeline picture was written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tessera.config import Config
+
+LOCAL_HARDWARE = Path("benchmarks/results/local_hardware.toml")
+MIB = 2**20
+
+
+def planner_prediction(cfg: Config, world: int, hardware: Path = LOCAL_HARDWARE
+                       ) -> tuple[float | None, str]:
+    """The planner's step time for cfg's layout (seconds) and where the hardware came from;
+    None with the reason when it cannot predict."""
+    if not hardware.is_file():
+        return None, f"no {hardware} (run `tessera plan calibrate`)"
+    try:
+        from tessera.planner.cost import Layout, Workload
+        from tessera.planner.hardware import load_hardware
+        from tessera.planner.models import from_model_config
+        from tessera.planner.search import estimate
+
+        p, t = cfg.parallel, cfg.train
+        layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
+                        micro_batch=t.micro_batch_size, zero=p.zero_stage,
+                        recompute=p.recompute, schedule=p.schedule,
+                        sequence_parallel=p.sequence_parallel)
+        w = Workload(model=from_model_config("run", cfg.model, cfg.data.seq_len),
+                     hardware=load_hardware(hardware), gpus=world,
+                     global_batch=t.micro_batch_size * t.grad_accum * p.dp,
+                     seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False)
+        return estimate(w, layout).step_time, str(hardware)
+    except Exception as e:  # noqa: BLE001 - a summary line, never a failed run
+        return None, f"the planner could not price this layout ({e})"
+
+
+def gather_memory(executor) -> list[dict[str, Any]]:
+    """Every rank's model-state bytes and peak activation bytes (all ranks call)."""
+    record = executor.last_record
+    mine = {"rank": executor.topo.rank, "coords": executor.topo.coords(),
+            **executor.model.model_state_bytes(),
+            "activations": record.peak_activation_bytes if record else 0}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return parts
+
+
+def summary_lines(cfg: Config, world: int, median_step_s: float, tokens_per_s: float,
+                  flops_per_s: float, mfu: float | None, timeline: dict | None,
+                  memory: list[dict[str, Any]]) -> list[str]:
+    p, t = cfg.parallel, cfg.train
+    layout = f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}"
+    if p.pp > 1:
+        layout += f" schedule={p.schedule} v={p.virtual_stages} m={t.grad_accum}"
+    layout += f" zero={p.zero_stage} recompute={p.recompute} precision={t.precision}"
+    if p.sequence_parallel:
+        layout += " sp"
+    lines = ["=" * 72, f"layout      {layout} ({world} ranks)",
+             f"throughput  {tokens_per_s:,.0f} tokens/s, {flops_per_s / 1e9:.2f} model "
+             f"GFLOP/s" + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")]
+    predicted, source = planner_prediction(cfg, world)
+    if predicted is None:
+        lines.append(f"step time   measured {1e3 * median_step_s:.0f} ms; planner: {source}")
+    else:
+        lines.append(f"step time   measured {1e3 * median_step_s:.0f} ms, planner predicted "
+                     f"{1e3 * predicted:.0f} ms ({predicted / median_step_s:.2f}x; {source})")
+    if timeline is not None:
+        from tessera.pipeline.schedules import closed_form_bubble
+
+        closed = closed_form_bubble(timeline["schedule"], p.pp, t.grad_accum, p.virtual_stages)
+        closed_text = f"{closed:.3f}" if closed is not None else "n/a"
+        lines.append(f"bubble      measured {timeline['measured_bubble']:.3f} (last step), "
+                     f"(p-1)/(v*m) = {closed_text}")
+    lines.append("memory/rank params   grads  optimizer  activations (MiB; peak of saved "
+                 "activations, last step)")
+    for m in memory:
+        c = m["coords"]
+        where = f"r{m['rank']} pp{c['pp']} dp{c['dp']} tp{c['tp']}"
+        lines.append(f"  {where:<18}{m['params'] / MIB:7.2f} {m['grads'] / MIB:7.2f} "
+                     f"{m['optimizer'] / MIB:10.2f} {m['activations'] / MIB:12.2f}")
+    if timeline is not None:
+        lines.append(f"timeline    {timeline['png']}")
+    lines.append("=" * 72)
+    return lines
