@@ -4,7 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DATA   ?= data/stdlib
-NPROC  ?= 2
+# The main job's layout: tensor parallel 2 inside pipeline parallel 2 (1F1B, 4 micro-batches),
+# 4 ranks; the global batch (32 sequences of 128 bytes) is the demo preset's.
+DEMO_LAYOUT ?= --nproc 4 --dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --micro-batch-size 8
 
 .PHONY: setup demo test test-fast lint format bench clean
 
@@ -19,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/tessera data prepare --source stdlib --out $(DATA) --if-missing
-	$(VENV)/bin/tessera train --preset demo --nproc $(NPROC) --data $(DATA) --out runs/demo
+	$(VENV)/bin/tessera train --preset demo $(DEMO_LAYOUT) --data $(DATA) --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

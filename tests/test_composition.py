@@ -1,0 +1,181 @@
+"""The composition parity matrix: every layout of issue 11 against the single-device model.
+
+Each layout runs 10 AdamW steps (clipping active) through ``parallelize`` + ``Executor`` on
+gloo ranks, on the same global batches as one process running the reference model, and must
+give the reference's first-step gradients (every parameter, gathered by reference name), the
+loss and global gradient norm of every step, and the final parameters.
+
+Tolerances (fp32; ε = 2⁻²⁴ ≈ 6e-8, unit round-off):
+
+- First-step gradients: each element is a sum over the N = 8·16 = 128 tokens of the batch
+  (and, inside, over d = 32 hidden units); a layout sums the same terms in another order
+  (micro-batches, dp means, TP partial sums, pipeline hand-offs). Reordering a sum of n terms
+  moves it by at most n·ε·Σ|terms| ≤ n·ε·n·max|term|; we bound by GRAD_BOUND·max|g_ref| with
+  GRAD_BOUND = 4·N·ε ≈ 3e-5 (N·ε·4: the token sum, with a factor 4 for the inner sums and
+  the division by m and dp). Measured: ≤ 1e-7·max|g|. A real bug (a missing dp half, a
+  gradient scaled by 2, a TP piece not summed) is off by ≥ 10% of max|g|.
+- Loss and grad norm per step: sums of ~N terms of size O(1) in another order, plus the
+  parameter differences below fed through; relative 1e-5 (≈ 1.3·N·ε·... measured ≤ 3e-7).
+- Final parameters: Adam divides each update by √v, so an element with a tiny gradient turns
+  an ε-level difference into a visible one; bound 1e-4 absolute = 1% of one lr-sized step
+  (lr = 1e-2), measured ≤ 2e-5 after 10 steps. Adam is invariant to gradient scale, which is
+  why the gradients and norms above are checked directly.
+- bf16 (parameters and gradients in bf16, fp32 masters): a bf16 rounding (2⁻⁸ relative) of
+  every weight and activation; compared with the fp32 reference at 2% of max|g| for
+  gradients and 1% for the loss, and must train.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from tessera.config import Config, ConfigError, make_config
+from tessera.layout import check_layout
+from tessera.model import build_model, cross_entropy
+from tessera.optim import adamw
+from tessera.step import build_executor
+from tessera.testing import run_ranks
+from tessera.topology import Topology
+
+STEPS, GLOBAL_BATCH, SEQ, CLIP, LR = 10, 8, 16, 0.5, 1e-2
+EPS32 = 2.0 ** -24
+N_TOKENS = GLOBAL_BATCH * SEQ
+GRAD_BOUND = 4 * N_TOKENS * EPS32  # relative to max|g_ref|, see the module doc
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-4
+
+
+def _cfg(dp: int = 1, tp: int = 1, pp: int = 1, m: int = 2, precision: str = "fp32",
+         **parallel: Any) -> Config:
+    return make_config(
+        None, model=dict(d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, max_seq_len=SEQ),
+        data=dict(seq_len=SEQ),
+        parallel=dict(dp=dp, tp=tp, pp=pp, **parallel),
+        train=dict(lr=LR, warmup_steps=0, steps=STEPS, grad_accum=m, grad_clip=CLIP,
+                   micro_batch_size=GLOBAL_BATCH // dp // m, precision=precision))
+
+
+MATRIX: dict[str, Config] = {
+    "(2,2,2) 1f1b": _cfg(2, 2, 2, m=2, schedule="1f1b"),
+    "(1,2,4) interleaved v2": _cfg(1, 2, 4, m=4, schedule="interleaved", virtual_stages=2),
+    "(2,1,4) bfs v2 zero3": _cfg(2, 1, 4, m=4, schedule="bfs", virtual_stages=2, zero_stage=3),
+    "(4,2,1) zero3": _cfg(4, 2, 1, m=2, zero_stage=3),
+    "(2,2,2) zero1": _cfg(2, 2, 2, m=2, zero_stage=1),
+    "(2,2,2) zero2": _cfg(2, 2, 2, m=2, zero_stage=2),
+    "(2,2,2) zero3": _cfg(2, 2, 2, m=2, zero_stage=3),
+    "(1,2,2) sp full recompute": _cfg(1, 2, 2, m=2, sequence_parallel=True, recompute="full"),
+    "(2,2,2) bf16": _cfg(2, 2, 2, m=2, precision="bf16"),
+}
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Learnable sequences (+1 mod 256 from a random start) so the loss visibly falls."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, 256, (GLOBAL_BATCH, 1), generator=g)
+    tokens = (start + torch.arange(SEQ + 1)) % 256
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference() -> dict[str, Any]:
+    cfg = _cfg()
+    model = build_model(cfg.model, cfg.train.seed)
+    opt = adamw(model.parameters(), cfg.train)
+    out: dict[str, Any] = {"losses": [], "norms": []}
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        out["losses"].append(loss.item())
+        opt.step()
+    out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _run_layout(cfg: Config) -> dict[str, Any]:
+    topo = Topology.build(cfg.parallel)
+    executor = build_executor(cfg, topo, torch.device("cpu"))
+    opt = executor.optimizer(cfg.train)
+    dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
+    out: dict[str, Any] = {"losses": [], "norms": []}
+    for step in range(STEPS):
+        x, y = _batch(step)
+        rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
+        opt.zero_grad(set_to_none=True)
+        out["losses"].append(executor.forward_backward(
+            list(zip(x[rows].chunk(m), y[rows].chunk(m), strict=True))))
+        if step == 0:
+            out["grads"] = executor.model.full_grads()
+        out["norms"].append(executor.clip_grad_norm_(CLIP))
+        opt.step()
+    out["params"] = executor.full_state_dict()
+    return out
+
+
+def _matrix_rank(names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: _run_layout(MATRIX[name]) for name in names}
+
+
+def _check(name: str, rank: int, got: dict[str, Any], ref: dict[str, Any]) -> None:
+    bf16 = MATRIX[name].train.precision == "bf16"
+    name = f"{name} rank {rank}"
+    grad_bound = 0.02 if bf16 else GRAD_BOUND
+    assert got["grads"].keys() == ref["grads"].keys(), name
+    for k, want in ref["grads"].items():
+        err = float((got["grads"][k].float() - want).abs().max())
+        scale = float(want.abs().max())
+        assert err <= grad_bound * scale, f"{name} step-1 grad {k}: {err:.3g} > " \
+                                          f"{grad_bound:.2g}·{scale:.3g}"
+    if bf16:
+        assert got["losses"] == pytest.approx(ref["losses"], rel=0.01), name
+        assert got["losses"][-1] < got["losses"][0] - 0.5, name
+        return
+    assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL), name
+    assert got["norms"] == pytest.approx(ref["norms"], rel=LOSS_RTOL), name
+    assert ref["norms"][0] > CLIP  # clipping is exercised
+    for k, want in ref["params"].items():
+        torch.testing.assert_close(got["params"][k], want, rtol=0, atol=PARAM_ATOL,
+                                   msg=f"{name} param {k}")
+
+
+@pytest.fixture(scope="module")
+def reference_bytes() -> bytes:
+    buffer = io.BytesIO()
+    torch.save(_reference(), buffer)
+    return buffer.getvalue()
+
+
+GROUPS = {8: [n for n, c in MATRIX.items() if c.parallel.world_size == 8],
+          4: [n for n, c in MATRIX.items() if c.parallel.world_size == 4]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(GROUPS))
+def test_every_layout_matches_the_single_device_model(world, reference_bytes):
+    ref = torch.load(io.BytesIO(reference_bytes))
+    assert ref["losses"][-1] < ref["losses"][0] - 1.0  # the reference itself learns
+    results = run_ranks(_matrix_rank, world, args=(GROUPS[world],), timeout=600)
+    for rank, per_layout in enumerate(results):
+        for name, got in per_layout.items():
+            _check(name, rank, got, ref)
+
+
+def test_parameter_server_with_tensor_parallelism_is_refused():
+    cfg = _cfg(2, 2, 1, dp_mode="ps")
+    with pytest.raises(ConfigError, match=r"^parallel.tp=2: dp_mode='ps' composes only with "
+                                          r"data parallelism"):
+        check_layout(cfg)
+
+
+def test_the_matrix_layouts_pass_the_layout_check():
+    for name, cfg in MATRIX.items():
+        check_layout(cfg)
+        assert cfg.parallel.world_size in GROUPS, name
