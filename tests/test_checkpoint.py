@@ -65,7 +65,16 @@ LAYOUTS = {
     "parameter server dp=2": dict(dp=2, dp_mode="ps"),
     "tp=2": dict(dp=1, tp=2),
     "pp=2 1f1b": dict(dp=1, pp=2, schedule="1f1b"),
+    # Composed layouts: every mechanism's state in one checkpoint.
+    "tp=2 pp=2 zero-1": dict(dp=1, tp=2, pp=2, zero_stage=1),
+    "dp=2 tp=2 pp=2 zero-3 bf16 full recompute": {
+        "dp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "recompute": "full",
+        "train.precision": "bf16"},
 }
+
+
+def _world(parallel: dict) -> int:
+    return parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
 
 
 def _check_resumed(got: dict, label: str) -> None:
@@ -83,13 +92,14 @@ def _check_resumed(got: dict, label: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_resumed_run_continues_exactly(tiny_data, tmp_path, name):
-    got = run_ranks(_resume_rank, 2, args=(tiny_data, str(tmp_path), LAYOUTS[name]),
-                    timeout=240)[0]
+    world = _world(LAYOUTS[name])
+    got = run_ranks(_resume_rank, world, args=(tiny_data, str(tmp_path), LAYOUTS[name]),
+                    timeout=300)[0]
     _check_resumed(got, name)
     meta = json.loads((step_dir(tmp_path / "a" / "checkpoints", EVERY) / "meta.json")
                       .read_text())
-    assert meta["world_size"] == 2 and sorted(meta["files"]) == [
-        "model.pt", "rank-00000.pt", "rank-00001.pt"]
+    assert meta["world_size"] == world and sorted(meta["files"]) == [
+        "model.pt", *(f"rank-{r:05d}.pt" for r in range(world))]
 
 
 def test_one_process_resume_and_latest(tiny_data, tmp_path):

@@ -135,7 +135,7 @@ def _check(name: str, rank: int, got: dict[str, Any], ref: dict[str, Any]) -> No
                                           f"{grad_bound:.2g}·{scale:.3g}"
     if bf16:
         assert got["losses"] == pytest.approx(ref["losses"], rel=0.01), name
-        assert got["losses"][-1] < got["losses"][0] - 0.5, name
+        assert got["losses"][-1] < got["losses"][0] - 0.3, name
         return
     assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL), name
     assert got["norms"] == pytest.approx(ref["norms"], rel=LOSS_RTOL), name
@@ -161,7 +161,7 @@ GROUPS = {8: [n for n, c in MATRIX.items() if c.parallel.world_size == 8],
 @pytest.mark.parametrize("world", sorted(GROUPS))
 def test_every_layout_matches_the_single_device_model(world, reference_bytes):
     ref = torch.load(io.BytesIO(reference_bytes))
-    assert ref["losses"][-1] < ref["losses"][0] - 1.0  # the reference itself learns
+    assert ref["losses"][-1] < ref["losses"][0] - 0.3  # the reference itself learns
     results = run_ranks(_matrix_rank, world, args=(GROUPS[world],), timeout=600)
     for rank, per_layout in enumerate(results):
         for name, got in per_layout.items():
