@@ -42,16 +42,16 @@ from tessera.config import Config, ConfigError, TrainConfig
 from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
 from tessera.optim import adamw
-from tessera.parallel.comm import all_reduce
+from tessera.parallel.comm import CommStats, all_reduce
 from tessera.parallel.ddp import DataParallel
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
     ShardSpec,
     TPContext,
     gather_full,
-    param_specs,
     parallelize_head,
     parallelize_module,
+    param_specs,
     sync_partial_grads,
 )
 from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
@@ -370,12 +370,18 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
     return chunks
 
 
-def parallelize(cfg: Config, topo: Topology, device: torch.device) -> ParallelModel:
+def parallelize(cfg: Config, topo: Topology, device: torch.device, *, regather: bool = True,
+                tp_stats: CommStats | None = None) -> ParallelModel:
     """This rank's part of the model with every mechanism of `cfg.parallel` applied (module
-    doc). Every rank calls it (it creates groups and broadcasts initial weights over dp)."""
+    doc). Every rank calls it (it creates groups and broadcasts initial weights over dp).
+
+    `regather` and `tp_stats` go to the tensor-parallel layers (``TPContext``): whether SP
+    re-gathers inputs in backward, and where the TP collectives are counted (benchmarks and
+    tests)."""
     check_layout(cfg)
     schedule = validate(training_schedule(cfg))
-    tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel)
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel,
+                   regather=regather, stats=tp_stats)
     chunks = build_chunks(cfg, topo, device, schedule, tp)
     specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}
     model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs)

@@ -226,8 +226,11 @@ class Executor:
         return info
 
 
-def build_executor(cfg: Config, topo, device: torch.device, **kw) -> Executor:
-    """parallelize + Executor: what the trainer, tests and benchmarks start from."""
+def build_executor(cfg: Config, topo, device: torch.device, *, measure_memory: bool = False,
+                   **parallelize_kw) -> Executor:
+    """parallelize + Executor: what the trainer, tests and benchmarks start from.
+    `parallelize_kw` (regather, tp_stats) go to ``parallelize``."""
     from tessera.parallelize import parallelize
 
-    return Executor(parallelize(cfg, topo, device), **kw)
+    return Executor(parallelize(cfg, topo, device, **parallelize_kw),
+                    measure_memory=measure_memory)
