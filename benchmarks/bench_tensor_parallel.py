@@ -5,7 +5,8 @@
 Both sides train the same Llama-style model (tessera.model.Transformer, same seed, fp32, AdamW,
 one micro-batch per step, no clipping) on the same fixed batch:
 
-- ours: ``tessera.parallel.tp_engine.TensorParallelEngine`` (vocab-parallel embedding and loss);
+- ours: ``tessera.step.build_executor`` with tp = t (Megatron TP/SP from ``tessera.parallelize``,
+  vocab-parallel embedding and loss; the step runs through the one-rank pipeline schedule);
 - peer: ``parallelize_module`` with ColwiseParallel / RowwiseParallel on wq, wk, wv / wo and
   w1, w3 / w2, a RowwiseParallel embedding, a ColwiseParallel head with ``loss_parallel``, and
   with SP: SequenceParallel on the norms and PrepareModuleInput gathering the sequence once per
@@ -37,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tessera.parallel.tp_engine import TensorParallelEngine
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -53,6 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw
+from tessera.parallel.comm import CommStats
+from tessera.step import build_executor
 from tessera.testing import RankFailure, run_ranks
 from tessera.topology import Topology
 
@@ -125,19 +127,21 @@ def ours(t: int, sp: bool, regather: bool, warmup: int, steps: int) -> dict:
                  parallel=ParallelConfig(tp=t, sequence_parallel=sp),
                  train=TrainConfig(grad_clip=0.0, seed=0, micro_batch_size=BATCH),
                  data=DataConfig(path="unused", seq_len=SEQ))
-    engine = TensorParallelEngine(cfg, Topology.build(cfg.parallel), torch.device("cpu"),
-                                  regather=regather)
-    optimizer = engine.optimizer(cfg.train)
+    stats = CommStats()  # the TP collectives of the last step
+    executor = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"),
+                              regather=regather, tp_stats=stats)
+    optimizer = executor.optimizer(cfg.train)
     batch = [data()]
 
     def step() -> float:
+        stats.reset()
         optimizer.zero_grad(set_to_none=True)
-        loss = engine.forward_backward(batch)
+        loss = executor.forward_backward(batch)
         optimizer.step()
         return loss
 
     out = timed(step, warmup, steps, t)
-    out["own_bytes"] = engine.stats.bytes_sent()
+    out["own_bytes"] = stats.bytes_sent()
     return out
 
 

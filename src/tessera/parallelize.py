@@ -42,7 +42,7 @@ from tessera.config import Config, ConfigError, TrainConfig
 from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
 from tessera.optim import adamw
-from tessera.parallel.comm import all_reduce
+from tessera.parallel.comm import CommStats, all_reduce
 from tessera.parallel.ddp import DataParallel
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
@@ -371,13 +371,16 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
 
 
 def parallelize(cfg: Config, topo: Topology, device: torch.device,
-                schedule: Schedule | None = None) -> ParallelModel:
+                schedule: Schedule | None = None, *, regather: bool = True,
+                tp_stats: CommStats | None = None) -> ParallelModel:
     """This rank's part of the model with every mechanism of `cfg.parallel` applied (module
     doc). Every rank calls it (it creates groups and broadcasts initial weights over dp).
 
     `schedule`: a custom schedule (any placement of chunks on ranks, e.g. V-shaped) instead of
     parallel.schedule; validated here, before any communication, and run for its own number of
-    micro-batches (train.grad_accum is set to it)."""
+    micro-batches (train.grad_accum is set to it). `regather` and `tp_stats` go to the
+    tensor-parallel layers (``TPContext``): whether SP re-gathers inputs in backward, and where
+    the TP collectives are counted (benchmarks and tests)."""
     check_layout(cfg)
     if schedule is None:
         schedule = validate(training_schedule(cfg))
@@ -387,7 +390,8 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
             raise ConfigError("schedule", schedule.name, f"is for {schedule.n_ranks} ranks, "
                               f"but parallel.pp={topo.pp}")
         cfg.train.grad_accum = schedule.n_microbatches
-    tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel)
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel,
+                   regather=regather, stats=tp_stats)
     chunks = build_chunks(cfg, topo, device, schedule, tp)
     specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}
     model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs)

@@ -227,8 +227,10 @@ class Executor:
 
 
 def build_executor(cfg: Config, topo, device: torch.device, schedule: Schedule | None = None,
-                   **kw) -> Executor:
-    """parallelize + Executor: what the trainer, tests and benchmarks start from."""
+                   *, measure_memory: bool = False, **parallelize_kw) -> Executor:
+    """parallelize + Executor: what the trainer, tests and benchmarks start from.
+    `schedule` and `parallelize_kw` (regather, tp_stats) go to ``parallelize``."""
     from tessera.parallelize import parallelize
 
-    return Executor(parallelize(cfg, topo, device, schedule), **kw)
+    return Executor(parallelize(cfg, topo, device, schedule, **parallelize_kw),
+                    measure_memory=measure_memory)
