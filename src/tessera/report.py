@@ -4,9 +4,9 @@ What it shows, and where each number comes from:
 
 - the layout (``Topology.describe``-style degrees, schedule, ZeRO stage, precision);
 - tokens/s and model FLOP/s from the median step (after warm-up), MFU when the peak is known;
-- the planner's predicted step time for this very layout (``tessera.planner``, with the
-  hardware file ``tessera plan calibrate`` writes, ``benchmarks/results/local_hardware.toml``
-  on CPU) beside the measured median;
+- the planner's predicted step time for this very layout (``tessera.planner``: on a GPU the
+  catalog entry of that GPU, on CPU the file ``tessera plan calibrate`` writes,
+  ``benchmarks/results/local_hardware.toml``) beside the measured median;
 - the pipeline bubble measured on the last step's timestamps beside the closed form
   (p−1)/(v·m) of the schedule;
 - memory per rank by category: parameters, gradients and optimizer state counted from the
@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from tessera.config import Config
@@ -28,12 +29,26 @@ LOCAL_HARDWARE = Path("benchmarks/results/local_hardware.toml")
 MIB = 2**20
 
 
-def planner_prediction(cfg: Config, world: int, hardware: Path = LOCAL_HARDWARE
+def hardware_for(device: torch.device) -> str | None:
+    """The planner's hardware for this run: the catalog GPU whose name the device's contains
+    (longest match), or on CPU the file `tessera plan calibrate` writes; None if neither."""
+    if device.type == "cuda":
+        from tessera.planner.hardware import known_hardware
+
+        name = torch.cuda.get_device_name(device).lower()
+        matches = [k for k in known_hardware() if k.split("-")[0].lower() in name]
+        return max(matches, key=len) if matches else None
+    return str(LOCAL_HARDWARE) if LOCAL_HARDWARE.is_file() else None
+
+
+def planner_prediction(cfg: Config, world: int, device: torch.device
                        ) -> tuple[float | None, str]:
-    """The planner's step time for cfg's layout (seconds) and where the hardware came from;
+    """The planner's step time for cfg's layout (seconds) and which hardware it assumed;
     None with the reason when it cannot predict."""
-    if not hardware.is_file():
-        return None, f"no {hardware} (run `tessera plan calibrate`)"
+    hardware = hardware_for(device)
+    if hardware is None:
+        return None, ("no hardware description (run `tessera plan calibrate`)"
+                      if device.type == "cpu" else "GPU not in the planner's catalog")
     try:
         from tessera.planner.cost import Layout, Workload
         from tessera.planner.hardware import load_hardware
@@ -49,7 +64,7 @@ def planner_prediction(cfg: Config, world: int, hardware: Path = LOCAL_HARDWARE
                      hardware=load_hardware(hardware), gpus=world,
                      global_batch=t.micro_batch_size * t.grad_accum * p.dp,
                      seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False)
-        return estimate(w, layout).step_time, str(hardware)
+        return estimate(w, layout).step_time, hardware
     except Exception as e:  # noqa: BLE001 - a summary line, never a failed run
         return None, f"the planner could not price this layout ({e})"
 
@@ -67,9 +82,9 @@ def gather_memory(executor) -> list[dict[str, Any]]:
     return parts
 
 
-def summary_lines(cfg: Config, world: int, median_step_s: float, tokens_per_s: float,
-                  flops_per_s: float, mfu: float | None, timeline: dict | None,
-                  memory: list[dict[str, Any]]) -> list[str]:
+def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: float,
+                  tokens_per_s: float, flops_per_s: float, mfu: float | None,
+                  timeline: dict | None, memory: list[dict[str, Any]]) -> list[str]:
     p, t = cfg.parallel, cfg.train
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}"
     if p.pp > 1:
@@ -80,7 +95,7 @@ def summary_lines(cfg: Config, world: int, median_step_s: float, tokens_per_s: f
     lines = ["=" * 72, f"layout      {layout} ({world} ranks)",
              f"throughput  {tokens_per_s:,.0f} tokens/s, {flops_per_s / 1e9:.2f} model "
              f"GFLOP/s" + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")]
-    predicted, source = planner_prediction(cfg, world)
+    predicted, source = planner_prediction(cfg, world, device)
     if predicted is None:
         lines.append(f"step time   measured {1e3 * median_step_s:.0f} ms; planner: {source}")
     else:

@@ -218,7 +218,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     memory = gather_memory(executor)
     if rank0:
         flops_per_s = flops_per_step / result.median_step_s
-        lines = summary_lines(cfg, topo.world_size, result.median_step_s, result.tokens_per_s,
+        lines = summary_lines(cfg, topo.world_size, device, result.median_step_s,
+                              result.tokens_per_s,
                               flops_per_s, mfu(flops_per_s, peak, topo.world_size),
                               timeline, memory)
         print("\n".join(lines), flush=True)
