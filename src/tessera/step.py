@@ -34,9 +34,7 @@ any timed step).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -147,15 +145,8 @@ class Executor:
         server = self.model.server
         if server is not None:  # push/pull instead of a collective reduction
             return server.exchange(float(record.loss), self.model)
-        # In the order the reductions started (REDUCE_GRAD), each 'reduce' event ending when
-        # its wait returns: an upper bound on when the reduce-scatter finished.
-        started = list(dict.fromkeys(e.chunk for e in record.events if e.kind == "reduce"))
-        done: dict[int, float] = {}
-        for c in started + [c for c in sorted(wrappers) if c not in started]:
+        for c in sorted(wrappers):
             wrappers[c].finish_gradient_sync()
-            done[c] = time.perf_counter()
-        record.events = [dataclasses.replace(e, end=done[e.chunk]) if e.kind == "reduce" else e
-                         for e in record.events]
         self.model.sync_model_parallel_grads()
         (loss,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
         (loss,) = all_reduce_sum([loss], self.dp_group, self.device)

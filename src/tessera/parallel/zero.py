@@ -416,6 +416,11 @@ class ZeroModel(nn.Module):
                                    f"at REDUCE_GRAD (is it before the chunk's backwards?)")
             self._reduce_scatter(u)
 
+    def wait_reduced(self) -> None:
+        """Wait for the reduce-scatters `reduce_grad()` started (and drop the full gradients
+        they read); ``finish_gradient_sync`` does it too."""
+        self._drain(0)
+
     # -- gathering (stage 3) -------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())

@@ -18,7 +18,9 @@ The runtime walks the lowered schedule (``schedule.lower_comms``) of its pipelin
 - sharding actions (ZeRO-3, ``schedule.add_sharding_actions``) call the chunk's wrapper:
   ``UNSHARD`` → ``unshard()`` (starts the all-gather), and the chunk's next compute action first
   calls ``wait_unsharded()``; ``RESHARD`` → ``reshard()``; ``REDUCE_GRAD`` → ``reduce_grad()``
-  (starts the reduce-scatter; the caller waits for it after the step, ``finish_gradient_sync``).
+  (starts the reduce-scatter), then ``wait_reduced()`` of the chunk reduced before it (started
+  a whole run of backwards earlier, so normally done; this frees its full gradient, so at most
+  two chunks' full gradients exist at once); the last ones are waited for at the step's end.
 
 Collectives: point-to-point only, activations (B, T, h) forward and their gradients backward,
 between the ranks of the pp group; every message has a tag naming (chunk, micro-batch,
@@ -26,9 +28,8 @@ direction), and sends and receives between two ranks also come in the same order
 
 Measurement: every compute action and every wait is time-stamped (``time.perf_counter``, one
 clock for all processes of a machine), giving a measured timeline and bubble fraction with the
-simulator's definitions; an 'unshard' event runs from the UNSHARD to the end of the wait for it
-(an upper bound on when the all-gather finished), a 'reduce' event from the REDUCE_GRAD to the
-return of the call that started it (the caller may extend it to when it waited for it); with
+simulator's definitions; an 'unshard' ('reduce') event runs from the UNSHARD (REDUCE_GRAD) to
+the end of the wait for it: an upper bound on when the collective finished; with
 ``measure_memory`` the bytes of tensors autograd saves for backward are counted per (chunk,
 micro-batch) (distinct storages; parameters, buffers and input tokens excluded), and the peak
 held over the step is reported.
@@ -173,6 +174,7 @@ class PipelineRuntime:
         next_comm = dict(zip(comm_steps, comm_steps[1:], strict=False))
         posted: dict[Action, object] = {}  # receives posted ahead: action -> request
         gathering: dict[int, float] = {}  # chunk -> when its UNSHARD started (not waited yet)
+        reducing: dict[int, float] = {}  # chunk -> when its REDUCE_GRAD started (not waited yet)
 
         def sharding_action(a: Action) -> None:
             stage, t0 = self.stages[a.chunk], time.perf_counter()
@@ -187,7 +189,14 @@ class PipelineRuntime:
                 stage.reshard()
                 return
             stage.reduce_grad()
-            events.append(TimelineEvent(me, "reduce", -1, a.chunk, t0, time.perf_counter()))
+            earlier = list(reducing)
+            reducing[a.chunk] = t0
+            for c in earlier:
+                wait_reduced(c)
+
+        def wait_reduced(c: int) -> None:
+            self.stages[c].wait_reduced()
+            events.append(TimelineEvent(me, "reduce", -1, c, reducing.pop(c), time.perf_counter()))
 
         def wait_gathered(c: int) -> None:
             if c in gathering:
@@ -299,5 +308,7 @@ class PipelineRuntime:
 
         for w in send_works:
             w.wait()
+        for c in list(reducing):
+            wait_reduced(c)
         return StepRecord(loss=loss_sum, events=events, peak_activation_bytes=peak, start=start,
                           end=time.perf_counter())
