@@ -178,7 +178,9 @@ def train_parallel(cfg) -> dict:
         ex.clip_grad_norm_(cfg.train.grad_clip)
         opt.step()
     params = ex.full_state_dict()
-    return dict(losses=losses, grads=grads, params=params) if topo.rank == 0 else None
+    val, _ = ex.eval_loss(local_micro_batches(STEPS, topo.coords()["dp"], cfg.parallel.dp,
+                                              cfg.train.grad_accum))
+    return dict(losses=losses, grads=grads, params=params, val=val) if topo.rank == 0 else None
 
 
 def train_reference(cfg) -> dict:
@@ -194,7 +196,10 @@ def train_reference(cfg) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         losses.append(float(loss.detach()))
-    return dict(losses=losses, grads=grads, params=model.state_dict())
+    with torch.no_grad():
+        x, y = global_batch(STEPS)
+        val = float(cross_entropy(model(x), y)) * y.numel()
+    return dict(losses=losses, grads=grads, params=model.state_dict(), val=val)
 
 
 @pytest.mark.slow
@@ -223,6 +228,9 @@ def test_bfs_zero3_dp2_pp4_matches_single_device():
     for name, want in ref["params"].items():
         torch.testing.assert_close(run["params"][name], want, rtol=1e-5, atol=1e-5,
                                    msg=lambda msg, n=name: f"param {n}: {msg}")
+    # Evaluation runs the breadth-first forwards with their own UNSHARD / RESHARD: the summed
+    # token loss of the final weights (same rounding argument as the losses).
+    assert run["val"] == pytest.approx(ref["val"], rel=1e-5)
 
 
 def count_collectives(cfg, ms: tuple[int, ...]) -> dict:

@@ -178,8 +178,11 @@ class Executor:
             self.model.server.sync_replicas()
         for chunk in self.model.chunks.values():
             chunk.eval()
-        schedule = self.model.sharded_schedule(
-            forward_pass(self.model.schedule.chunk_rank, len(batches)))
+        if self.model.schedule_driven:  # breadth-first forwards: each chunk gathered once
+            schedule = self.model.sharded_schedule(
+                forward_only(training_schedule(self.cfg, len(batches))))
+        else:
+            schedule = forward_pass(self.model.schedule.chunk_rank, len(batches))
         record = self.runtime.run(schedule, batches,
                                   lambda logits, y: self.loss_fn(logits, y) * y.numel())
         (loss_sum,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
