@@ -184,18 +184,27 @@ def schedule_cmd(
     dp_reduce: Annotated[float, typer.Option(
         help="Data-parallel gradient reduction per rank's layers, in forward-time units.")
     ] = 0.0,
+    zero_stage: Annotated[int, typer.Option(
+        help="3: add ZeRO-3's UNSHARD / RESHARD / REDUCE_GRAD actions and count them.")] = 0,
+    gather: Annotated[float, typer.Option(
+        help="ZeRO-3 parameter all-gather per rank's layers, in forward-time units.")] = 0.0,
 ) -> None:
     """Print a pipeline schedule's grid, bubble and in-flight memory; draw its timeline."""
     from tessera.pipeline.cli import describe, load_schedule
     from tessera.pipeline.schedule import ScheduleError
 
     try:
-        if backward_ratio <= 0 or dp_reduce < 0:
-            raise ConfigError("--backward-ratio" if backward_ratio <= 0 else "--dp-reduce",
-                              backward_ratio if backward_ratio <= 0 else dp_reduce,
-                              "must be > 0" if backward_ratio <= 0 else "must be >= 0")
+        if backward_ratio <= 0:
+            raise ConfigError("--backward-ratio", backward_ratio, "must be > 0")
+        for flag, value in (("--dp-reduce", dp_reduce), ("--gather", gather)):
+            if value < 0:
+                raise ConfigError(flag, value, "must be >= 0")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
+        if gather and zero_stage != 3:
+            raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
         print(describe(load_schedule(schedule, pp, microbatches, virtual, file),
-                       backward_ratio, dp_reduce, out))
+                       backward_ratio, dp_reduce, out, zero_stage, gather))
     except (ConfigError, ScheduleError) as e:
         raise fail(str(e)) from None
 

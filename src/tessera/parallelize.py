@@ -15,7 +15,10 @@ the chunks (each mechanism lives in its own module; this one only composes them)
    ``check_layout`` refuses cp > 1 (the context-parallel issue plugs in here).
 4. **activation recomputation** (``parallel.recompute``) per block or attention core.
 5. **data parallelism** per chunk over the dp group: DDP buckets (``parallel.ddp``), ZeRO-1/2/3
-   units (``parallel.zero``) or the parameter server (``parallel.parameter_server``).
+   units (``parallel.zero``) or the parameter server (``parallel.parameter_server``). ZeRO-3
+   under a breadth-first schedule (``ScheduleSpec.breadth_first``) is *schedule-driven*: the
+   step's schedule carries UNSHARD / RESHARD / REDUCE_GRAD actions (``sharded_schedule``) and
+   the wrappers have no per-micro-batch hooks; every other ZeRO layout uses the hooks.
 
 Precision policy, every layout: ``fp32`` trains in float32. ``bf16`` keeps parameters and
 gradients in bfloat16 and fp32 master weights and Adam moments in the optimizer (Micikevicius
@@ -57,8 +60,8 @@ from tessera.parallel.tensor_parallel import (
 from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
 from tessera.parallel.zero_state import ShardedAdamW, gather_owned, memory_report, unflatten
 from tessera.pipeline.partition import Chunk, partition
-from tessera.pipeline.schedule import Schedule, validate
-from tessera.pipeline.schedules import build_schedule
+from tessera.pipeline.schedule import Schedule, add_sharding_actions, validate
+from tessera.pipeline.schedules import build_schedule, is_breadth_first
 from tessera.topology import Topology
 
 
@@ -69,6 +72,14 @@ def training_schedule(cfg: Config, microbatches: int | None = None) -> Schedule:
     m = cfg.train.grad_accum if microbatches is None else microbatches
     name = p.schedule if p.pp > 1 or p.virtual_stages > 1 else "1f1b"
     return build_schedule(name, p.pp, m, p.virtual_stages)
+
+
+def schedule_driven_zero3(cfg: Config, schedule: Schedule) -> bool:
+    """ZeRO-3 run by the schedule's sharding actions: breadth-first schedules only (their
+    chunks' micro-batches are consecutive, so one gather serves them all)."""
+    p = cfg.parallel
+    return (p.zero_stage == 3 and p.dp_mode == "allreduce"
+            and is_breadth_first(schedule.name))
 
 
 @dataclass
@@ -97,6 +108,15 @@ class ParallelModel:
     def sharded(self) -> bool:
         """Parameters live in ZeRO's flat units (any stage, or bf16)."""
         return isinstance(next(iter(self.wrappers.values())), ZeroModel)
+
+    @property
+    def schedule_driven(self) -> bool:
+        """ZeRO-3 gathers and reductions come from the schedule's sharding actions."""
+        return any(z.schedule_driven for z in self.zeros)
+
+    def sharded_schedule(self, schedule: Schedule) -> Schedule:
+        """`schedule` as this model runs it: with the sharding actions when schedule-driven."""
+        return add_sharding_actions(schedule) if self.schedule_driven else schedule
 
     @property
     def zeros(self) -> list[ZeroModel]:
@@ -403,8 +423,10 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
         model.server = ServerSync(chunks, topo, p)
         model.wrappers = dict(chunks)
     elif p.zero_stage > 0 or cfg.train.precision == "bf16":
+        driven = schedule_driven_zero3(cfg, schedule)
         model.wrappers = {c: ZeroModel(chunk, dp_group, stage=p.zero_stage,
-                                       dtype=model.compute_dtype, units=chunk_units(chunk))
+                                       dtype=model.compute_dtype, units=chunk_units(chunk),
+                                       schedule_driven=driven)
                           for c, chunk in chunks.items()}
     else:
         model.wrappers = {c: DataParallel(chunk, dp_group, bucket_mb=p.bucket_mb,

@@ -12,7 +12,10 @@ runtime. One step:
    (DDP buckets launch from gradient hooks as they fill; ZeRO-1 all-reduces and ZeRO-2/3
    reduce-scatters each unit as its backward ends). A chunk that finishes early (the last
    chunks, and breadth-first's early chunks) thus reduces while the pipeline computes the rest.
-   Then every reduction is waited for (``finish_gradient_sync``).
+   Then every reduction is waited for (``finish_gradient_sync``). ZeRO-3 under a breadth-first
+   schedule is the exception: the schedule itself carries the collectives
+   (``ParallelModel.sharded_schedule``: UNSHARD before a chunk's run of micro-batches, RESHARD
+   after it, REDUCE_GRAD after its last backward), which the runtime executes.
 3. **model-parallel gradient sums** (``ParallelModel.sync_model_parallel_grads``): partial
    TP gradients over tp, a split tied embedding over its (first, last) rank pair.
 4. **the loss**: the last chunk's rank holds the micro-batches' scaled losses; summed over pp,
@@ -85,7 +88,8 @@ class Executor:
         self.device = model.device
         self.pp_rank = self.topo.coords()["pp"]
         self.pp_group, self.dp_group = self.topo.group("pp"), self.topo.group("dp")
-        self._schedules: dict[int, Schedule] = {model.schedule.n_microbatches: model.schedule}
+        self._schedules: dict[int, Schedule] = {
+            model.schedule.n_microbatches: model.sharded_schedule(model.schedule)}
         tp = model.tp
         self.runtime = PipelineRuntime(
             model.wrappers, self.pp_rank, self.topo.ranks("pp"), self.pp_group, self.device,
@@ -109,7 +113,8 @@ class Executor:
 
     def schedule_for(self, microbatches: int) -> Schedule:
         if microbatches not in self._schedules:
-            self._schedules[microbatches] = training_schedule(self.cfg, microbatches)
+            self._schedules[microbatches] = self.model.sharded_schedule(
+                training_schedule(self.cfg, microbatches))
         return self._schedules[microbatches]
 
     # -- the step ------------------------------------------------------------------------------
@@ -173,7 +178,11 @@ class Executor:
             self.model.server.sync_replicas()
         for chunk in self.model.chunks.values():
             chunk.eval()
-        schedule = forward_pass(self.model.schedule.chunk_rank, len(batches))
+        if self.model.schedule_driven:  # breadth-first forwards: each chunk gathered once
+            schedule = self.model.sharded_schedule(
+                forward_only(training_schedule(self.cfg, len(batches))))
+        else:
+            schedule = forward_pass(self.model.schedule.chunk_rank, len(batches))
         record = self.runtime.run(schedule, batches,
                                   lambda logits, y: self.loss_fn(logits, y) * y.numel())
         (loss_sum,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)

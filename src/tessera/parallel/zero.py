@@ -27,6 +27,16 @@ Collectives, all on the dp group handed in (Psi = parameter count):
   gathered for backward (an embedding's gradient needs the indices, not the weight). No
   all-gather after the step: each rank's optimizer updates its parameter shard in place.
 
+Schedule-driven stage 3 (``schedule_driven=True``, for breadth-first pipeline schedules; Lamy-
+Poirier, "Breadth-First Pipeline Parallelism", MLSys 2023). No hooks: the pipeline schedule's
+sharding actions (``pipeline.schedule.add_sharding_actions``) call ``unshard()`` (start the
+all-gather of every unit of this chunk), ``wait_unsharded()`` (before the chunk's next compute),
+``reshard()`` (free them) and ``reduce_grad()`` (start the reduce-scatter of each unit's
+gradient, accumulated in the parameters' ``.grad`` over all of the step's micro-batches while
+the chunk was gathered). So a chunk is gathered once per run of its micro-batches instead of
+once per micro-batch, and reduced once per step; the price is one chunk's full gradient held
+from its first backward to its ``REDUCE_GRAD`` (breadth-first: the length of its backward run).
+
 Mechanism. Freeing resizes the unit buffer's storage to 0 bytes; gathering resizes it back and
 fills it. The parameter views, and the tensors autograd saved for backward, follow the storage,
 and because the collective writes through the flat buffer (its own version counter) the saved
@@ -183,11 +193,15 @@ class ZeroModel(nn.Module):
 
     def __init__(self, module: Transformer, group: dist.ProcessGroup | None, *, stage: int,
                  dtype: torch.dtype = torch.float32,
-                 units: list[tuple[str, list[nn.Module]]] | None = None):
+                 units: list[tuple[str, list[nn.Module]]] | None = None,
+                 schedule_driven: bool = False):
         super().__init__()
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero stage={stage!r}: must be 0, 1, 2 or 3")
+        if schedule_driven and stage != 3:
+            raise ValueError(f"schedule_driven=True needs zero stage 3, got stage={stage}")
         self.module, self.group, self.stage, self.dtype = module, group, stage, dtype
+        self.schedule_driven = schedule_driven
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.units: list[FlatUnit] = []
@@ -246,6 +260,8 @@ class ZeroModel(nn.Module):
         return u
 
     def _install_hooks(self) -> None:
+        if self.schedule_driven:
+            return  # the schedule's sharding actions do the hooks' work
         for i, u in enumerate(self.units):
             for p in u.params:
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i))
@@ -257,6 +273,9 @@ class ZeroModel(nn.Module):
 
     # -- forward / backward --------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.schedule_driven:
+            self.wait_unsharded()
+            return self.module(*args, **kwargs)
         self._seen, self._done = [], []
         out = self.module(*args, **kwargs)
         self.forward_order = self._seen
@@ -352,12 +371,55 @@ class ZeroModel(nn.Module):
     def finish_gradient_sync(self) -> None:
         """Wait for every gradient reduction of the step (call after the last backward)."""
         self._drain(0)
+        if self.schedule_driven:
+            left = [u.name for u in self.units if any(p.grad is not None for p in u.params)]
+            if left:
+                raise RuntimeError(f"ZeRO units {', '.join(left)}: gradients never reduced "
+                                   f"(the schedule needs a REDUCE_GRAD after the chunk's last "
+                                   f"backward)")
         for u in self.units:
             if u.grads_ready:
                 raise RuntimeError(f"ZeRO unit {u.name}: only {u.grads_ready} of "
                                    f"{len(u.params)} parameters received a gradient")
             if self.stage == 3 and u.resident:
                 self._free(u)
+
+    # -- schedule-driven stage 3: the sharding actions ------------------------------------------
+    def unshard(self) -> None:
+        """UNSHARD: start the all-gather of every unit not gathered yet (asynchronous)."""
+        for u in self.units:
+            if not u.resident and u.pending is None:
+                self._start_gather(u)
+
+    def wait_unsharded(self) -> None:
+        """Wait for the all-gathers `unshard()` started; the chunk can compute after this."""
+        for u in self.units:
+            if not u.resident and u.pending is None:
+                raise RuntimeError(f"ZeRO-3 unit {u.name} is used while sharded (the schedule "
+                                   f"needs an UNSHARD of its chunk before this compute)")
+            self._gather(u)
+
+    def reshard(self) -> None:
+        """RESHARD: free every unit's gathered parameters (saved activations keep their views;
+        the next UNSHARD refills the same storage)."""
+        for u in self.units:
+            self._free(u)
+
+    def reduce_grad(self) -> None:
+        """REDUCE_GRAD: start the reduce-scatter of each unit's gradient accumulated over the
+        step's micro-batches (``finish_gradient_sync`` waits for it)."""
+        for u in self.units:
+            if any(p.grad is None for p in u.params):
+                missing = [s.name for s, p in zip(u.slots, u.params, strict=True)
+                           if p.grad is None]
+                raise RuntimeError(f"ZeRO unit {u.name}: no gradient for {', '.join(missing)} "
+                                   f"at REDUCE_GRAD (is it before the chunk's backwards?)")
+            self._reduce_scatter(u)
+
+    def wait_reduced(self) -> None:
+        """Wait for the reduce-scatters `reduce_grad()` started (and drop the full gradients
+        they read); ``finish_gradient_sync`` does it too."""
+        self._drain(0)
 
     # -- gathering (stage 3) -------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:

@@ -8,15 +8,20 @@ in-flight micro-batches; writes ``<name>.png`` (timeline) and ``<name>.trace.jso
 Perfetto) to ``--out``. ``--file`` reads a custom schedule in the string form instead
 (``rank 0: 0F0 0F1 0B0 0B1`` lines) and validates it. ``--dp-reduce`` adds a data-parallel
 gradient reduction per chunk (in forward-time units) to show what overlaps.
+
+``--zero-stage 3`` adds ZeRO-3's sharding actions (``schedule.add_sharding_actions``): prints
+each rank's actions with its UNSHARD / RESHARD / REDUCE_GRAD, the parameter all-gathers per
+chunk per step and the most chunks gathered at once; ``--gather`` gives the all-gathers a
+cost (forward-time units per rank's layers) so the simulator and pictures show them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.pipeline.schedule import Schedule, parse, validate
-from tessera.pipeline.schedules import build_schedule, closed_form_bubble
-from tessera.pipeline.simulator import StageCosts, simulate
+from tessera.pipeline.schedule import Kind, Schedule, add_sharding_actions, parse, validate
+from tessera.pipeline.schedules import build_schedule, closed_form_bubble, is_breadth_first
+from tessera.pipeline.simulator import StageCosts, peak_unsharded, simulate, unshard_counts
 from tessera.pipeline.timeline import write_chrome_trace, write_png
 
 
@@ -34,10 +39,13 @@ def load_schedule(name: str, pp: int, microbatches: int, virtual: int,
 
 
 def describe(schedule: Schedule, backward_ratio: float = 2.0, dp_reduce: float = 0.0,
-             out: str | Path | None = None) -> str:
+             out: str | Path | None = None, zero_stage: int = 0, gather: float = 0.0) -> str:
     """The report `tessera schedule` prints (and the pictures, if `out` is given)."""
     v, p, m = schedule.virtual, schedule.n_ranks, schedule.n_microbatches
-    costs = StageCosts(forward=1.0 / v, backward=backward_ratio / v, dp_reduce=dp_reduce / v)
+    if zero_stage == 3 and not schedule.is_sharded:
+        schedule = add_sharding_actions(schedule)
+    costs = StageCosts(forward=1.0 / v, backward=backward_ratio / v, dp_reduce=dp_reduce / v,
+                       unshard=gather / v)
     result = simulate(schedule, costs)
     lines = [f"schedule {schedule.name}: pp={p} virtual={v} microbatches={m} "
              f"chunks={schedule.n_chunks}", "", schedule.grid(),
@@ -54,9 +62,12 @@ def describe(schedule: Schedule, backward_ratio: float = 2.0, dp_reduce: float =
     if v > 1:
         lines.append(f"  = micro-batches' worth of a rank's activations (sets / v={v}): "
                      + " ".join(f"{x / v:g}" for x in result.peak_inflight))
-    if dp_reduce:
+    if schedule.is_sharded:
+        lines += ["", *sharding_report(schedule)]
+    if dp_reduce or gather:
         lines.append(f"step time {result.step_time:.3f} (forward-time units), of which "
-                     f"{result.exposed_dp_time:.3f} exposed dp reduction")
+                     f"{result.exposed_dp_time:.3f} exposed dp communication after the last "
+                     f"compute")
     if out is not None:
         out = Path(out)
         stem = f"{schedule.name}_pp{p}_v{v}_m{m}"
@@ -66,6 +77,28 @@ def describe(schedule: Schedule, backward_ratio: float = 2.0, dp_reduce: float =
         trace = write_chrome_trace(result.timeline, out / f"{stem}.trace.json")
         lines.append(f"wrote {png} and {trace}")
     return "\n".join(lines)
+
+
+def sharding_report(schedule: Schedule) -> list[str]:
+    """The ZeRO-3 lines: each rank's actions, all-gathers per chunk, peak chunks gathered."""
+    lines = ["ZeRO-3 sharding actions (UNSHARD = all-gather of the chunk's parameters, RESHARD = "
+             "free, REDUCE_GRAD = reduce-scatter of its gradient):",
+             *schedule.to_string().splitlines()[1:],
+             "parameter all-gathers per step (UNSHARD per chunk), gradient reduce-scatters, "
+             "most chunks gathered at once:"]
+    peaks = peak_unsharded(schedule)
+    for r, counts in enumerate(unshard_counts(schedule)):
+        per_chunk = ", ".join(f"chunk {c}: {n}" for c, n in counts.items())
+        reduces = sum(1 for a in schedule.actions[r] if a.kind is Kind.REDUCE_GRAD)
+        lines.append(f"  rank {r}: {per_chunk} ({sum(counts.values())} all-gathers, {reduces} "
+                     f"reduce-scatters), at most {peaks[r]} of {len(counts)} chunks gathered")
+    if not is_breadth_first(schedule.name):
+        lines.append(f"  ({schedule.name} is depth-first: training does not run these actions "
+                     f"but ZeRO-3's per-micro-batch hooks, which gather each unit before every "
+                     f"micro-batch's forward and backward and reduce-scatter after every "
+                     f"backward; the actions above keep chunks gathered across short gaps "
+                     f"instead, at the memory cost of the chunks gathered at once)")
+    return lines
 
 
 def _registered() -> set[str]:

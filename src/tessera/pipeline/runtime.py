@@ -14,7 +14,13 @@ The runtime walks the lowered schedule (``schedule.lower_comms``) of its pipelin
   accumulate to the gradient of the full batch's mean loss);
 - ``B(c, m)``: backward from the loss (last chunk) or from the received / local gradient of the
   chunk's output; the gradient of its input is what ``SEND_B`` carries (or chunk c-1 on this
-  rank consumes). Activations are freed as soon as their backward is done.
+  rank consumes). Activations are freed as soon as their backward is done;
+- sharding actions (ZeRO-3, ``schedule.add_sharding_actions``) call the chunk's wrapper:
+  ``UNSHARD`` → ``unshard()`` (starts the all-gather), and the chunk's next compute action first
+  calls ``wait_unsharded()``; ``RESHARD`` → ``reshard()``; ``REDUCE_GRAD`` → ``reduce_grad()``
+  (starts the reduce-scatter), then ``wait_reduced()`` of the chunk reduced before it (started
+  a whole run of backwards earlier, so normally done; this frees its full gradient, so at most
+  two chunks' full gradients exist at once); the last ones are waited for at the step's end.
 
 Collectives: point-to-point only, activations (B, T, h) forward and their gradients backward,
 between the ranks of the pp group; every message has a tag naming (chunk, micro-batch,
@@ -22,9 +28,11 @@ direction), and sends and receives between two ranks also come in the same order
 
 Measurement: every compute action and every wait is time-stamped (``time.perf_counter``, one
 clock for all processes of a machine), giving a measured timeline and bubble fraction with the
-simulator's definitions; with ``measure_memory`` the bytes of tensors autograd saves for
-backward are counted per (chunk, micro-batch) (distinct storages; parameters, buffers and input
-tokens excluded), and the peak held over the step is reported.
+simulator's definitions; an 'unshard' ('reduce') event runs from the UNSHARD (REDUCE_GRAD) to
+the end of the wait for it: an upper bound on when the collective finished; with
+``measure_memory`` the bytes of tensors autograd saves for backward are counted per (chunk,
+micro-batch) (distinct storages; parameters, buffers and input tokens excluded), and the peak
+held over the step is reported.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ class StepRecord:
     loss: torch.Tensor
     """Sum of the scaled losses of the micro-batches (non-zero on the last chunk's rank only)."""
     events: list[TimelineEvent] = field(default_factory=list)
-    """Compute actions ('F', 'B') and receive waits ('wait') with perf_counter times."""
+    """Compute actions ('F', 'B'), receive waits ('wait') and ZeRO-3 collectives ('unshard',
+    'reduce') with perf_counter times."""
     peak_activation_bytes: int = 0
     """Most bytes saved for backward held at once (with measure_memory)."""
     start: float = 0.0
@@ -161,9 +170,39 @@ class PipelineRuntime:
             return (tokens.shape[0], tokens.shape[1] // self.seq_divisor, self.d_model)  # (B, T, h)
 
         steps = batches(s.actions[me])
-        comm_steps = [i for i, step in enumerate(steps) if not step[0].kind.is_compute]
+        comm_steps = [i for i, step in enumerate(steps) if step[0].kind.is_p2p]
         next_comm = dict(zip(comm_steps, comm_steps[1:], strict=False))
         posted: dict[Action, object] = {}  # receives posted ahead: action -> request
+        gathering: dict[int, float] = {}  # chunk -> when its UNSHARD started (not waited yet)
+        reducing: dict[int, float] = {}  # chunk -> when its REDUCE_GRAD started (not waited yet)
+
+        def sharding_action(a: Action) -> None:
+            stage, t0 = self.stages[a.chunk], time.perf_counter()
+            if a.kind is Kind.UNSHARD:
+                stage.unshard()
+                gathering[a.chunk] = t0
+                return
+            if a.kind is Kind.RESHARD:
+                if a.chunk in gathering:  # gathered and never used: close its event
+                    events.append(TimelineEvent(me, "unshard", -1, a.chunk,
+                                                gathering.pop(a.chunk), t0))
+                stage.reshard()
+                return
+            stage.reduce_grad()
+            earlier = list(reducing)
+            reducing[a.chunk] = t0
+            for c in earlier:
+                wait_reduced(c)
+
+        def wait_reduced(c: int) -> None:
+            self.stages[c].wait_reduced()
+            events.append(TimelineEvent(me, "reduce", -1, c, reducing.pop(c), time.perf_counter()))
+
+        def wait_gathered(c: int) -> None:
+            if c in gathering:
+                self.stages[c].wait_unsharded()
+                events.append(TimelineEvent(me, "unshard", -1, c, gathering.pop(c),
+                                            time.perf_counter()))
 
         def op_for(c: Action) -> dist.P2POp:
             peer = self.pp_ranks[owner[c.chunk + 1 if c.kind in (Kind.SEND_F, Kind.RECV_B)
@@ -183,6 +222,9 @@ class PipelineRuntime:
 
         for index, step in enumerate(steps):
             a = step[0]
+            if a.kind.is_sharding:
+                sharding_action(a)
+                continue
             if not a.kind.is_compute:
                 # This batch's sends and not-yet-posted receives, plus the next batch's
                 # receives, posted ahead so their transfers overlap the compute in between.
@@ -217,6 +259,7 @@ class PipelineRuntime:
 
             c, mb = a.chunk, a.microbatch
             stage = self.stages[c]
+            wait_gathered(c)
             t0 = time.perf_counter()
             if a.kind is Kind.F:
                 if c == 0:
@@ -265,5 +308,7 @@ class PipelineRuntime:
 
         for w in send_works:
             w.wait()
+        for c in list(reducing):
+            wait_reduced(c)
         return StepRecord(loss=loss_sum, events=events, peak_activation_bytes=peak, start=start,
                           end=time.perf_counter())

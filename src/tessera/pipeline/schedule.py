@@ -9,11 +9,16 @@ An :class:`Action` is one of
 - ``F``/``B``: forward/backward of micro-batch ``m`` on model chunk ``c`` (compute actions);
 - ``SEND_F``/``RECV_F``: the activation leaving chunk ``c`` / entering chunk ``c`` for ``m``;
 - ``SEND_B``/``RECV_B``: the gradient leaving chunk ``c`` (w.r.t. its input) / entering it
-  (w.r.t. its output).
+  (w.r.t. its output);
+- ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` (ZeRO-3, *sharding actions*, no micro-batch): start
+  the all-gather of chunk ``c``'s parameters over the data-parallel group (the chunk's next
+  compute waits for it) / free them / start the reduce-scatter of the gradients the chunk
+  accumulated over its micro-batches (waited for at the step's end).
 
 Its compact string form follows torchtitan: ``{chunk}{kind}{microbatch}``, e.g. ``1F0``
-(forward of micro-batch 0 on chunk 1) or ``2RECV_B3``. A :class:`Schedule` is one list per
-rank; its string form is one line per rank, ``rank 0: 0F0 0F1 0B0 0B1``.
+(forward of micro-batch 0 on chunk 1) or ``2RECV_B3``; sharding actions are ``{chunk}{kind}``,
+e.g. ``1UNSHARD``. A :class:`Schedule` is one list per rank; its string form is one line per
+rank, ``rank 0: 0F0 0F1 0B0 0B1``.
 
 Chunks are the p·v pieces of the model in order (chunk 0 holds the embedding, chunk p·v-1 the
 head and loss). Which rank runs a chunk is read off the schedule itself (the rank whose list
@@ -25,6 +30,9 @@ compute action, the sends of what it produced for another rank; right before one
 of what it consumes from another rank. Consecutive communication actions on a rank form one
 *batch*, posted together (``batch_isend_irecv`` in the runtime).
 
+:func:`add_sharding_actions` adds the sharding actions for ZeRO-3 (see its docstring: a chunk
+is gathered once per run of consecutive compute actions on it, one compute action ahead).
+
 :func:`validate` checks a schedule before anything runs:
 
 1. every forward and backward of every (chunk, micro-batch) appears exactly once, all of a
@@ -35,7 +43,12 @@ of what it consumes from another rank. Consecutive communication actions on a ra
    communication completes only when every operation in it is matched by the peer (sends and
    receives between a pair of ranks match in FIFO order, as NCCL requires), and a compute
    action waits for its inputs. A schedule that passes runs under any weaker semantics too
-   (the runtime's non-blocking sends).
+   (the runtime's non-blocking sends);
+4. (sharded schedules: any sharding action present) every compute action of a chunk runs while
+   the chunk is unsharded (an ``UNSHARD`` before it and no ``RESHARD`` in between), every chunk
+   ends the step resharded, and a chunk with backwards has exactly one ``REDUCE_GRAD``, after
+   its last backward. Sharding actions are local to a rank and may repeat: the exactly-once
+   rule of 1 is for compute and send/receive actions.
 """
 
 from __future__ import annotations
@@ -58,6 +71,9 @@ class Kind(enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
 
     @property
     def is_compute(self) -> bool:
@@ -67,29 +83,49 @@ class Kind(enum.Enum):
     def is_send(self) -> bool:
         return self in (Kind.SEND_F, Kind.SEND_B)
 
+    @property
+    def is_p2p(self) -> bool:
+        """A send or receive between pipeline ranks."""
+        return self in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+
+    @property
+    def is_sharding(self) -> bool:
+        """A ZeRO-3 action on a chunk's parameters or gradients (data-parallel group)."""
+        return self in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)
+
 
 COMPUTE = (Kind.F, Kind.B)
+SHARDING = (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+_SHARDING_RE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One step of one rank: `kind` applied to micro-batch `microbatch` of chunk `chunk`."""
+    """One step of one rank: `kind` applied to micro-batch `microbatch` of chunk `chunk`
+    (sharding actions act on all of a chunk's micro-batches: `microbatch` is -1)."""
 
     chunk: int
     kind: Kind
-    microbatch: int
+    microbatch: int = -1
 
     def __str__(self) -> str:
+        if self.kind.is_sharding:
+            return f"{self.chunk}{self.kind.value}"
         return f"{self.chunk}{self.kind.value}{self.microbatch}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
         match = _ACTION_RE.match(text.strip())
-        if not match:
-            raise ScheduleError(f"action {text!r}: expected {{chunk}}{{kind}}{{microbatch}} "
-                                f"with kind in F, B, SEND_F, RECV_F, SEND_B, RECV_B (e.g. 1F0)")
-        return cls(int(match[1]), Kind(match[2]), int(match[3]))
+        if match:
+            return cls(int(match[1]), Kind(match[2]), int(match[3]))
+        match = _SHARDING_RE.match(text.strip())
+        if match:
+            return cls(int(match[1]), Kind(match[2]))
+        raise ScheduleError(f"action {text!r}: expected {{chunk}}{{kind}}{{microbatch}} with kind "
+                            f"in F, B, SEND_F, RECV_F, SEND_B, RECV_B (e.g. 1F0), or "
+                            f"{{chunk}}{{kind}} with kind in UNSHARD, RESHARD, REDUCE_GRAD "
+                            f"(e.g. 1UNSHARD)")
 
 
 def F(chunk: int, mb: int) -> Action:
@@ -133,12 +169,19 @@ class Schedule:
 
     @property
     def is_lowered(self) -> bool:
-        return any(not a.kind.is_compute for acts in self.actions for a in acts)
+        """Has its sends and receives (``lower_comms``)."""
+        return any(a.kind.is_p2p for acts in self.actions for a in acts)
+
+    @property
+    def is_sharded(self) -> bool:
+        """Has ZeRO-3 sharding actions (``add_sharding_actions``)."""
+        return any(a.kind.is_sharding for acts in self.actions for a in acts)
 
     def chunks_of(self, rank: int) -> list[int]:
         return [c for c, r in enumerate(self.chunk_rank) if r == rank]
 
     def compute_only(self) -> Schedule:
+        """The F/B actions alone (no communication, no sharding actions)."""
         compute = [[a for a in acts if a.kind.is_compute] for acts in self.actions]
         return Schedule(self.name, compute, self.n_chunks, self.n_microbatches, self.chunk_rank)
 
@@ -303,11 +346,81 @@ def lower_comms(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, lowered, n, schedule.n_microbatches, owner)
 
 
+def add_sharding_actions(schedule: Schedule, prefetch: int = 1) -> Schedule:
+    """ZeRO-3's sharding actions for `schedule` (compute-only or lowered; returned in the same
+    form).
+
+    On each rank a *run* is a maximal sequence of consecutive compute actions on one chunk. A
+    chunk is gathered for each of its runs and freed after it, with two refinements:
+
+    - prefetch: the ``UNSHARD`` is issued `prefetch` compute actions before the run's first
+      action, so the all-gather overlaps the compute in between (prefetch = 1 keeps at most
+      the running chunk and the next one gathered);
+    - two runs of a chunk whose gap is too short for that (the ``UNSHARD`` would come right
+      after, or before, the ``RESHARD``) are joined: the chunk stays gathered across the gap.
+
+    The ``REDUCE_GRAD`` of a chunk comes right after its last backward, before its ``RESHARD``.
+
+    Breadth-first (``bfs``, v chunks c_1 < ... < c_v on a rank) runs F(c_1)×m, ..., F(c_v)×m
+    B(c_v)×m, B(c_(v-1))×m, ..., B(c_1)×m: each chunk is gathered twice per step (its forwards,
+    its backwards) except c_v, whose backwards follow its forwards (once): 2v - 1 gathers and v
+    reductions per rank per step, whatever m. Depth-first schedules pay with m instead: their
+    runs are single actions (1F1B alternates chunks, or F and B of other micro-batches come
+    between), so a chunk is either regathered per micro-batch or, where the gaps are short,
+    joined and kept gathered (1F1B with v = 1: the rank's one chunk, i.e. all its parameters,
+    for the whole step).
+    """
+    if prefetch < 0:
+        raise ValueError(f"prefetch={prefetch}: must be >= 0")
+    if schedule.is_sharded:
+        raise ScheduleError(f"schedule {schedule.name!r} already has sharding actions")
+    base = schedule.compute_only()
+    out_actions: list[list[Action]] = []
+    for acts in base.actions:
+        # Intervals [chunk, first action gathered for, last action]: one per (joined) run.
+        intervals: list[list[int]] = []
+        open_interval: dict[int, list[int]] = {}
+        last_backward: dict[int, int] = {}
+        i = 0
+        while i < len(acts):
+            c, first = acts[i].chunk, i
+            while i + 1 < len(acts) and acts[i + 1].chunk == c:
+                i += 1
+            opens = max(first - prefetch, 0)
+            prev = open_interval.get(c)
+            if prev is not None and opens <= prev[2] + 1:
+                prev[2] = i  # the gap is too short to free and regather: stay gathered
+            else:
+                open_interval[c] = [c, opens, i]
+                intervals.append(open_interval[c])
+            i += 1
+        for j, a in enumerate(acts):
+            if a.kind is Kind.B:
+                last_backward[a.chunk] = j
+        unshard_before: dict[int, list[int]] = defaultdict(list)
+        reshard_after: dict[int, list[int]] = defaultdict(list)
+        for c, opens, closes in intervals:
+            unshard_before[opens].append(c)
+            reshard_after[closes].append(c)
+        out: list[Action] = []
+        for j, a in enumerate(acts):
+            out += [Action(c, Kind.UNSHARD) for c in unshard_before[j]]
+            out.append(a)
+            if last_backward.get(a.chunk) == j:
+                out.append(Action(a.chunk, Kind.REDUCE_GRAD))
+            out += [Action(c, Kind.RESHARD) for c in reshard_after[j]]
+        out_actions.append(out)
+    sharded = Schedule(schedule.name, out_actions, schedule.n_chunks, schedule.n_microbatches,
+                       schedule.chunk_rank)
+    return lower_comms(sharded) if schedule.is_lowered else sharded
+
+
 def batches(actions: Sequence[Action]) -> list[list[Action]]:
-    """Split a rank's list into steps: each compute action alone, each run of comms together."""
+    """Split a rank's list into steps: each compute or sharding action alone, each run of
+    sends and receives together."""
     out: list[list[Action]] = []
     for a in actions:
-        if a.kind.is_compute or not out or out[-1][0].kind.is_compute:
+        if not a.kind.is_p2p or not out or not out[-1][0].kind.is_p2p:
             out.append([a])
         else:
             out[-1].append(a)
@@ -332,6 +445,11 @@ def _check_structure(s: Schedule) -> None:
     seen: dict[Action, int] = {}
     for r, acts in enumerate(s.actions):
         for a in acts:
+            if a.kind.is_sharding:
+                if not 0 <= a.chunk < s.n_chunks or s.chunk_rank[a.chunk] != r:
+                    raise ScheduleError(f"rank {r}: {a} acts on chunk {a.chunk}, which this "
+                                        f"rank does not run")
+                continue
             if not 0 <= a.microbatch < s.n_microbatches:
                 raise ScheduleError(f"rank {r}: action {a} names micro-batch {a.microbatch}, "
                                     f"but the schedule has 0..{s.n_microbatches - 1}")
@@ -371,6 +489,8 @@ def _check_comms(s: Schedule) -> None:
     for r, acts in enumerate(s.actions):
         position = {a: i for i, a in enumerate(acts)}
         for a in acts:
+            if a.kind.is_sharding:
+                continue
             if not a.kind.is_compute:
                 if matching(a) not in present:
                     what = "receive" if a.kind.is_send else "send"
@@ -415,7 +535,9 @@ def _simulate_blocking(s: Schedule) -> None:
         for r in range(s.n_ranks):
             while pc[r] < len(steps[r]):
                 step = steps[r][pc[r]]
-                if step[0].kind.is_compute:
+                if step[0].kind.is_sharding:
+                    pass  # local to this rank (its dp-group collective never waits on pp peers)
+                elif step[0].kind.is_compute:
                     a = step[0]
                     local = [d for d in inputs_of(a, n) if owner[d.chunk] == r]
                     remote_ok = (lowered or
@@ -454,9 +576,55 @@ def _match(sends: dict, recvs: dict, matched: set[Action]) -> None:
             matched.update((a, b))
 
 
+def _check_sharding(s: Schedule) -> None:
+    """Rule 4 of the module doc: compute only on unsharded chunks; REDUCE_GRAD once, after the
+    chunk's last backward; every chunk resharded by the end."""
+    for r, acts in enumerate(s.actions):
+        unsharded: dict[int, bool] = {}
+        last_backward: dict[int, Action] = {}
+        reduced: dict[int, int] = {}  # chunk -> how many REDUCE_GRADs so far
+        for a in acts:
+            c = a.chunk
+            if a.kind is Kind.UNSHARD:
+                if unsharded.get(c):
+                    raise ScheduleError(f"rank {r}: {a} while chunk {c} is already unsharded "
+                                        f"(no {c}RESHARD since the last {c}UNSHARD)")
+                unsharded[c] = True
+            elif a.kind is Kind.RESHARD:
+                if not unsharded.get(c):
+                    raise ScheduleError(f"rank {r}: {a} but chunk {c} is not unsharded")
+                unsharded[c] = False
+            elif a.kind is Kind.REDUCE_GRAD:
+                reduced[c] = reduced.get(c, 0) + 1
+                if reduced[c] > 1:
+                    raise ScheduleError(f"rank {r}: {a} appears twice (a chunk's gradient is "
+                                        f"reduced once per step)")
+            elif a.kind.is_compute:
+                if not unsharded.get(c):
+                    raise ScheduleError(f"rank {r}: {a} runs while chunk {c} is sharded (needs "
+                                        f"{c}UNSHARD before it, with no {c}RESHARD in between)")
+                if a.kind is Kind.B:
+                    if reduced.get(c):
+                        raise ScheduleError(f"rank {r}: {c}REDUCE_GRAD comes before {a}; it "
+                                            f"must follow the chunk's last backward")
+                    last_backward[c] = a
+        still = [c for c, on in unsharded.items() if on]
+        if still:
+            raise ScheduleError(f"rank {r}: chunk {still[0]} is still unsharded at the end of "
+                                f"the step (add {still[0]}RESHARD)")
+        for c in s.chunks_of(r):
+            if c in last_backward and not reduced.get(c):
+                raise ScheduleError(f"rank {r}: chunk {c} has no {c}REDUCE_GRAD after its last "
+                                    f"backward {last_backward[c]}")
+            if c not in last_backward and reduced.get(c):
+                raise ScheduleError(f"rank {r}: {c}REDUCE_GRAD but chunk {c} has no backward")
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Check `schedule` (see module doc); return it unchanged, or raise ScheduleError."""
     _check_structure(schedule)
+    if schedule.is_sharded:
+        _check_sharding(schedule)
     if schedule.is_lowered:
         _check_comms(schedule)
     _simulate_blocking(schedule)
@@ -466,7 +634,8 @@ def validate(schedule: Schedule) -> Schedule:
 
 
 def forward_only(schedule: Schedule) -> Schedule:
-    """The same schedule without backward work (and its communication): for evaluation."""
+    """The same schedule without backward work (and its communication): for evaluation.
+    Sharding actions are dropped too (``add_sharding_actions`` gives the forward pass its own)."""
     keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
     return Schedule(f"{schedule.name}-forward", [[a for a in acts if a.kind in keep]
                                                  for acts in schedule.actions],

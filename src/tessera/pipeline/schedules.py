@@ -52,6 +52,11 @@ class ScheduleSpec:
     """(pp, m, v) -> why m is not allowed, or None."""
     closed_form_bubble: Callable[[int, int, int], float] | None = None
     """(pp, m, v) -> bubble fraction with equal costs and free communication."""
+    breadth_first: bool = False
+    """Each chunk runs all its micro-batches' forwards in a row, and all its backwards in a
+    row, so under ZeRO-3 the schedule itself gathers each chunk once per run and reduces its
+    gradient once per step (``schedule.add_sharding_actions``; the executor runs those actions
+    instead of ZeRO's per-micro-batch hooks)."""
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
@@ -93,6 +98,11 @@ def _validated(spec: ScheduleSpec, pp: int, microbatches: int, virtual: int) -> 
     schedule = Schedule(spec.name, spec.generate(pp, microbatches, virtual), pp * virtual,
                         microbatches, tuple(c % pp for c in range(pp * virtual)))
     return validate(schedule)
+
+
+def is_breadth_first(name: str) -> bool:
+    """Whether schedule `name` is registered as breadth-first (``ScheduleSpec.breadth_first``)."""
+    return name in SCHEDULES and SCHEDULES[name].breadth_first
 
 
 def closed_form_bubble(name: str, pp: int, microbatches: int, virtual: int = 1) -> float | None:
@@ -190,4 +200,4 @@ register(ScheduleSpec(
 register(ScheduleSpec(
     name="bfs", generate=bfs_orders, virtual=True,
     description="breadth-first looping over v chunks per rank (Lamy-Poirier 2023)",
-    closed_form_bubble=_bfs_bubble))
+    closed_form_bubble=_bfs_bubble, breadth_first=True))

@@ -13,6 +13,12 @@ time. With ``dp_overlap`` a chunk's reduction may start as soon as its last back
 (overlapping later compute, as bucketed DDP does); otherwise all start after the rank's last
 compute action. The step ends when every rank's compute and reductions are done.
 
+ZeRO-3 sharding actions (``schedule.add_sharding_actions``) use the same channel, in the order
+the rank reaches them: ``UNSHARD`` of chunk c takes ``unshard[c]`` seconds from when the rank
+reaches it (after its previous compute action) or the channel frees up, and the chunk's next
+compute action waits for it; ``REDUCE_GRAD`` takes ``dp_reduce[c]`` the same way (and replaces
+the chunk's reduction above); ``RESHARD`` is free. Their boxes are 'unshard' and 'reduce'.
+
 Definitions (shared with the planner and the runtime's measured numbers):
 
 - ``makespan``: the time until the last compute action finishes;
@@ -48,12 +54,16 @@ class StageCosts:
     p2p_bandwidth: float = math.inf
     """Point-to-point bandwidth in bytes/s."""
     dp_reduce: float | Sequence[float] = 0.0
-    """Time to reduce one chunk's gradients across the data-parallel group."""
+    """Time to reduce one chunk's gradients across the data-parallel group (all-reduce, or
+    ZeRO-3's reduce-scatter at a REDUCE_GRAD action)."""
+    unshard: float | Sequence[float] = 0.0
+    """Time to all-gather one chunk's parameters across the data-parallel group (ZeRO-3's
+    UNSHARD action)."""
     dp_overlap: bool = True
     """A chunk's reduction may start once its last backward is done (else all at the end)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "dp_reduce"):
+        for name in ("forward", "backward", "dp_reduce", "unshard"):
             values = getattr(self, name)
             values = [values] if isinstance(values, int | float) else list(values)
             if any(not math.isfinite(x) or x < 0 for x in values):
@@ -82,6 +92,9 @@ class StageCosts:
     def reduce(self, chunk: int) -> float:
         return self._at(self.dp_reduce, chunk, "dp_reduce")
 
+    def gather(self, chunk: int) -> float:
+        return self._at(self.unshard, chunk, "unshard")
+
     @property
     def transfer(self) -> float:
         return self.p2p_latency + (0.0 if self.p2p_bytes == 0 else
@@ -90,8 +103,9 @@ class StageCosts:
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One box of the timeline: kind 'F', 'B' (compute) or 'dp' (gradient reduction of a
-    chunk, microbatch -1)."""
+    """One box of the timeline: kind 'F', 'B' (compute), 'dp' (gradient reduction of a chunk),
+    'unshard' / 'reduce' (ZeRO-3's parameter all-gather / gradient reduce-scatter of a chunk),
+    'wait' (the runtime waiting for a receive); microbatch -1 for all but compute."""
 
     rank: int
     kind: str
@@ -120,6 +134,28 @@ class SimResult:
     timeline: list[TimelineEvent] = field(default_factory=list)
 
 
+def peak_unsharded(schedule: Schedule) -> list[int]:
+    """Per rank, the most chunks gathered (UNSHARD issued, RESHARD not yet) at once."""
+    peaks = []
+    for acts in schedule.actions:
+        held: set[int] = set()
+        peak = 0
+        for a in acts:
+            if a.kind is Kind.UNSHARD:
+                held.add(a.chunk)
+                peak = max(peak, len(held))
+            elif a.kind is Kind.RESHARD:
+                held.discard(a.chunk)
+        peaks.append(peak)
+    return peaks
+
+
+def unshard_counts(schedule: Schedule) -> list[dict[int, int]]:
+    """Per rank, chunk -> UNSHARDs (parameter all-gathers of the chunk) per step."""
+    return [{c: sum(1 for a in acts if a.kind is Kind.UNSHARD and a.chunk == c)
+             for c in schedule.chunks_of(r)} for r, acts in enumerate(schedule.actions)]
+
+
 def peak_inflight(schedule: Schedule) -> list[int]:
     """Per rank, the most (micro-batch, chunk) activation sets held at once."""
     peaks = []
@@ -138,13 +174,23 @@ def peak_inflight(schedule: Schedule) -> list[int]:
 def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     """Time `schedule` under `costs` (see module doc)."""
     owner, n = schedule.chunk_rank, schedule.n_chunks
-    orders = [[a for a in acts if a.kind.is_compute] for acts in schedule.actions]
+    orders = [[a for a in acts if not a.kind.is_p2p] for acts in schedule.actions]
     finish: dict[Action, float] = {}
     free = [0.0] * schedule.n_ranks
     busy = [0.0] * schedule.n_ranks
+    channel = [0.0] * schedule.n_ranks  # when each rank's dp communication channel is free
     pc = [0] * schedule.n_ranks
     timeline: list[TimelineEvent] = []
     last_backward: dict[int, float] = {}
+    gathered: dict[int, float] = {}  # chunk -> when its latest all-gather is done
+    reduced_by_action: set[int] = set()
+
+    def collective(r: int, kind: str, chunk: int, cost: float) -> float:
+        start = max(free[r], channel[r])
+        channel[r] = start + cost
+        if cost > 0:
+            timeline.append(TimelineEvent(r, kind, -1, chunk, start, channel[r]))
+        return channel[r]
 
     progress = True
     while progress:
@@ -152,11 +198,22 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         for r, order in enumerate(orders):
             while pc[r] < len(order):
                 a = order[pc[r]]
+                if a.kind.is_sharding:
+                    if a.kind is Kind.UNSHARD:
+                        gathered[a.chunk] = collective(r, "unshard", a.chunk,
+                                                       costs.gather(a.chunk))
+                    elif a.kind is Kind.REDUCE_GRAD:
+                        reduced_by_action.add(a.chunk)
+                        collective(r, "reduce", a.chunk, costs.reduce(a.chunk))
+                    pc[r] += 1
+                    progress = True
+                    continue
                 deps = inputs_of(a, n)
                 if any(d not in finish for d in deps):
                     break
-                ready = max([free[r]] + [finish[d] + (costs.transfer if owner[d.chunk] != r
-                                                      else 0.0) for d in deps])
+                ready = max([free[r], gathered.get(a.chunk, 0.0)]
+                            + [finish[d] + (costs.transfer if owner[d.chunk] != r else 0.0)
+                               for d in deps])
                 cost = costs.compute(a)
                 finish[a] = ready + cost
                 free[r] = finish[a]
@@ -175,17 +232,16 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     makespan = max(free, default=0.0)
     step_time = makespan
     for r in range(schedule.n_ranks):
-        channel = 0.0
-        chunks = schedule.chunks_of(r)
+        chunks = [c for c in schedule.chunks_of(r) if c not in reduced_by_action]
         ready = {c: last_backward.get(c, 0.0) if costs.dp_overlap else free[r] for c in chunks}
         for c in sorted(chunks, key=lambda c: (ready[c], c)):
             cost = costs.reduce(c)
             if cost == 0:
                 continue
-            start = max(channel, ready[c])
-            channel = start + cost
-            timeline.append(TimelineEvent(r, "dp", -1, c, start, channel))
-        step_time = max(step_time, channel)
+            start = max(channel[r], ready[c])
+            channel[r] = start + cost
+            timeline.append(TimelineEvent(r, "dp", -1, c, start, channel[r]))
+        step_time = max(step_time, channel[r])
     compute_time = max(busy, default=0.0)
     bubble = (makespan - compute_time) / compute_time if compute_time > 0 else 0.0
     return SimResult(step_time=step_time, compute_time=compute_time, bubble_fraction=bubble,

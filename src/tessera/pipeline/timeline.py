@@ -5,7 +5,9 @@ measured one (``PipelineEngine.write_timeline``) are drawn by the same code. In 
 device is a row; forward and backward boxes are coloured by micro-batch (forward light,
 backward dark) and numbered with it; with several chunks per device the chunk shows as a
 hatch and in the number (``3`` on chunk 0, ``3'`` on chunk 1, ...); gaps are bubbles. Data-
-parallel gradient reductions are drawn as grey boxes in a thin lane under each device.
+parallel communication is drawn in a thin lane under each device: gradient reductions ('dp',
+ZeRO-3's 'reduce') as grey boxes in its lower half, ZeRO-3 parameter all-gathers ('unshard')
+as blue boxes in its upper half, each labelled with its chunk.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from pathlib import Path
 from tessera.pipeline.simulator import TimelineEvent
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")
+COMM = ("dp", "reduce", "unshard")
+"""Event kinds drawn in the communication lane."""
+GATHER_COLOR = (0.45, 0.65, 0.9)
 
 
 def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str = "",
               n_ranks: int | None = None) -> Path:
-    """Draw `events` (kinds 'F', 'B', 'dp'; others are ignored) as a PNG timeline."""
+    """Draw `events` (kinds 'F', 'B', 'dp', 'reduce', 'unshard'; others are ignored) as a PNG
+    timeline."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,28 +35,34 @@ def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str =
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch
 
-    boxes = [e for e in events if e.kind in ("F", "B", "dp")]
+    boxes = [e for e in events if e.kind in ("F", "B", *COMM)]
     n_ranks = n_ranks or (max((e.rank for e in boxes), default=0) + 1)
     n_mb = max((e.microbatch for e in boxes), default=0) + 1
     chunks_by_rank: dict[int, list[int]] = {}
     for e in boxes:
-        if e.kind != "dp" and e.chunk not in chunks_by_rank.setdefault(e.rank, []):
+        if e.kind not in COMM and e.chunk not in chunks_by_rank.setdefault(e.rank, []):
             chunks_by_rank[e.rank].append(e.chunk)
     local = {(r, c): i for r, cs in chunks_by_rank.items() for i, c in enumerate(sorted(cs))}
     virtual = max((len(cs) for cs in chunks_by_rank.values()), default=1)
     end = max((e.end for e in boxes), default=1.0)
     span = end - min((e.start for e in boxes), default=0.0)
     palette = plt.get_cmap("tab10" if n_mb <= 10 else "tab20")
-    has_dp = any(e.kind == "dp" for e in boxes)
+    has_dp = any(e.kind in COMM for e in boxes)
 
-    fig_w = min(24.0, max(8.0, 0.45 * len([e for e in boxes if e.kind != "dp"]) / n_ranks))
+    fig_w = min(24.0, max(8.0, 0.45 * len([e for e in boxes if e.kind not in COMM]) / n_ranks))
     fig, ax = plt.subplots(figsize=(fig_w, 0.7 * n_ranks + 1.4))
     for e in boxes:
         y = n_ranks - 1 - e.rank
         width = e.end - e.start
-        if e.kind == "dp":
-            ax.broken_barh([(e.start, width)], (y - 0.48, 0.14), facecolors="0.6",
+        if e.kind in COMM:
+            gather = e.kind == "unshard"
+            lo = y - 0.41 if gather else y - 0.48
+            ax.broken_barh([(e.start, width)], (lo, 0.07),
+                           facecolors=GATHER_COLOR if gather else "0.6",
                            edgecolor="0.3", linewidth=0.5)
+            if e.kind != "dp" and width > span / 60:
+                ax.text(e.start + width / 2, lo + 0.035, str(e.chunk), ha="center",
+                        va="center", fontsize=5)
             continue
         base = to_rgb(palette(e.microbatch % palette.N))
         color = tuple(0.55 + 0.45 * c for c in base) if e.kind == "F" else \
@@ -74,8 +86,11 @@ def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str =
     legend = [Patch(facecolor=(0.8, 0.87, 0.95), edgecolor="black", label="forward (light)"),
               Patch(facecolor=(0.15, 0.3, 0.5), edgecolor="black", label="backward (dark)"),
               Patch(facecolor="white", edgecolor="none", label="blank = bubble")]
-    if has_dp:
+    if any(e.kind in ("dp", "reduce") for e in boxes):
         legend.append(Patch(facecolor="0.6", edgecolor="0.3", label="dp grad reduce"))
+    if any(e.kind == "unshard" for e in boxes):
+        legend.append(Patch(facecolor=GATHER_COLOR, edgecolor="0.3",
+                            label="param all-gather (UNSHARD)"))
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 if n_ranks > 2
                                                                    else -0.22),
               ncol=len(legend), frameon=False, fontsize=8)
@@ -102,6 +117,8 @@ def chrome_trace(events: Sequence[TimelineEvent], time_unit: float = 1.0) -> dic
                       "args": {"name": "communication"}})
     for e in events:
         name = (f"dp reduce chunk {e.chunk}" if e.kind == "dp" else
+                f"reduce-scatter chunk {e.chunk}" if e.kind == "reduce" else
+                f"all-gather chunk {e.chunk}" if e.kind == "unshard" else
                 f"wait (chunk {e.chunk})" if e.kind == "wait" else
                 f"{e.kind}{e.microbatch} chunk {e.chunk}")
         trace.append({"name": name, "cat": e.kind, "ph": "X", "pid": e.rank,
