@@ -14,15 +14,18 @@ Tolerances (fp32; ε = 2⁻²⁴ ≈ 6e-8, unit round-off):
   GRAD_BOUND = 4·N·ε ≈ 3e-5 (N·ε·4: the token sum, with a factor 4 for the inner sums and
   the division by m and dp). Measured: ≤ 1e-7·max|g|. A real bug (a missing dp half, a
   gradient scaled by 2, a TP piece not summed) is off by ≥ 10% of max|g|.
-- Loss and grad norm per step: sums of ~N terms of size O(1) in another order, plus the
-  parameter differences below fed through; relative 1e-5 (≈ 1.3·N·ε·... measured ≤ 3e-7).
+- Loss and grad norm per step: a mean over N terms of size O(1) summed in another order
+  (≤ N·ε ≈ 8e-6 relative) plus the parameter differences below fed through; bound 1e-5
+  relative, measured ≤ 2e-7.
 - Final parameters: Adam divides each update by √v, so an element with a tiny gradient turns
-  an ε-level difference into a visible one; bound 1e-4 absolute = 1% of one lr-sized step
-  (lr = 1e-2), measured ≤ 2e-5 after 10 steps. Adam is invariant to gradient scale, which is
-  why the gradients and norms above are checked directly.
+  an ε-level difference into a visible one. Each step moves an element by at most ~lr = 1e-3;
+  bound 5e-5 absolute = 5% of one such step, measured ≤ 8e-6 after 10 steps. (lr = 1e-3: at
+  1e-2 this learnable data makes Adam amplify rounding chaotically, 4e-4 in every layout, DDP
+  included.) Adam is invariant to gradient scale, which is why the gradients and norms above
+  are checked directly.
 - bf16 (parameters and gradients in bf16, fp32 masters): a bf16 rounding (2⁻⁸ relative) of
   every weight and activation; compared with the fp32 reference at 2% of max|g| for
-  gradients and 1% for the loss, and must train.
+  gradients (a few bf16 ulps of the largest) and 1% for the loss, and the loss must fall.
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
-STEPS, GLOBAL_BATCH, SEQ, CLIP, LR = 10, 8, 16, 0.5, 1e-2
+STEPS, GLOBAL_BATCH, SEQ, CLIP, LR = 10, 8, 16, 0.5, 1e-3
 EPS32 = 2.0 ** -24
 N_TOKENS = GLOBAL_BATCH * SEQ
 GRAD_BOUND = 4 * N_TOKENS * EPS32  # relative to max|g_ref|, see the module doc
 LOSS_RTOL = 1e-5
-PARAM_ATOL = 1e-4
+PARAM_ATOL = 5e-5
 
 
 def _cfg(dp: int = 1, tp: int = 1, pp: int = 1, m: int = 2, precision: str = "fp32",
@@ -135,7 +138,7 @@ def _check(name: str, rank: int, got: dict[str, Any], ref: dict[str, Any]) -> No
                                           f"{grad_bound:.2g}·{scale:.3g}"
     if bf16:
         assert got["losses"] == pytest.approx(ref["losses"], rel=0.01), name
-        assert got["losses"][-1] < got["losses"][0] - 0.3, name
+        assert got["losses"][-1] < got["losses"][0], name
         return
     assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL), name
     assert got["norms"] == pytest.approx(ref["norms"], rel=LOSS_RTOL), name
@@ -161,7 +164,7 @@ GROUPS = {8: [n for n, c in MATRIX.items() if c.parallel.world_size == 8],
 @pytest.mark.parametrize("world", sorted(GROUPS))
 def test_every_layout_matches_the_single_device_model(world, reference_bytes):
     ref = torch.load(io.BytesIO(reference_bytes))
-    assert ref["losses"][-1] < ref["losses"][0] - 0.3  # the reference itself learns
+    assert ref["losses"][-1] < ref["losses"][0]  # the reference itself learns
     results = run_ranks(_matrix_rank, world, args=(GROUPS[world],), timeout=600)
     for rank, per_layout in enumerate(results):
         for name, got in per_layout.items():
