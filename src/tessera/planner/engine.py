@@ -8,7 +8,7 @@ Llama 3 family. For such a model the planner does not keep rules or byte counts 
   becomes a tessera ``Config`` (:func:`to_config`) and ``Config.validate`` decides
   (:func:`refusal`), so every layout the planner proposes is one ``tessera train`` runs, and
   the reverse (tests/test_planner_engine.py enumerates both sets on 8 ranks);
-- **the pipeline split** is ``tessera.pipeline.partition``'s (balanced by cost: a heavy LM head
+- **the pipeline split** is ``tessera.pipeline.split``'s (balanced by cost: a heavy LM head
   pushes blocks towards earlier stages, and p·v need not divide the layers);
 - **model state** is what ``tessera.parallelize`` allocates (:func:`model_state_bytes`):
   parameters per tensor-parallel rank (vocabulary padded to a multiple of t, norms and, when
@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from tessera.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from tessera.pipeline.split import block_split
 from tessera.planner.models import ModelSpec
 
 if TYPE_CHECKING:
@@ -104,12 +105,10 @@ def refusal(w: Workload, L: Layout) -> str | None:
 
 @lru_cache(maxsize=1024)
 def blocks_per_chunk(spec: ModelSpec, n_chunks: int, seq_len: int) -> tuple[int, ...]:
-    """Transformer blocks in each of the n_chunks pipeline chunks, as tessera partitions them."""
-    from tessera.pipeline.partition import partition
-
+    """Transformer blocks in each of the n_chunks pipeline chunks, as tessera splits them."""
     cfg = model_config(spec, seq_len)
     assert cfg is not None
-    return tuple(len(c.layers) for c in partition(cfg, n_chunks, seq_len))
+    return tuple(block_split(cfg, n_chunks, seq_len))
 
 
 # ---------------------------------------------------------------------------------------------
