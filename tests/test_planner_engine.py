@@ -118,6 +118,15 @@ def test_catalog_models_keep_the_planners_rules():
     estimate(gpt, Layout(dp=4, tp=2, cp=2))
     with pytest.raises(PlanError, match="parallel.cp=2: context parallelism is not in this"):
         estimate(llama, Layout(dp=4, tp=2, cp=2))
+    # The planner's own parameter-server rule for them mirrors tessera's.
+    gpt32 = Workload(model=gpt.model, hardware=HW, gpus=16, global_batch=64, seq_len=2048,
+                     precision="fp32")
+    assert estimate(gpt32, Layout(dp=16, dp_mode="ps")).costs.ps_time > 0
+    for bad in (Layout(dp=8, tp=2, dp_mode="ps"), Layout(dp=16, zero=1, dp_mode="ps-async")):
+        with pytest.raises(PlanError, match="needs tp=pp=cp=1, zero=0, fp32 and dp >= 2"):
+            estimate(gpt32, bad)
+    with pytest.raises(PlanError, match="needs tp=pp=cp=1, zero=0, fp32"):
+        estimate(gpt, Layout(dp=16, dp_mode="ps"))
     # Tessera's cost-balanced split: the heavy LM head leaves the last stage fewer blocks.
     assert engine.blocks_per_chunk(llama.model, 4, 2048) == (8, 9, 9, 6)
 
