@@ -53,7 +53,7 @@ def check_layout(cfg: Config) -> None:
     _require(n_chunks <= m.n_layers, "parallel.pp", p.pp,
              f"pp*virtual_stages={n_chunks} stages exceed model.n_layers={m.n_layers} "
              "(each stage needs a block)")
-    from tessera.pipeline.schedules import SCHEDULES, build_schedule
+    from tessera.pipeline.schedules import SCHEDULES, check_schedule
 
     if p.pp > 1 or p.virtual_stages > 1:
         spec = SCHEDULES[p.schedule]
@@ -63,7 +63,7 @@ def check_layout(cfg: Config) -> None:
                  t.grad_accum, f"interleaved 1F1B needs micro-batches a multiple of "
                  f"parallel.pp={p.pp}")
         try:
-            build_schedule(p.schedule, p.pp, t.grad_accum, p.virtual_stages)
+            check_schedule(p.schedule, p.pp, t.grad_accum, p.virtual_stages)
         except ConfigError as e:
             field = {"microbatches": "train.grad_accum", "virtual": "parallel.virtual_stages",
                      "schedule": "parallel.schedule", "pp": "parallel.pp"}.get(e.field_name,

@@ -58,7 +58,13 @@ from tessera.parallel.tensor_parallel import (
     sync_partial_grads,
 )
 from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
-from tessera.parallel.zero_state import ShardedAdamW, gather_owned, memory_report, unflatten
+from tessera.parallel.zero_state import (
+    ShardedAdamW,
+    gather_owned,
+    memory_report,
+    storage_bytes,
+    unflatten,
+)
 from tessera.pipeline.partition import Chunk, partition
 from tessera.pipeline.schedule import Schedule, add_sharding_actions, validate
 from tessera.pipeline.schedules import build_schedule, is_breadth_first
@@ -323,6 +329,24 @@ class ParallelModel:
             return total
         n = sum(p.numel() for p in self.parameters())
         return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+    def allocated_model_state(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of the storages actually allocated for parameters, gradients and optimizer
+        state, each storage counted once under the first of these it appears in: the chunks'
+        parameters and ZeRO's parameter shards; .grad, ZeRO's gradient buffers and DDP's bucket
+        buffers (which also hold one used-flag per parameter); the optimizer's parameters (ZeRO's
+        fp32 masters) and state (Adam's moments; torch AdamW's step counts)."""
+        seen: set[int] = set()
+        params = [p for _, _, p in self.named_chunk_parameters()]
+        units = [u for z in self.zeros for u in z.units]
+        buckets = [b.flat for w in self.wrappers.values() for b in getattr(w, "buckets", ())]
+        opt = [p for g in optimizer.param_groups for p in g["params"]]
+        opt += [v for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)]
+        return {"params": storage_bytes([*params, *(u.shard for u in units)], seen),
+                "grads": storage_bytes([*(p.grad for p in params), *(u.grad for u in units),
+                                        *buckets], seen),
+                "optimizer": storage_bytes(opt, seen)}
 
 
 @torch.no_grad()

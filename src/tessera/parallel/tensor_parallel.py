@@ -604,7 +604,11 @@ def sync_partial_grads(module: nn.Module, tp: TPContext) -> None:
     offset = 0
     for (p, spec), slot in zip(items, slots, strict=True):
         summed = flat[offset:offset + slot.numel()].view(spec.chunks, *p.shape)
-        p.grad = summed[spec.index(tp.rank, tp.size)].clone()
+        mine = summed[spec.index(tp.rank, tp.size)]
+        if p.grad is None:
+            p.grad = mine.clone()
+        else:  # in place: the gradient stays where it lives (e.g. a DDP bucket), not a copy
+            p.grad.copy_(mine)
         offset += slot.numel()
 
 

@@ -189,7 +189,7 @@ def memory_report(zero: ZeroModel) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
     """Bytes of the distinct, still allocated storages behind `tensors` not yet in `seen`."""
     total = 0
     for t in tensors:
@@ -211,9 +211,9 @@ def allocated_model_state(zero: ZeroModel, optimizer: torch.optim.Optimizer) -> 
     view of the parameter buffer counts as parameter memory)."""
     seen: set[int] = set()
     model_params = list(zero.module.parameters())
-    params = _storage_bytes([*model_params, *(u.shard for u in zero.units)], seen)
-    grads = _storage_bytes([*(p.grad for p in model_params), *(u.grad for u in zero.units)], seen)
+    params = storage_bytes([*model_params, *(u.shard for u in zero.units)], seen)
+    grads = storage_bytes([*(p.grad for p in model_params), *(u.grad for u in zero.units)], seen)
     opt_tensors = [p for g in optimizer.param_groups for p in g["params"]]
     opt_tensors += [v for s in optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor)]
-    return {"params": params, "grads": grads, "optimizer": _storage_bytes(opt_tensors, seen)}
+    return {"params": params, "grads": grads, "optimizer": storage_bytes(opt_tensors, seen)}

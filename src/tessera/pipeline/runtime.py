@@ -90,16 +90,22 @@ def _tag(a: Action, n_microbatches: int) -> int:
 
 class _SavedBytes:
     """Counts the bytes of distinct storages autograd saves, except `exclude`'s (parameters,
-    buffers and the input tokens: state and data the step holds anyway)."""
+    buffers and the input tokens: state and data the step holds anyway).
+
+    Whether a storage is excluded is decided when a tensor is saved, not when the counter is
+    made: ZeRO-3 gathers a unit's parameters into newly allocated storage inside the chunk's
+    forward, so their addresses are known only then."""
 
     def __init__(self, exclude: Sequence[torch.Tensor]):
-        self.param_ptrs = {t.untyped_storage().data_ptr() for t in exclude}
+        self.exclude = list(exclude)
         self.storages: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.param_ptrs:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+        ptr = storage.data_ptr()
+        if ptr not in self.storages and all(e.untyped_storage().data_ptr() != ptr
+                                            for e in self.exclude):
+            self.storages[ptr] = storage.nbytes()
         return t
 
     @property

@@ -70,10 +70,10 @@ def register(spec: ScheduleSpec) -> ScheduleSpec:
     return spec
 
 
-def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The validated compute-only schedule `name` for pp ranks, m micro-batches, v chunks/rank.
-
-    Bad arguments raise ConfigError with a one-line 'field=value: rule' message."""
+def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> None:
+    """Raise ConfigError ('field=value: rule') unless schedule `name` exists for pp ranks, m
+    micro-batches and v chunks per rank: the rules, without generating the schedule (the
+    layout check and the planner ask this of many layouts)."""
     if name not in SCHEDULES:
         raise ConfigError("schedule", name, f"must be one of {', '.join(SCHEDULES)}")
     spec = SCHEDULES[name]
@@ -86,7 +86,14 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> S
     why = spec.microbatch_rule(pp, microbatches, virtual)
     if why:
         raise ConfigError("microbatches", microbatches, why)
-    cached = _validated(spec, pp, microbatches, virtual)
+
+
+def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The validated compute-only schedule `name` for pp ranks, m micro-batches, v chunks/rank.
+
+    Bad arguments raise ConfigError with a one-line 'field=value: rule' message."""
+    check_schedule(name, pp, microbatches, virtual)
+    cached = _validated(SCHEDULES[name], pp, microbatches, virtual)
     return Schedule(cached.name, [list(acts) for acts in cached.actions], cached.n_chunks,
                     cached.n_microbatches, cached.chunk_rank)
 

@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from tessera.config import ConfigError
+from tessera.config import DP_MODES, ConfigError
 
 plan_app = typer.Typer(add_completion=False, invoke_without_command=True,
                        pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -41,6 +41,14 @@ def _degrees(text: str | None, name: str) -> tuple[int, ...] | None:
     if not values or min(values) < 1:
         raise ConfigError(f"--{name}", text, "must be positive integers")
     return values
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(x.strip() for x in text.split(","))
+    for mode in modes:
+        if mode not in DP_MODES:
+            raise ConfigError("--dp-mode", mode, f"must be one of {', '.join(DP_MODES)}")
+    return modes
 
 
 @plan_app.callback()
@@ -75,6 +83,9 @@ def plan(
     pp: Annotated[str | None, typer.Option(help="Only these PP degrees.")] = None,
     dp: Annotated[str | None, typer.Option(help="Only these DP degrees.")] = None,
     cp: Annotated[str, typer.Option(help="Context-parallel degrees to consider.")] = "1",
+    dp_mode: Annotated[str, typer.Option(
+        help="Data-parallel modes to consider: allreduce, ps, ps-async (comma-separated; the "
+             "parameter server needs fp32 and pure data parallelism).")] = "allreduce",
     reserve_gb: Annotated[float, typer.Option(
         help="Memory per GPU kept free for the framework.")] = 0.0,
 ) -> None:
@@ -102,7 +113,7 @@ def plan(
                      seq_len=seq or spec.max_seq_len, precision=precision,
                      flash_attention=flash_attention, reserve_gb=reserve_gb)
         space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"), dp=_degrees(dp, "dp"),
-                            cp=_degrees(cp, "cp"))
+                            cp=_degrees(cp, "cp"), dp_mode=_modes(dp_mode))
         result = search(w, space, top=max(top, 30) if plot else top)
     except (ConfigError, PlanError) as e:
         raise _fail(str(e)) from None

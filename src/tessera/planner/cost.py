@@ -40,6 +40,13 @@ Memory (bytes per rank):
   flight on it, which the pipeline simulator reports (1F1B: at most p; GPipe: m; interleaving
   holds more on the first rank); the first stage also holds the embedding, the last the final
   norm, the LM head and fp32 logits ``4·s·b·V/t`` (Korthikanti et al. §4.3).
+- for a model tessera's own transformer expresses, the layout rules, the pipeline split and
+  both byte counts are tessera's (:mod:`tessera.planner.engine`): model state as
+  ``tessera.parallelize`` allocates it (ZeRO units padded to dp, vocabulary padded to t,
+  replicated norms and kv heads, a tied copy on the last stage, DDP's and AdamW's per-tensor
+  extras) and activations as tessera's block saves them (fp32 norm inputs, flash attention's
+  log-sum-exp). The compute-time model's memory-traffic term keeps the count above, the
+  quantity ``calibrate`` fits ``elementwise_passes`` against.
 
 Communication, α–β (Hockney) model, per rank, ring algorithms (Thakur et al. 2005):
 all-reduce of n bytes over N ranks ``2(N−1)·α + 2·(N−1)/N·n·β``; all-gather and reduce-scatter
@@ -86,9 +93,10 @@ from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from statistics import NormalDist
 
-from tessera.config import ConfigError
+from tessera.config import DP_MODES, Config, ConfigError
+from tessera.planner import engine
 from tessera.planner.hardware import Hardware, Link
-from tessera.planner.models import ModelSpec
+from tessera.planner.models import ModelSpec, from_model_config
 
 OPS_PER_LAYER_FORWARD = 70
 """Top-level ATen ops in one block's forward: norms, projections, RoPE, attention, MLP, residuals
@@ -194,6 +202,18 @@ class Workload:
     def _hash(self) -> int:
         return hash(tuple(getattr(self, f.name) for f in fields(self)))
 
+    @classmethod
+    def from_config(cls, cfg: Config, hardware: Hardware, name: str = "config",
+                    **kw) -> Workload:
+        """What a tessera run of `cfg` trains: its model, world size, global batch (dp ·
+        micro_batch_size · grad_accum sequences of data.seq_len tokens) and precision. tessera's
+        pipeline sends whole activations between stages (no scatter/gather)."""
+        p, t = cfg.parallel, cfg.train
+        kw.setdefault("scatter_gather", False)
+        return cls(model=from_model_config(name, cfg.model, cfg.data.seq_len), hardware=hardware,
+                   gpus=p.world_size, global_batch=p.dp * t.micro_batch_size * t.grad_accum,
+                   seq_len=cfg.data.seq_len, precision=t.precision, **kw)
+
     @property
     def bytes(self) -> tuple[int, int, int, int]:
         """(parameter, gradient, optimizer-state, activation) bytes per element."""
@@ -220,6 +240,9 @@ class Layout:
     recompute: str = "none"
     schedule: str = "1f1b"
     sequence_parallel: bool = False
+    dp_mode: str = "allreduce"
+    """How replicas agree: 'allreduce' (DDP or ZeRO), or a parameter server ('ps' synchronous,
+    'ps-async' with bounded staleness; tessera.parallel.parameter_server)."""
 
     @property
     def gpus(self) -> int:
@@ -231,30 +254,44 @@ class Layout:
 
     def describe(self) -> str:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
-        if self.pp > 1:
+        if self.pp > 1 or self.virtual > 1:
             text += f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
         text += f" b={self.micro_batch} zero={self.zero} recompute={self.recompute}"
         if self.sequence_parallel:
             text += " sp"
+        if self.dp_mode != "allreduce":
+            text += f" {self.dp_mode}"
         return text
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
-                self.recompute, self.schedule, self.sequence_parallel)
+                self.recompute, self.schedule, self.sequence_parallel, self.dp_mode)
 
 
 def check_layout(w: Workload, L: Layout) -> str | None:
-    """Why `L` cannot run `w` (one line), or None if it can."""
+    """Why `L` cannot run `w` (one line), or None if it can.
+
+    Whole micro-batches on every rank first; then, for a model tessera's transformer expresses,
+    tessera's own rules (``tessera.layout.check_layout``, via ``engine.refusal``); for other
+    catalog models the rules below, which describe Megatron-LM-style engines."""
     spec = w.model
     if L.gpus != w.gpus:
         return f"dp*tp*pp*cp={L.gpus} must equal the {w.gpus} GPUs"
+    if w.global_batch % (L.dp * L.micro_batch):
+        return f"dp*micro_batch={L.dp * L.micro_batch} must divide the global batch " \
+               f"{w.global_batch}"
+    if engine.expressible(spec):
+        return engine.refusal(w, L)
     if L.recompute not in RECOMPUTE:
         return f"recompute={L.recompute!r} must be one of {', '.join(RECOMPUTE)}"
     if L.zero not in (0, 1, 2, 3):
         return f"zero={L.zero} must be 0, 1, 2 or 3"
-    if w.global_batch % (L.dp * L.micro_batch):
-        return f"dp*micro_batch={L.dp * L.micro_batch} must divide the global batch " \
-               f"{w.global_batch}"
+    if L.dp_mode not in DP_MODES:
+        return f"dp_mode={L.dp_mode!r} must be one of {', '.join(DP_MODES)}"
+    if L.dp_mode != "allreduce" and (L.tp, L.pp, L.cp, L.zero, w.precision, L.dp < 2) != (
+            1, 1, 1, 0, "fp32", False):
+        return f"dp_mode={L.dp_mode!r} needs tp=pp=cp=1, zero=0, fp32 and dp >= 2 (the " \
+               "server holds whole fp32 replicas)"
     if spec.heads % L.tp or spec.ffn_hidden % L.tp:
         return f"tp={L.tp} must divide heads={spec.heads} and ffn_hidden={spec.ffn_hidden}"
     if spec.kv_heads % L.tp and L.tp % spec.kv_heads:
@@ -467,10 +504,14 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) 
     cp_fwd = (cp - 1) * (cp_link.alpha + kv_block * cp_link.beta) if cp > 1 else 0.0
     cp_bwd = 2 * cp_fwd
     act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
+    work = full_bytes
+    if engine.expressible(spec) and cp == 1:  # what tessera's block saves (engine module)
+        act = engine.block_saved_bytes(spec, b, s, t, sp, recompute, e)
+        work = engine.block_saved_bytes(spec, b, s, t, sp, "none", e)
     return BlockCosts(forward=fwd, backward=2 * fwd, recompute=redo, tp_forward=tp_fwd,
                       tp_backward=tp_bwd, cp_forward=max(0.0, cp_fwd - attn_time),
                       cp_backward=max(0.0, cp_bwd - 2 * attn_time), cp_total=cp_fwd + cp_bwd,
-                      act_bytes=act, work_bytes=full_bytes if recompute == "full" else 0.0)
+                      act_bytes=act, work_bytes=work if recompute == "full" else 0.0)
 
 
 @dataclass(slots=True)
@@ -533,10 +574,10 @@ class LayoutCosts:
     """Everything about a layout that does not need the schedule's timing."""
 
     chunks: list[ChunkCosts]
-    """Per chunk; chunk c runs on pipeline rank c mod p. Middle chunks share one object."""
+    """Per chunk; chunk c runs on rank c mod p. Chunks of the same shape share one object."""
     ranks: dict[int, RankState]
-    """Model state of the distinct pipeline ranks: 0 (embedding), p−1 (head), 1 (all others
-    hold the same)."""
+    """Model state of the pipeline ranks: every rank, or, when the middle chunks are all alike,
+    0 (embedding), p−1 (head) and 1 standing for all the others."""
     p2p_latency: float
     p2p_bytes: float
     p2p_bandwidth: float
@@ -545,30 +586,67 @@ class LayoutCosts:
     """The slowest rank's optimizer step."""
     dp_time: float
     """Data-parallel communication seconds per step on one rank (all its chunks)."""
+    ps_time: float = 0.0
+    """Parameter server: seconds its exchanges (and, asynchronous, its extra updates) add to a
+    step after the backward."""
+
+    @property
+    def uniform_middle(self) -> bool:
+        """All chunks but the first and the last are one object (the O(1) bound applies)."""
+        return _uniform_middle(self.chunks)
+
+
+def _uniform_middle(chunks: list[ChunkCosts]) -> bool:
+    return len({id(c) for c in chunks[1:-1]}) <= 1
 
 
 def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
-        L.sequence_parallel, L.zero)
+        L.sequence_parallel, L.zero, L.dp_mode)
     n_chunks = L.pp * L.virtual
-    ranks = {}
-    for r in sorted({0, min(1, L.pp - 1), L.pp - 1}):
-        mine = [chunks[c] for c in range(r, n_chunks, L.pp)]
-        ranks[r] = _rank_state(w, L, sum(ch.params for ch in mine),
-                               sum(ch.tensors for ch in mine))
+    wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if _uniform_middle(chunks) else range(L.pp)
+    ranks: dict[int, RankState] = {}
+    by_chunks: dict[tuple[int, ...], RankState] = {}  # ranks holding the same chunks
+    for r in wanted:
+        mine = tuple(id(chunks[c]) for c in range(r, n_chunks, L.pp))
+        if mine not in by_chunks:
+            by_chunks[mine] = rank_state(w, L, r, chunks)
+        ranks[r] = by_chunks[mine]
     dp_time = max(sum(chunks[c].dp_total for c in range(r, n_chunks, L.pp)) for r in ranks)
+    optimizer_time = max(rs.optimizer_time for rs in ranks.values())
     return LayoutCosts(chunks=chunks, ranks=ranks, p2p_latency=p2p_latency,
                        p2p_bytes=p2p_bytes, p2p_bandwidth=p2p_bandwidth,
-                       dp_overlap=w.hardware.dp_overlap > 0,
-                       optimizer_time=max(rs.optimizer_time for rs in ranks.values()),
-                       dp_time=dp_time)
+                       dp_overlap=w.hardware.dp_overlap > 0, optimizer_time=optimizer_time,
+                       dp_time=dp_time, ps_time=_parameter_server_time(w, L, chunks,
+                                                                       optimizer_time))
+
+
+def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
+                           optimizer_time: float) -> float:
+    """Li et al. 2014's push/pull through one server (tessera.parallel.parameter_server): the
+    server receives N−1 pushes of (S + P + 2) fp32 values and sends N−1 pulls of (S + 3), one
+    message at a time over its own link (S parameter elements, P tensors, N = dp). Synchronous:
+    after the slowest replica's backward. Asynchronous: nobody waits for the slowest, but the
+    server also applies each of the N−1 gradients it serves (N−1 more optimizer steps)."""
+    if L.dp_mode == "allreduce":
+        return 0.0
+    hw = w.hardware
+    link = p2p_link(hw, L.gpus)
+    S = sum(c.params for c in chunks)
+    P = sum(c.tensors for c in chunks)
+    exchange = 2 * link.alpha + 4 * ((S + P + 2) + (S + 3)) * link.beta
+    if L.dp_mode == "ps-async":
+        return (L.dp - 1) * (exchange + optimizer_time)
+    m = L.microbatches(w.global_batch)
+    work = m * sum(c.forward + c.backward for c in chunks)
+    return (L.dp - 1) * exchange + straggler_time(hw, L.dp, work)
 
 
 @lru_cache(maxsize=65536)
 def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
-                 recompute: str, sp: bool, zero: int
+                 recompute: str, sp: bool, zero: int, dp_mode: str = "allreduce"
                  ) -> tuple[list[ChunkCosts], float, float, float]:
     """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
     asks for the same chunks under many layouts; the returned chunks are read-only)."""
@@ -576,15 +654,14 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     e = w.bytes[3]
     gb = w.bytes[1]
     s = w.seq_len
-    L = Layout(dp=dp, tp=t, pp=pp, cp=cp, virtual=v, micro_batch=b, recompute=recompute,
-               sequence_parallel=sp, zero=zero,
-               schedule="interleaved" if v > 1 else "1f1b")
-    n_chunks = L.pp * L.virtual
-    nl = spec.layers // n_chunks
-    blk = block_costs(w, t, cp, b, L.sequence_parallel, L.recompute)
+    n_chunks = pp * v
+    tessera = engine.expressible(spec) and cp == 1
+    sizes = (engine.blocks_per_chunk(spec, n_chunks, s) if tessera
+             else (spec.layers // n_chunks,) * n_chunks)
+    blk = block_costs(w, t, cp, b, sp, recompute)
     keep = 1.0 - w.tp_overlap
 
-    def middle() -> ChunkCosts:
+    def blocks_only(nl: int) -> ChunkCosts:
         return ChunkCosts(
             forward_compute=nl * blk.forward, recompute=nl * blk.recompute,
             backward_compute=nl * (blk.backward + blk.recompute),
@@ -598,48 +675,65 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     # Embedding on chunk 0 (a gather: memory-bound) and final norm, LM head and fp32 logits
     # for the loss on the last chunk (Korthikanti et al. §4.3).
     tokens = b * (s // cp)
-    split = t if L.sequence_parallel else 1
-    first, last = middle(), middle()
-    embed_mem = hw.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
-    first.forward_compute += embed_mem
-    first.backward_compute += 2 * embed_mem
-    first.params += spec.embedding_params / t
-    first.tensors += 2 if spec.learned_positions else 1
-    first.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
-    head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
+    split = t if sp else 1
+    tp_link = group_link(hw, t)
+    act = e * tokens * spec.hidden
     logits_bytes = 4 * tokens * spec.vocab_size / t
-    head = head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw
-    last.forward_compute += head
-    last.backward_compute += 2 * head
-    if t > 1:
-        # Vocabulary-parallel embedding: each rank looks up its rows, an all-reduce (with SP a
-        # reduce-scatter) sums them; the loss over split logits all-reduces the b·s row maxima,
-        # then the sums of exponentials with the target logits (Shoeybi et al. 2019 §3).
-        tp_link = group_link(hw, t)
-        act = e * tokens * spec.hidden
-        embed_comm = (allgather_time(act, t, tp_link) if L.sequence_parallel
-                      else allreduce_time(act, t, tp_link))
-        loss_comm = allreduce_time(4 * tokens, t, tp_link) + allreduce_time(8 * tokens, t,
-                                                                             tp_link)
-        first.tp_forward += embed_comm * keep
-        first.tp_hidden += embed_comm * w.tp_overlap
-        last.tp_forward += loss_comm
-    # A tied head on another rank than the embedding keeps its own copy of the matrix.
-    tied_copy = spec.tied_embeddings and L.pp > 1
-    last.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
-    last.tensors += 2
-    last.act_bytes += logits_bytes + 2 * e * tokens * spec.hidden / split
-    if n_chunks == 1:  # one chunk holds both ends: add the first chunk's extras to the last
-        only, plain = last, middle()
-        for name in ("forward_compute", "backward_compute", "tp_forward", "tp_hidden", "params",
-                     "tensors", "act_bytes"):
-            setattr(only, name, getattr(only, name) + getattr(first, name) - getattr(plain, name))
-        distinct = [only]
-        chunks = [only]
-    else:
-        mid = middle()
-        distinct = [first, mid, last]
-        chunks = [first] + [mid] * (n_chunks - 2) + [last]
+
+    def add_embedding(ch: ChunkCosts) -> None:
+        embed_mem = hw.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
+        ch.forward_compute += embed_mem
+        ch.backward_compute += 2 * embed_mem
+        ch.params += spec.embedding_params / t
+        ch.tensors += 2 if spec.learned_positions else 1
+        ch.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
+        if t > 1:
+            # Vocabulary-parallel embedding: each rank looks up its rows, an all-reduce (with
+            # SP a reduce-scatter) sums them (Shoeybi et al. 2019 §3).
+            comm = allgather_time(act, t, tp_link) if sp else allreduce_time(act, t, tp_link)
+            ch.tp_forward += comm * keep
+            ch.tp_hidden += comm * w.tp_overlap
+
+    def add_head(ch: ChunkCosts) -> None:
+        head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
+        head = head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw
+        ch.forward_compute += head
+        ch.backward_compute += 2 * head
+        if t > 1:  # the loss over split logits all-reduces the b·s row maxima, then the sums
+            # of exponentials with the target logits (Shoeybi et al. 2019 §3)
+            ch.tp_forward += allreduce_time(4 * tokens, t, tp_link) + allreduce_time(
+                8 * tokens, t, tp_link)
+        # A tied head on another rank than the embedding keeps its own copy of the matrix.
+        tied_copy = spec.tied_embeddings and pp > 1
+        ch.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
+        ch.tensors += 2
+        ch.act_bytes += logits_bytes + 2 * e * tokens * spec.hidden / split
+
+    shared: dict[int, ChunkCosts] = {}
+    chunks: list[ChunkCosts] = []
+    for c, nl in enumerate(sizes):
+        first, last = c == 0, c == n_chunks - 1
+        if not (first or last):
+            if nl not in shared:
+                shared[nl] = blocks_only(nl)
+            chunks.append(shared[nl])
+            continue
+        ch = blocks_only(nl)
+        if first:
+            add_embedding(ch)
+        if last:
+            add_head(ch)
+        if tessera:  # tessera's exact parameters and saved tensors (engine module)
+            units = engine.chunk_units(spec, t, pp, n_chunks, c, nl)
+            ch.params = sum(n for n, _ in units)
+            ch.tensors = sum(k for _, k in units)
+            ch.act_bytes = nl * blk.act_bytes + engine.chunk_saved_bytes(
+                spec, b, s, t, sp, e, first=first, last=last)
+        chunks.append(ch)
+    if tessera:
+        for nl, ch in shared.items():
+            ch.params = nl * engine.block_numel(spec, t)
+    distinct = list({id(ch): ch for ch in chunks}.values())
 
     # -- data parallel --------------------------------------------------------------------------
     # ZeRO-0/1: gradients accumulate locally over the m micro-batches and are all-reduced (ZeRO-1:
@@ -649,21 +743,23 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     # the simulator's per-rank reduction channel, which overlaps it with the rank's other
     # chunks. ZeRO-2 keeps only a shard of the gradients, so every micro-batch reduce-scatters
     # during its backward; ZeRO-3 also all-gathers the parameters before every forward and
-    # again for the backward (Rajbhandari et al. §7: 1.5x the volume of DP when m = 1).
-    dp_group = L.dp * cp
-    dp_link = group_link(hw, t * cp * L.dp, stride=t * cp)
-    m = w.global_batch // (L.dp * b)
+    # again for the backward (Rajbhandari et al. §7: 1.5x the volume of DP when m = 1). A
+    # parameter server moves nothing here (``_parameter_server_time``).
+    dp_group = dp * cp
+    dp_link = group_link(hw, t * cp * dp, stride=t * cp)
+    m = w.global_batch // (dp * b)
     ovl = hw.dp_overlap
     pb = w.bytes[0]
-    for ch in distinct:
+    reducing = distinct if dp_mode == "allreduce" else []
+    for ch in reducing:
         grads, weights = gb * ch.params, pb * ch.params
         bucket = min(grads, w.bucket_mb * 2**20)
         # The reduction waits for the slowest replica: after the step's backward (ZeRO-0/1),
         # after each micro-batch (ZeRO-2/3).
-        wait = straggler_time(hw, dp_group, (m if L.zero <= 1 else 1) * (ch.forward
-                                                                         + ch.backward))
-        if L.zero <= 1:
-            total = allreduce_time(grads, dp_group, dp_link) if L.zero == 0 else (
+        wait = straggler_time(hw, dp_group, (m if zero <= 1 else 1) * (ch.forward
+                                                                       + ch.backward))
+        if zero <= 1:
+            total = allreduce_time(grads, dp_group, dp_link) if zero == 0 else (
                 allgather_time(grads, dp_group, dp_link)
                 + allgather_time(weights, dp_group, dp_link))
             total += wait
@@ -674,7 +770,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         else:
             rs = allgather_time(grads, dp_group, dp_link) + wait  # as much as an all-gather
             ag = allgather_time(weights, dp_group, dp_link)
-            if L.zero == 2:
+            if zero == 2:
                 ch.zero_backward = max(0.0, rs - ovl * ch.backward)
                 ch.dp_reduce = ag  # the parameters, gathered once after the step
                 ch.dp_total = m * rs + ag
@@ -685,16 +781,14 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                 ch.dp_total = m * (2 * ag + rs)
 
     # -- pipeline point-to-point ------------------------------------------------------------
-    act_tensor = e * tokens * spec.hidden
-    p2p_bytes = float(act_tensor)
+    p2p_bytes = float(act)
     p2p_latency = 0.0
-    tp_link = group_link(hw, t)
-    pp_link = p2p_link(hw, t * cp * L.dp * L.pp)
-    if L.pp > 1 and t > 1 and (w.scatter_gather or L.sequence_parallel):
+    pp_link = p2p_link(hw, t * cp * dp * pp)
+    if pp > 1 and t > 1 and (w.scatter_gather or sp):
         p2p_bytes /= t
-        if not L.sequence_parallel:  # gather the full activation back on the fast link
-            p2p_latency += allgather_time(act_tensor, t, tp_link)
-    p2p_latency += pp_link.alpha if L.pp > 1 else 0.0
+        if not sp:  # gather the full activation back on the fast link
+            p2p_latency += allgather_time(act, t, tp_link)
+    p2p_latency += pp_link.alpha if pp > 1 else 0.0
     return chunks, p2p_latency, p2p_bytes, pp_link.bandwidth
 
 
@@ -703,17 +797,30 @@ def _layer_tensors(spec: ModelSpec) -> int:
     return matrices * (2 if spec.bias else 1) + 2 * (2 if spec.norm == "layernorm" else 1)
 
 
-def _rank_state(w: Workload, L: Layout, params: float, tensors: int) -> RankState:
-    """ZeRO (Rajbhandari et al. 2020 §5): stage 1 shards optimizer state over the dp·cp ranks
+def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> RankState:
+    """Pipeline rank `rank`'s model state (it holds chunks rank, rank + p, ... of `chunks`).
+
+    ZeRO (Rajbhandari et al. 2020 §5): stage 1 shards optimizer state over the dp·cp ranks
     that hold the same parameters, stage 2 also gradients, stage 3 also parameters, which
-    are then gathered two blocks at a time (one computing, one prefetched)."""
+    are then gathered two blocks at a time (one computing, one prefetched). For a tessera
+    model, the bytes tessera allocates (``engine.model_state_bytes``)."""
     pb, gb, ob, _ = w.bytes
+    mine = chunks[rank::L.pp]
+    params = sum(ch.params for ch in mine)
+    tensors = sum(ch.tensors for ch in mine)
     shard = L.dp * L.cp
     stepped = params / (shard if L.zero >= 1 else 1)
     # Adam reads and writes its states, reads the gradient, writes the parameter.
     traffic = stepped * (2 * ob + gb + 2 * pb)
     hw = w.hardware
     opt_time = traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
+    if engine.expressible(w.model) and L.cp == 1:
+        state = engine.model_state_bytes(w, L, rank)
+        largest = sorted(n for n, _ in engine.rank_units(w, L, rank))[-2:]
+        return RankState(params=state["params"], grads=state["grads"],
+                         optimizer=state["optimizer"],
+                         zero3_buffer=pb * sum(largest) if L.zero >= 3 else 0.0,
+                         optimizer_time=opt_time)
     return RankState(
         params=pb * params / (shard if L.zero >= 3 else 1),
         grads=gb * params / (shard if L.zero >= 2 else 1),

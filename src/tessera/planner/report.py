@@ -31,7 +31,10 @@ def table(plan: Plan, tokens: float | None = None) -> str:
     lines = [head]
     for i, e in enumerate(plan.ranked, 1):
         L = e.layout
-        sched = "-" if L.pp == 1 else L.schedule + (f" v{L.virtual}" if L.virtual > 1 else "")
+        sched = ("-" if L.pp == L.virtual == 1 else
+                 L.schedule + (f" v{L.virtual}" if L.virtual > 1 else ""))
+        if L.dp_mode != "allreduce":
+            sched = f"{L.dp_mode} {sched}" if sched != "-" else L.dp_mode
         line = (f"{i:>2} {L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {sched:>13} "
                 f"{L.micro_batch:>3} {e.m:>5} {L.zero:>4} {L.recompute:>9} "
                 f"{'y' if L.sequence_parallel else '-':>3} {_num(e.step_time):>9} "
@@ -87,7 +90,7 @@ def explain(plan: Plan) -> str:
     mem = best.memory
     where = "" if best.layout.pp == 1 else f" (pipeline rank {mem.rank}, the fullest)"
     lines.append(f"  memory per GPU{where}:")
-    held = best.inflight[mem.rank] if best.layout.pp > 1 else 1
+    held = best.inflight[mem.rank]
     for key, label in (("params", "parameters"), ("grads", "gradients"),
                        ("optimizer", "optimizer state"),
                        ("activations", f"activations ({held} in flight)"),

@@ -26,19 +26,22 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from tessera.pipeline.simulator import StageCosts
+from tessera.planner import engine
 from tessera.planner.cost import (
     GB,
     RECOMPUTE,
     Layout,
     LayoutCosts,
+    RankState,
     Workload,
     check_layout,
     hardware_flops_per_step,
     layout_costs,
     model_flops_per_step,
+    rank_state,
     shared_cpu_bound,
 )
-from tessera.planner.pipeline import inflight, time_pipeline
+from tessera.planner.pipeline import inflight, lower_bound, time_pipeline
 
 SCHEDULE_CHOICES = ("1f1b", "interleaved", "bfs", "gpipe", "naive")
 
@@ -147,13 +150,15 @@ class Estimate:
         dp_total = sum(self.costs.chunks[c].dp_total for c in ranks)
         return {
             "compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp,
-            "bubble": self.makespan - self.busy, "dp_exposed": self.exposed_dp + zero,
+            "bubble": self.makespan - self.busy,
+            "dp_exposed": self.exposed_dp + zero + self.costs.ps_time,
             "dp_hidden": max(0.0, dp_total - self.exposed_dp - zero),
             "tp_hidden": m * sum(c.tp_hidden for c in ch),
             "cp_hidden": m * sum(c.cp_hidden for c in ch),
             "optimizer": self.costs.optimizer_time,
             "time_sharing": self.step_time - (self.makespan + self.exposed_dp
-                                              + self.costs.optimizer_time),
+                                              + self.costs.optimizer_time
+                                              + self.costs.ps_time),
             "pp_ranks": float(L.pp),
         }
 
@@ -163,7 +168,7 @@ class Estimate:
             "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "virtual": L.virtual,
             "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero,
             "recompute": L.recompute, "schedule": L.schedule,
-            "sequence_parallel": L.sequence_parallel,
+            "sequence_parallel": L.sequence_parallel, "dp_mode": L.dp_mode,
             "step_time_s": self.step_time, "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "hfu": self.hfu,
             "memory_gb": self.memory.total / GB, "headroom_gb": self.headroom / GB,
@@ -191,9 +196,9 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True) 
         raise PlanError(f"layout {L.describe()}: {why}")
     costs = layout_costs(w, L)
     m = L.microbatches(w.global_batch)
-    held = inflight(L.schedule, L.pp, m, L.virtual) if L.pp > 1 else (1,)
+    held = inflight(L.schedule, L.pp, m, L.virtual) if _pipelined(L) else (1,)
     memory = _memory(w, L, costs, held, m)
-    bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time,
+    bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time + costs.ps_time,
                 shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time))
     est = Estimate(workload=w, layout=L, costs=costs, memory=memory, inflight=held,
                    lower_bound=bound)
@@ -202,13 +207,23 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True) 
     return est
 
 
+def _pipelined(L: Layout) -> bool:
+    """More than one chunk: the layout's schedule orders them (tessera runs pp = 1 with one
+    chunk as F0 B0 F1 B1 ..., whatever the schedule's name)."""
+    return L.pp > 1 or L.virtual > 1
+
+
 def chunk_lower_bound(costs: LayoutCosts, p: int, m: int) -> float:
     """:func:`tessera.planner.pipeline.lower_bound` for the planner's chunk structure (chunk
     0 and the last chunk special, all others equal) in O(1): the middle ranks all bound the
-    same work, so the one with the longest fill and drain, p−2, stands for them."""
+    same work, so the one with the longest fill and drain, p−2, stands for them. Chunks of
+    unequal middles (tessera's cost-balanced split) take the generic O(chunks) bound."""
     transfer = costs.p2p_latency + costs.p2p_bytes / costs.p2p_bandwidth if p > 1 else 0.0
     chunks = costs.chunks
     n = len(chunks)
+    if not costs.uniform_middle:
+        fs, bs, ds = _per_chunk(costs)
+        return lower_bound(fs, bs, ds, transfer, costs.dp_overlap, p, m)
     if n == 1:
         ch = chunks[0]
         return m * (ch.forward + ch.backward) + ch.dp_reduce
@@ -248,9 +263,9 @@ def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
         p2p_latency=costs.p2p_latency if with_p2p else 0.0,
         p2p_bytes=costs.p2p_bytes if with_p2p else 0.0, p2p_bandwidth=costs.p2p_bandwidth,
         dp_reduce=ds, dp_overlap=costs.dp_overlap)
-    schedule = L.schedule if L.pp > 1 else "1f1b"
+    schedule = L.schedule if _pipelined(L) else "1f1b"
     timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs)
-    est.step_time = max(timing.step_time + costs.optimizer_time,
+    est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time,
                         shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time))
     est.makespan = timing.makespan
     est.busy = timing.compute_time
@@ -268,28 +283,45 @@ def pipeline_comm_exposed(est: Estimate) -> float:
 
 def _memory(w: Workload, L: Layout, costs: LayoutCosts, held: Sequence[int],
             m: int) -> Memory:
-    """Peak bytes over pipeline ranks. With one chunk per rank the rank holds held[r] copies of
-    its chunk's activations; breadth-first holds all m micro-batches of all its chunks; for
-    interleaving, held[r] times the largest chunk it owns (an upper bound: the LM head's chunk
-    is rarely the one held most). Ranks 1..p−2 hold identical state, so rank 1 stands for them
-    with the largest in-flight count among them."""
+    """Peak bytes over pipeline ranks (:func:`_rank_memory`). When ranks 1..p−2 hold identical
+    chunks, rank 1 stands for them with the largest in-flight count among them."""
     worst = Memory()
-    n = L.pp * L.virtual
+    every_rank = len(costs.ranks) == L.pp
     for r, state in costs.ranks.items():
-        chunks = [costs.chunks[c] for c in range(r, n, L.pp)]
-        count = held[r] if r in (0, L.pp - 1) else max(held[1:L.pp - 1])
-        if L.virtual == 1:
-            acts = count * chunks[0].act_bytes
-        elif L.schedule == "bfs":
-            acts = m * sum(c.act_bytes for c in chunks)
-        else:
-            acts = count * max(c.act_bytes for c in chunks)
-        mem = Memory(params=state.params, grads=state.grads, optimizer=state.optimizer,
-                     activations=acts,
-                     transient=max(c.work_bytes for c in chunks) + state.zero3_buffer, rank=r)
+        count = held[r] if every_rank or r in (0, L.pp - 1) else max(held[1:L.pp - 1])
+        mem = _rank_memory(L, costs, state, r, count, m)
         if mem.total > worst.total:
             worst = mem
     return worst
+
+
+def _rank_memory(L: Layout, costs: LayoutCosts, state: RankState, r: int, count: int,
+                 m: int) -> Memory:
+    """Pipeline rank r's bytes. With one chunk per rank it holds `count` (the schedule's
+    in-flight peak) copies of its chunk's activations; breadth-first holds all m micro-batches
+    of all its chunks; for interleaving, `count` times the largest chunk it owns (an upper
+    bound: the LM head's chunk is rarely the one held most)."""
+    chunks = costs.chunks[r::L.pp]
+    if L.virtual == 1:
+        acts = count * chunks[0].act_bytes
+    elif L.schedule == "bfs":
+        acts = m * sum(c.act_bytes for c in chunks)
+    else:
+        acts = count * max(c.act_bytes for c in chunks)
+    return Memory(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                  activations=acts,
+                  transient=max(c.work_bytes for c in chunks) + state.zero3_buffer, rank=r)
+
+
+def memory_by_rank(est: Estimate) -> list[Memory]:
+    """The predicted bytes of every pipeline rank (each of its dp and tp ranks holds the same),
+    e.g. to compare with what each rank of a run allocates."""
+    L, costs = est.layout, est.costs
+    out = []
+    for r in range(L.pp):
+        state = costs.ranks.get(r) or rank_state(est.workload, L, r, costs.chunks)
+        out.append(_rank_memory(L, costs, state, r, est.inflight[r], est.m))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,13 +336,16 @@ class SearchSpace:
     tp: Sequence[int] | None = None
     pp: Sequence[int] | None = None
     cp: Sequence[int] | None = (1,)
-    """Context parallelism is off unless asked for (it pays only for long sequences)."""
+    """Context parallelism is off unless asked for (it pays only for long sequences; tessera
+    has none yet, so its models never get cp > 1)."""
     virtual: Sequence[int] = (1, 2, 4, 8)
     micro_batch: Sequence[int] = (1, 2, 4, 8, 16)
     zero: Sequence[int] = (0, 1, 2, 3)
     recompute: Sequence[str] = RECOMPUTE
     schedule: Sequence[str] = SCHEDULE_CHOICES
     sequence_parallel: Sequence[bool] = (False, True)
+    dp_mode: Sequence[str] = ("allreduce",)
+    """The parameter server ('ps', 'ps-async') is considered only when asked for."""
     tp_within_node: bool = True
     """Tensor parallelism only inside a node (Narayanan et al. 2021, takeaway #1)."""
 
@@ -320,16 +355,24 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
-    """Every layout in `space` that `check_layout` accepts for `w`."""
+    """Every layout in `space` that `check_layout` accepts for `w`.
+
+    Variants that change nothing are generated once: the schedule of a single chunk (pp = v = 1:
+    always "1f1b") and sequence parallelism at tp = 1. For a tessera model nothing else is
+    skipped before ``check_layout``, whose rules are tessera's; for other models the loops
+    skip what the planner's own rules refuse anyway (tp not dividing the heads, pp the layers,
+    ZeRO without data parallelism, schedules that :func:`_schedules` leaves out)."""
     n = w.gpus
     spec = w.model
-    tps = [t for t in (space.tp or divisors(n)) if n % t == 0 and spec.heads % t == 0
+    tessera = engine.expressible(spec)
+    tps = [t for t in (space.tp or divisors(n)) if n % t == 0
+           and (tessera or spec.heads % t == 0)
            and (not space.tp_within_node or t <= w.hardware.gpus_per_node)]
     for tp in tps:
         for cp in [c for c in (space.cp or divisors(n // tp)) if (n // tp) % c == 0]:
             rest = n // (tp * cp)
             for pp in [p for p in (space.pp or divisors(rest)) if rest % p == 0
-                       and spec.layers % p == 0]:
+                       and (tessera or spec.layers % p == 0)]:
                 dp = rest // pp
                 if space.dp is not None and dp not in space.dp:
                     continue
@@ -337,15 +380,25 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
                     if w.global_batch % (dp * b):
                         continue
                     m = w.global_batch // (dp * b)
-                    for sched, v in _schedules(pp, m, spec.layers, space):
-                        for zero, rc, sp in itertools.product(
-                                space.zero if dp * cp > 1 else (0,), space.recompute,
-                                space.sequence_parallel if tp > 1 else (False,)):
+                    schedules = (_every_schedule(pp, space) if tessera
+                                 else _schedules(pp, m, spec.layers, space))
+                    for sched, v in schedules:
+                        for zero, rc, sp, mode in itertools.product(
+                                space.zero if tessera or dp * cp > 1 else (0,), space.recompute,
+                                space.sequence_parallel if tp > 1 else (False,),
+                                space.dp_mode):
                             L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=v, micro_batch=b,
                                        zero=zero, recompute=rc, schedule=sched,
-                                       sequence_parallel=sp)
+                                       sequence_parallel=sp, dp_mode=mode)
                             if check_layout(w, L) is None:
                                 yield L
+
+
+def _every_schedule(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
+    """Every (schedule, v) of the space; one chunk (pp = v = 1) runs under "1f1b" only."""
+    for v in space.virtual:
+        for sched in space.schedule if pp > 1 or v > 1 else ("1f1b",):
+            yield sched, v
 
 
 def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
@@ -436,4 +489,4 @@ def fixed(w: Workload, **degrees) -> Estimate:
 
 
 __all__ = ["Estimate", "Memory", "Plan", "PlanError", "SearchSpace", "enumerate_layouts",
-           "estimate", "fixed", "search", "replace", "pipeline_comm_exposed"]
+           "estimate", "fixed", "memory_by_rank", "search", "replace", "pipeline_comm_exposed"]

@@ -1,0 +1,87 @@
+"""How many blocks each pipeline chunk gets: tessera's cost-balanced contiguous split.
+
+The split balances an estimated forward cost per token (matmul FLOPs, as in
+``tessera.model.flops_per_token``): each block costs 2·N_block + 4·a·d·T, the head 2·V·h, and
+the embedding lookup h (a copy, no FLOPs). Among contiguous splits with at least one block per
+chunk, the one with the smallest most-expensive chunk is chosen, ties broken by the least sum
+of squared chunk costs (two exact dynamic programmes, O(chunks·L²)), so a heavy LM head pushes
+blocks towards the earlier chunks. The user can give the split instead, as blocks per chunk.
+
+Plain Python (no torch): ``tessera.pipeline.partition`` builds the chunks from it, and the
+planner asks it what tessera would build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tessera.config import ConfigError, ModelConfig
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
+    """Forward FLOPs per token of (embedding, each block, final norm + head + loss)."""
+    h, d, a, kv, f = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden
+    block_matmul = h * (a + 2 * kv) * d + a * d * h + 3 * h * f
+    block = 2.0 * block_matmul + 4.0 * a * d * seq_len
+    head = 2.0 * cfg.vocab_size * h + 5.0 * cfg.vocab_size  # matmul, then softmax + loss
+    return float(h), [block] * cfg.n_layers, head
+
+
+def balance(costs: Sequence[float], n_chunks: int, first_extra: float = 0.0,
+            last_extra: float = 0.0) -> list[int]:
+    """Blocks per chunk minimizing the costliest chunk (first/last chunks carry extras)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(k: int, i: int, j: int) -> float:  # chunk k holds blocks i..j-1
+        extra = (first_extra if k == 0 else 0.0) + (last_extra if k == n_chunks - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    inf = float("inf")
+
+    def solve(score, combine) -> tuple[float, list[int]]:
+        """DP over (chunks used, blocks placed); returns the best score and the cut points."""
+        best = [[inf] * (n + 1) for _ in range(n_chunks)]
+        cut = [[0] * (n + 1) for _ in range(n_chunks)]
+        for j in range(1, n + 1):
+            best[0][j] = score(cost(0, 0, j))
+        for k in range(1, n_chunks):
+            for j in range(k + 1, n + 1):
+                for i in range(k, j):
+                    value = combine(best[k - 1][i], score(cost(k, i, j)))
+                    if value < best[k][j] - 1e-9:
+                        best[k][j], cut[k][j] = value, i
+        sizes, j = [], n
+        for k in range(n_chunks - 1, 0, -1):
+            sizes.append(j - cut[k][j])
+            j = cut[k][j]
+        sizes.append(j)
+        return best[n_chunks - 1][n], sizes[::-1]
+
+    # First the smallest possible costliest chunk M; then, among splits within M, the most even
+    # one (least sum of squared chunk costs), so ties do not leave one chunk needlessly light.
+    limit, _ = solve(lambda c: c, max)
+    _, sizes = solve(lambda c: c * c if c <= limit + 1e-9 * max(1.0, limit) else inf,
+                     lambda a, b: a + b)
+    return sizes
+
+
+def block_split(cfg: ModelConfig, n_chunks: int, seq_len: int | None = None,
+                split: Sequence[int] | None = None) -> list[int]:
+    """Blocks in each of the n_chunks chunks: balanced by estimated cost, or `split`."""
+    if n_chunks > cfg.n_layers:
+        raise ConfigError("parallel.pp", n_chunks, f"pp*virtual_stages={n_chunks} stages exceed "
+                          f"model.n_layers={cfg.n_layers} (each stage needs a block)")
+    if split is not None:
+        split = list(split)
+        if len(split) != n_chunks:
+            raise ConfigError("split", split, f"needs one entry per stage ({n_chunks})")
+        if any(not isinstance(s, int) or s < 1 for s in split):
+            raise ConfigError("split", split, "every stage needs at least one block")
+        if sum(split) != cfg.n_layers:
+            raise ConfigError("split", split, f"must add up to model.n_layers={cfg.n_layers}")
+        return split
+    embed, blocks, head = layer_costs(cfg, seq_len or cfg.max_seq_len)
+    return balance(blocks, n_chunks, embed, head)
