@@ -60,6 +60,28 @@ def test_data_prepare_from_directory(tmp_path):
     assert "already prepared" in again.output
 
 
+@pytest.mark.parametrize("val_percent", ["2", "50"])
+def test_data_prepare_one_file(tmp_path, val_percent):
+    # Before: one file gave `split 'val' would be empty` (and at 50%, 'train').
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("It was the best of times, it was the worst of times.\n" * 100)
+    result = runner.invoke(app, ["data", "prepare", "--source", str(corpus), "--out",
+                                 str(tmp_path / "out"), "--val-percent", val_percent])
+    assert result.exit_code == 0, result.output
+    assert "train and" in result.output
+
+
+def test_data_prepare_jsonl_directory_with_text_field(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_text("\n".join(f'{{"content": "record {i}"}}' for i in range(99)))
+    result = runner.invoke(app, ["data", "prepare", "--source", str(src), "--out",
+                                 str(tmp_path / "out"), "--text-field", "content"])
+    assert result.exit_code == 0, result.output
+    line = cli_error(["data", "prepare", "--source", str(src), "--out", str(tmp_path / "o2")])
+    assert "a.jsonl:1: no string field 'text' (choose it with --text-field)" in line
+
+
 @pytest.mark.slow
 def test_real_process_bad_layout_exit_code(tiny_data):
     # The installed entry point, in a real process: one line on stderr, exit 2, no traceback.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
-from tessera.data.prepare import collect_files, is_val, prepare, stdlib_files
+from tessera.data.prepare import collect_files, prepare, stdlib_files, val_block_mask
 from tessera.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -60,14 +60,74 @@ def test_stdlib_corpus_is_real_and_excludes_site_packages():
     assert sum(f.stat().st_size for f in files) > 10_000_000
 
 
-def test_split_by_file_hash_is_stable(tmp_path):
+def test_split_by_tokens_is_stable_and_never_empty(tmp_path):
     for i in range(50):
         (tmp_path / f"m{i}.py").write_text("x = 1\n")
     names = [n for n, _ in collect_files([str(tmp_path)])]
-    held_out = [n for n in names if is_val(n, 20)]
-    assert 0 < len(held_out) < len(names)  # hash split: ~20% held out, never all or none
-    reversed_names = [n for n, _ in reversed(collect_files([str(tmp_path)]))]
-    assert sorted(n for n in reversed_names if is_val(n, 20)) == sorted(held_out)
+    assert names == sorted(names)  # the stream, and so the split, does not hang on listing order
+    for n_tokens, percent in [(2, 50), (10, 2), (7, 99), (10**6, 2), (12345, 0.01)]:
+        mask, block = val_block_mask(n_tokens, percent)
+        assert 0 < mask.sum() < mask.size and block * mask.size >= n_tokens
+    mask, _ = val_block_mask(10**6, 2)
+    assert mask.sum() == 20 and mask[:500].sum() == 10  # 2% of blocks, spread through
+
+
+def _tokens(out, split):
+    ds = TokenDataset(out)
+    part = getattr(ds, split)
+    return np.concatenate([np.asarray(s) for s in part.shards])
+
+
+@pytest.mark.parametrize("val_percent", [2.0, 50.0])
+def test_one_text_file_is_split_by_tokens(tmp_path, val_percent):
+    # Before: `split 'val' would be empty` (2%) and `split 'train' would be empty` (50%).
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    m = prepare([str(corpus)], tmp_path / "out", ByteTokenizer(), val_percent=val_percent)
+    train, val = (sum(s["tokens"] for s in m["splits"][k]) for k in ("train", "val"))
+    total = len(corpus.read_bytes()) + 2  # + the blank line that ends the document
+    assert train + val == total
+    assert val == pytest.approx(total * val_percent / 100, rel=0.05)
+
+
+def test_jsonl_records_are_documents(tmp_path):
+    # Before: a .jsonl file was trained on as raw `{"text": ...}` bytes, and a directory of
+    # .jsonl files was refused with `no text files`.
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        lines = [json.dumps({"text": f"doc {i}.{j}", "id": j}) for j in range(40)]
+        (src / f"part{i}.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([str(src)], tmp_path / "out", ByteTokenizer(), val_percent=10)
+    stream = bytes(np.concatenate([_tokens(tmp_path / "out", "train"),
+                                   _tokens(tmp_path / "out", "val")]).tolist())
+    assert b"{" not in stream and b'"text"' not in stream
+    assert len(stream) == sum(len(f"doc {i}.{j}") + 2 for i in range(3) for j in range(40))
+    # one file given directly, with another field name
+    one = tmp_path / "one.jsonl"
+    one.write_text("\n".join(json.dumps({"body": "b" * 30}) for _ in range(10)))
+    m = prepare([str(one)], tmp_path / "out2", ByteTokenizer(), text_field="body")
+    assert sum(s["tokens"] for v in m["splits"].values() for s in v) == 10 * 32
+    with pytest.raises(ValueError, match=r"one.jsonl:1: no string field 'text'"):
+        prepare([str(one)], tmp_path / "out3", ByteTokenizer())
+
+
+def test_documents_joined_by_the_tokenizers_end_of_text(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["hello world\n"] * 20, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["[UNK]", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert loaded.eot_id == tok.token_to_id("<|endoftext|>")
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": "hello world"})
+                                                for _ in range(50)))
+    m = prepare([str(tmp_path / "d.jsonl")], tmp_path / "out", loaded, val_percent=10)
+    ids = np.concatenate([_tokens(tmp_path / "out", "train"), _tokens(tmp_path / "out", "val")])
+    assert m["eot_id"] == loaded.eot_id and (ids == loaded.eot_id).sum() == 50
 
 
 def test_loader_deterministic_and_resumable(tiny_data):

@@ -222,16 +222,20 @@ def show_config(preset: Preset = "demo", config: ConfigFile = None, set_: Sets =
 @data_app.command("prepare")
 def data_prepare(
     source: Annotated[list[str] | None, typer.Option(
-        help="'stdlib' (this Python's standard library) or a file/directory; repeatable.")
+        help="'stdlib' (this Python's standard library), or a text, .jsonl or .parquet file, "
+             "or a directory of them; repeatable.")
     ] = None,
     out: Annotated[str, typer.Option(help="Output directory.")] = "data/stdlib",
     tokenizer: Annotated[str, typer.Option(help="'byte' or a path to a tokenizer.json.")
                          ] = "byte",
-    val_percent: Annotated[float, typer.Option(help="Percent of files held out.")] = 2.0,
+    val_percent: Annotated[float, typer.Option(help="Percent of tokens held out.")] = 2.0,
+    text_field: Annotated[str, typer.Option(
+        help="The text field of .jsonl records and the text column of .parquet files.")
+    ] = "text",
     if_missing: Annotated[bool, typer.Option(
         "--if-missing", help="Do nothing if OUT already holds a valid prepared set.")] = False,
 ) -> None:
-    """Tokenize text files into memory-mapped shards with a train/val split."""
+    """Tokenize text into memory-mapped shards with a train/val split by tokens."""
     from tessera.data.prepare import prepare
     from tessera.data.tokenizer import load_tokenizer
 
@@ -242,7 +246,7 @@ def data_prepare(
         raise fail(f"--val-percent={val_percent}: must be in (0, 100)")
     try:
         tok = load_tokenizer(tokenizer)
-        manifest = prepare(source or ["stdlib"], out, tok, val_percent)
+        manifest = prepare(source or ["stdlib"], out, tok, val_percent, text_field=text_field)
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
     counts = {k: sum(s["tokens"] for s in v) for k, v in manifest["splits"].items()}

@@ -10,6 +10,8 @@ from typing import Protocol
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
+    eot_id: int | None
+    """The end-of-text token that separates documents; None where there is none (bytes)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -21,12 +23,17 @@ class ByteTokenizer:
 
     name = "byte"
     vocab_size = 256
+    eot_id = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+"""End-of-text spellings of GPT-2, Llama 3, Llama 2 / T5 and others, tried in this order."""
 
 
 class HFTokenizer:
@@ -44,6 +51,8 @@ class HFTokenizer:
             raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from e
         self.name = str(path.resolve())
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = next((i for t in EOT_TOKENS if (i := self._tok.token_to_id(t)) is not None),
+                           None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
