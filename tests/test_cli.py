@@ -40,6 +40,22 @@ def test_bad_override(tiny_data):
                                                   "train.lr=-1"])
 
 
+def test_relaunch_keeps_arguments_equal_to_train(tiny_data, monkeypatch):
+    # Before: every argument equal to "train" was dropped, so `--out train --no-progress`
+    # wrote the run to ./--no-progress.
+    import tessera.launch
+
+    seen = []
+    monkeypatch.setattr(tessera.launch, "launch", lambda n, argv: seen.append((n, argv)) or 0)
+    args = ["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "2", "--out", "train",
+            "--no-progress"]
+    monkeypatch.setattr(sys, "argv", ["tessera", *args])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert seen == [(2, ["--preset", "tiny", "--data", tiny_data, "--out", "train",
+                         "--no-progress"])]
+
+
 def test_config_prints_resolved_yaml():
     result = runner.invoke(app, ["config", "--preset", "tiny", "--set", "model.n_layers=3"])
     assert result.exit_code == 0 and "n_layers: 3" in result.output

@@ -145,8 +145,7 @@ def train(
     if not under_launcher and world > 1:
         from tessera.launch import launch
 
-        argv = [a for a in sys.argv[1:] if a != "train"]
-        raise typer.Exit(launch(world, strip_option(argv, "--nproc")))
+        raise typer.Exit(launch(world, strip_option(train_args(sys.argv[1:]), "--nproc")))
 
     from tessera.trainer import run
 
@@ -154,6 +153,11 @@ def train(
         run(cfg, progress=not no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+
+
+def train_args(argv: list[str]) -> list[str]:
+    """The arguments after the `train` command word; a later `train` (`--out train`) stays."""
+    return argv[argv.index("train") + 1:]
 
 
 def strip_option(argv: list[str], name: str) -> list[str]:
