@@ -56,6 +56,17 @@ def test_relaunch_keeps_arguments_equal_to_train(tiny_data, monkeypatch):
                          "--no-progress"])]
 
 
+def test_preset_flag_beats_config_file_and_file_beats_default(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "tiny"\n')
+    shown = runner.invoke(app, ["config", "--config", str(toml)]).output
+    assert "d_model: 64" in shown  # the file's preset over the default (demo, 192)
+    toml.write_text('preset = "demo"\n')
+    shown = runner.invoke(app, ["config", "--config", str(toml), "--preset", "tiny"]).output
+    assert "d_model: 64" in shown  # --preset over the file's
+    assert "d_model: 192" in runner.invoke(app, ["config"]).output
+
+
 def test_config_prints_resolved_yaml():
     result = runner.invoke(app, ["config", "--preset", "tiny", "--set", "model.n_layers=3"])
     assert result.exit_code == 0 and "n_layers: 3" in result.output

@@ -135,6 +135,22 @@ def test_file_then_overrides(tmp_path):
     assert make_config("tiny", yml).model.n_layers == 3
 
 
+def test_yaml_exponent_floats(tmp_path):
+    # Before: `train.lr='1e-3': must be of type float` (YAML 1.1 wants `1.0e-3`).
+    yml = tmp_path / "run.yaml"
+    yml.write_text("train:\n  lr: 1e-3\n  weight_decay: 5E-2\n  steps: 7\n")
+    cfg = make_config("tiny", yml)
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.steps) == (1e-3, 5e-2, 7)
+
+
+def test_explicit_preset_beats_the_files(tmp_path):
+    # Before: the file's `preset = "demo"` won over --preset tiny.
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "demo"\n[train]\nsteps = 5\n')
+    assert make_config("tiny", toml).model.d_model == PRESETS["tiny"]["model"]["d_model"]
+    assert make_config(None, toml).model.d_model == PRESETS["demo"]["model"]["d_model"]
+
+
 @pytest.mark.parametrize("override, match", [
     ("train.lr", "section.field=value"),
     ("nosuch.lr=1", "unknown section"),

@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 import yaml
 
-from tessera.config import Config, ConfigError, make_config
+from tessera.config import Config, ConfigError, load_file, make_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="tessera: train transformers across devices.")
@@ -31,6 +31,7 @@ from tessera.planner.cli import plan_app  # noqa: E402  (the planner's commands,
 app.add_typer(plan_app, name="plan")
 
 EXIT_BAD_INPUT = 2
+DEFAULT_PRESET = "demo"
 
 
 def fail(message: str) -> typer.Exit:
@@ -38,7 +39,9 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_BAD_INPUT)
 
 
-Preset = Annotated[str | None, typer.Option(help="Named preset: tiny, demo, gpt2-124m, llama-1b.")]
+Preset = Annotated[str | None, typer.Option(
+    help="Named preset: tiny, demo, gpt2-124m, llama-1b. Default: the config file's `preset`, "
+         "else demo.")]
 ConfigFile = Annotated[str | None, typer.Option("--config", help="TOML or YAML config file.")]
 Sets = Annotated[list[str] | None, typer.Option(
     "--set", help="Override one field: section.field=value (repeatable).")]
@@ -46,9 +49,12 @@ Sets = Annotated[list[str] | None, typer.Option(
 
 def resolve_config(preset: str | None, config_file: str | None, sets: list[str] | None,
                    flags: dict[str, dict], nproc: int | None = None) -> Config:
-    """Preset < file < flags < --set. With --nproc and no explicit --dp, dp fills the world."""
+    """Preset < file < flags < --set. With --nproc and no explicit --dp, dp fills the world.
+
+    The preset is --preset if given, else the config file's `preset`, else demo."""
     sections = {k: {f: v for f, v in d.items() if v is not None} for k, d in flags.items()}
-    preset = preset if preset or not config_file else None
+    if preset is None:
+        preset = (load_file(config_file) if config_file else {}).get("preset", DEFAULT_PRESET)
     fill_dp = nproc is not None and "dp" not in sections.get("parallel", {}) and not any(
         s.startswith("parallel.dp=") for s in sets or [])
     if fill_dp:
@@ -65,7 +71,7 @@ def resolve_config(preset: str | None, config_file: str | None, sets: list[str] 
 
 @app.command()
 def train(
-    preset: Preset = "demo",
+    preset: Preset = None,
     config: ConfigFile = None,
     set_: Sets = None,
     nproc: Annotated[int | None, typer.Option(
@@ -214,7 +220,7 @@ def schedule_cmd(
 
 
 @app.command("config")
-def show_config(preset: Preset = "demo", config: ConfigFile = None, set_: Sets = None) -> None:
+def show_config(preset: Preset = None, config: ConfigFile = None, set_: Sets = None) -> None:
     """Print the resolved configuration as YAML."""
     try:
         cfg = resolve_config(preset, config, set_, {})

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 
 
@@ -384,13 +385,32 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
     _require(False, name, value, f"must be of type {annotation}")
 
 
+class _YAMLLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading floats as YAML 1.2 does: `1e-3` is a float (YAML 1.1, and
+    so plain PyYAML, wants a dot, `1.0e-3`, and reads `1e-3` as a string)."""
+
+
+_YAMLLoader.yaml_implicit_resolvers = {k: list(v) for k, v in
+                                       yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """YAML as config files mean it: `lr: 1e-3` is a float."""
+    return yaml.load(text, Loader=_YAMLLoader)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or YAML config file into nested dicts (an optional top-level `preset` key)."""
     path = Path(path)
     _require(path.is_file(), "--config", str(path), "file does not exist")
     text = path.read_text()
     try:
-        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        raw = (tomllib.loads(text) if path.suffix == ".toml"
+               else load_yaml(text))
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError("--config", str(path), f"cannot be parsed: {e}".splitlines()[0]) from e
     _require(isinstance(raw, dict), "--config", str(path), "must hold a table of sections")
@@ -400,10 +420,14 @@ def load_file(path: str | Path) -> dict[str, Any]:
 def make_config(preset: str | None = "tiny", file: str | Path | None = None,
                 overrides: list[str] | tuple[str, ...] = (),
                 **sections: dict[str, Any]) -> Config:
-    """Preset, then config file, then keyword sections, then `section.field=value` overrides."""
+    """Preset, then config file, then keyword sections, then `section.field=value` overrides.
+
+    The file's own `preset` key applies only where `preset` is None: an explicit argument (the
+    command line's --preset) is the more specific choice."""
     raw: dict[str, Any] = {}
     file_raw = load_file(file) if file else {}
-    preset = file_raw.pop("preset", preset)
+    file_preset = file_raw.pop("preset", None)
+    preset = preset if preset is not None else file_preset
     if preset is not None:
         _require(preset in PRESETS, "preset", preset, f"unknown; known: {', '.join(PRESETS)}")
         raw = _merge(raw, PRESETS[preset])

@@ -30,14 +30,14 @@ User-defined hardware comes from a TOML or YAML file with the same field names, 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 
-from tessera.config import ConfigError
+from tessera.config import ConfigError, load_yaml
 
 # Fraction of dense peak FLOP/s that large 16-bit GEMMs reach inside a training step, and of a
 # link's nominal bandwidth that NCCL collectives reach. The GEMM figure is the single
@@ -242,7 +242,7 @@ def hardware_from_dict(raw: dict[str, Any], where: str = "hardware") -> Hardware
 def _read_table(path: Path) -> dict[str, Any]:
     text = path.read_text()
     try:
-        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        raw = tomllib.loads(text) if path.suffix == ".toml" else load_yaml(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError("file", str(path), f"cannot be parsed: {e}".splitlines()[0]) from None
     if not isinstance(raw, dict):

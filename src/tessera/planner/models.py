@@ -24,15 +24,15 @@ config file (its ``model`` section, or a ``preset``).
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 
-from tessera.config import PRESETS, ConfigError, ModelConfig, make_config
+from tessera.config import PRESETS, ConfigError, ModelConfig, load_yaml, make_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,7 +246,7 @@ def load_model(name_or_file: str | Path) -> ModelSpec:
 def model_from_file(path: Path) -> ModelSpec:
     """A ModelSpec table (optionally under [model]) or a tessera config file."""
     try:
-        raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else yaml.safe_load(
+        raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else load_yaml(
             path.read_text())
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError("--model", str(path), f"cannot be parsed: {e}".splitlines()[0]) from None
