@@ -67,6 +67,31 @@ def test_preset_flag_beats_config_file_and_file_beats_default(tmp_path):
     assert "d_model: 192" in runner.invoke(app, ["config"]).output
 
 
+def test_pipeline_with_one_microbatch_warns_once(tiny_data, monkeypatch):
+    import tessera.launch
+
+    monkeypatch.setattr(tessera.launch, "launch", lambda n, argv: 0)
+    monkeypatch.delenv("TESSERA_RELAUNCHED", raising=False)
+    args = ["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "2", "--pp", "2",
+            "--steps", "2"]
+    monkeypatch.setattr(sys, "argv", ["tessera", *args])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "warning: train.grad_accum=1 micro-batches with parallel.pp=2: pipeline ranks idle about "
+        "50% of each step; use --microbatches 8 (4*pp) or more",
+        "warning: train.warmup_steps=3 > train.steps=2: the learning rate never reaches "
+        "train.lr=0.003"]
+
+
+def test_interleaved_needs_two_chunks(tiny_data):
+    line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--pp", "2",
+                      "--schedule", "interleaved", "--microbatches", "2"])
+    assert "parallel.virtual_stages=1: interleaved 1F1B needs virtual_stages >= 2" in line
+    line = cli_error(["schedule", "--schedule", "interleaved", "--pp", "2"])
+    assert "--virtual=1: interleaved 1F1B needs --virtual >= 2" in line
+
+
 def test_config_prints_resolved_yaml():
     result = runner.invoke(app, ["config", "--preset", "tiny", "--set", "model.n_layers=3"])
     assert result.exit_code == 0 and "n_layers: 3" in result.output

@@ -94,9 +94,23 @@ CROSS_RULES = [
      "exceed model.n_layers=2"),
     (dict(model=dict(max_seq_len=16), data=dict(seq_len=32)), None, "data.seq_len=32",
      "model.max_seq_len=16"),
-    (dict(model=dict(n_layers=8), parallel=dict(pp=2, schedule="interleaved"),
+    (dict(model=dict(n_layers=8), parallel=dict(pp=2, schedule="interleaved", virtual_stages=2),
           train=dict(grad_accum=3)), None, "train.grad_accum=3", "multiple of parallel.pp=2"),
+    # Before: accepted silently, and run as plain 1F1B.
+    (dict(model=dict(n_layers=8), parallel=dict(pp=2, schedule="interleaved"),
+          train=dict(grad_accum=4)), None, "parallel.virtual_stages=1", "virtual_stages >= 2"),
 ]
+
+
+def test_warnings_for_legal_but_unlikely_settings():
+    # Before: one micro-batch under pp=2 and a warm-up longer than the run said nothing.
+    cfg = _cfg(model=dict(n_layers=4), parallel=dict(pp=2), train=dict(steps=5, warmup_steps=9))
+    pipeline, warmup = cfg.warnings()
+    assert pipeline.startswith("train.grad_accum=1 micro-batches with parallel.pp=2: pipeline "
+                               "ranks idle about 50% of each step; use --microbatches 8")
+    assert warmup == "train.warmup_steps=9 > train.steps=5: the learning rate never reaches " \
+                     "train.lr=0.003"
+    assert _cfg(parallel=dict(pp=2), train=dict(grad_accum=2)).warnings() == []
 
 
 @pytest.mark.parametrize("sections, world, field_name, rule", CROSS_RULES)

@@ -68,7 +68,7 @@ def test_train_refuses_bad_pipeline_input_before_launch(tiny_data):
     line = cli_error(base + ["--pp", "4", "--set", "model.n_layers=2"])
     assert "parallel.pp=4: pp*virtual_stages=4 stages exceed model.n_layers=2" in line
     line = cli_error(base + ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3",
-                         "--set", "model.n_layers=4"])
+                         "--virtual", "2", "--set", "model.n_layers=4"])
     assert "train.grad_accum=3" in line and "multiple of parallel.pp=2" in line
     line = cli_error(base + ["--pp", "2", "--cp", "2"])
     assert line == "error: parallel.cp=2: context parallelism is not in this build yet (must be 1)"

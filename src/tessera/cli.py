@@ -32,6 +32,7 @@ app.add_typer(plan_app, name="plan")
 
 EXIT_BAD_INPUT = 2
 DEFAULT_PRESET = "demo"
+RELAUNCHED = "TESSERA_RELAUNCHED"  # set for the ranks `train --nproc` launches
 
 
 def fail(message: str) -> typer.Exit:
@@ -147,10 +148,14 @@ def train(
             verify(resume_from, cfg, world)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+    if not under_launcher or (os.environ["RANK"] == "0" and RELAUNCHED not in os.environ):
+        for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
+            print(f"warning: {line}", file=sys.stderr, flush=True)
 
     if not under_launcher and world > 1:
         from tessera.launch import launch
 
+        os.environ[RELAUNCHED] = "1"
         raise typer.Exit(launch(world, strip_option(train_args(sys.argv[1:]), "--nproc")))
 
     from tessera.trainer import run
@@ -213,6 +218,9 @@ def schedule_cmd(
             raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
         if gather and zero_stage != 3:
             raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
+        if schedule == "interleaved" and virtual < 2 and file is None:
+            raise ConfigError("--virtual", virtual, "interleaved 1F1B needs --virtual >= 2 "
+                              "(with one chunk per rank it is plain 1f1b)")
         print(describe(load_schedule(schedule, pp, microbatches, virtual, file),
                        backward_ratio, dp_reduce, out, zero_stage, gather))
     except (ConfigError, ScheduleError) as e:

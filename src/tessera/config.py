@@ -286,6 +286,22 @@ class Config:
                      f"{world_size}")
         return self
 
+    def warnings(self) -> list[str]:
+        """Legal but probably unintended settings, one line each, for the user to read."""
+        p, t = self.parallel, self.train
+        out = []
+        if p.pp > 1 and t.grad_accum < p.pp:
+            # p stages and m micro-batches idle (p-1)/(m+p-1) of a step (GPipe, Huang et al.
+            # 2019; 1F1B keeps it, Narayanan et al. 2021); v chunks per rank divide it by v.
+            out.append(f"train.grad_accum={t.grad_accum} micro-batches with parallel.pp={p.pp}: "
+                       f"pipeline ranks idle about "
+                       f"{(p.pp - 1) / (t.grad_accum + p.pp - 1) / p.virtual_stages:.0%} of "
+                       f"each step; use --microbatches {4 * p.pp} (4*pp) or more")
+        if t.warmup_steps > t.steps:
+            out.append(f"train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the "
+                       f"learning rate never reaches train.lr={t.lr:g}")
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -59,6 +59,9 @@ def check_layout(cfg: Config) -> None:
         spec = SCHEDULES[p.schedule]
         _require(p.virtual_stages == 1 or spec.virtual, "parallel.virtual_stages",
                  p.virtual_stages, f"needs schedule interleaved or bfs, not {p.schedule!r}")
+        _require(p.schedule != "interleaved" or p.virtual_stages >= 2, "parallel.virtual_stages",
+                 p.virtual_stages, "interleaved 1F1B needs virtual_stages >= 2 (with one chunk "
+                 "per rank it is plain 1f1b)")
         _require(p.schedule != "interleaved" or t.grad_accum % p.pp == 0, "train.grad_accum",
                  t.grad_accum, f"interleaved 1F1B needs micro-batches a multiple of "
                  f"parallel.pp={p.pp}")
