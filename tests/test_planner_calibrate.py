@@ -40,3 +40,28 @@ def test_calibrate_bad_input_exits_2(tmp_path):
     r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "nope", "--out",
                                  str(tmp_path / "x.toml")])
     assert r.exit_code == 2 and "unknown model" in r.output
+
+
+def test_calibrate_default_out_is_untracked(tmp_path, monkeypatch):
+    # Before: the default --out was the tracked benchmarks/results/local_hardware.toml.
+    import tessera.planner.calibrate as calibrate_module
+    from tessera.planner.hardware import load_hardware as load
+
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: load("H100"))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "tiny"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "runs" / "local_hardware.toml").is_file()
+    assert not (tmp_path / "benchmarks").exists()
+
+
+def test_plan_prints_small_parameter_counts():
+    # Before: `plan --model tiny` printed `0.00B parameters`.
+    from tessera.planner.report import human_count
+
+    assert [human_count(n) for n in (912, 52_300, 123_600_000, 1_235_000_000)] == [
+        "912", "52.3K", "124M", "1.24B"]
+    r = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--global-batch",
+                                 "8", "--seq", "32", "--hardware", "H100", "--top", "1"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("tiny (131K parameters) on 2 x H100-SXM")

@@ -2,7 +2,7 @@
 
     tessera plan --model NAME|FILE --gpus N --hardware NAME|FILE --global-batch B --seq S
                  [--top K] [--explain] [--json] [--plot PNG] [--tokens T]
-    tessera plan calibrate [--model NAME|FILE] [--out FILE]
+    tessera plan calibrate [--model NAME|FILE] [--out FILE]   (default runs/local_hardware.toml)
 
 Bad input (an unknown model or hardware, a request no layout can satisfy) prints one line,
 ``error: ...``, and exits with code 2.
@@ -145,8 +145,9 @@ def calibrate_cmd(
     seq: Annotated[int | None, typer.Option(help="Sequence length (default: the model's).")
                    ] = None,
     micro_batch: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 16,
-    out: Annotated[str, typer.Option(help="Hardware file to write (TOML).")
-                   ] = "benchmarks/results/local_hardware.toml",
+    out: Annotated[str, typer.Option(
+        help="Hardware file to write (TOML); the default is under runs/, which git ignores.")
+    ] = "runs/local_hardware.toml",
     ranks: Annotated[int, typer.Option(help="Ranks for the collective measurement.")] = 2,
 ) -> None:
     """Measure this machine (matmul and attention rates at the model's shapes, memory

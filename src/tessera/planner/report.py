@@ -14,9 +14,17 @@ AXES = (("dp", "data parallel"), ("tp", "tensor parallel"), ("pp", "pipeline par
         ("micro_batch", "micro-batch size"), ("zero", "ZeRO stage"))
 
 
+def human_count(n: float) -> str:
+    """1_235_000_000 -> '1.24B', 123_600_000 -> '124M', 52_300 -> '52.3K', 912 -> '912'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
 def describe_workload(plan: Plan) -> str:
     w = plan.workload
-    return (f"{w.model.name} ({w.model.param_count / 1e9:.2f}B parameters) on {w.gpus} x "
+    return (f"{w.model.name} ({human_count(w.model.param_count)} parameters) on {w.gpus} x "
             f"{w.hardware.name}, global batch {w.global_batch} x {w.seq_len} tokens, "
             f"{w.precision}")
 
