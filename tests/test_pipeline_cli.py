@@ -111,3 +111,14 @@ def test_trainer_runs_pipeline_with_data_parallel(tiny_data, tmp_path):
     trace = json.loads((tmp_path / "pipeline_trace.json").read_text())
     computes = [e for e in trace["traceEvents"] if e.get("cat") in ("F", "B")]
     assert len(computes) == 2 * 4 * 2  # F and B of 2 micro-batches on 4 chunks
+
+
+def test_timeline_legend_names_what_hatching_means():
+    # Before: hatching marked the second chunk but the legend did not say so (and the README
+    # said it marked backward).
+    from tessera.pipeline.timeline import legend_handles
+
+    labels = [h.get_label() for h in legend_handles({"F", "B"}, 2)]
+    assert labels == ["forward (light)", "backward (dark)", "chunk 0", "chunk 1 (')",
+                      "blank = bubble"]
+    assert "chunk 0" not in [h.get_label() for h in legend_handles({"F", "B"}, 1)]

@@ -33,7 +33,6 @@ def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
-    from matplotlib.patches import Patch
 
     boxes = [e for e in events if e.kind in ("F", "B", *COMM)]
     n_ranks = n_ranks or (max((e.rank for e in boxes), default=0) + 1)
@@ -83,14 +82,7 @@ def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str =
     ax.set_ylim(-0.6, n_ranks - 0.4)
     ax.set_xlabel("time")
     ax.set_title(title)
-    legend = [Patch(facecolor=(0.8, 0.87, 0.95), edgecolor="black", label="forward (light)"),
-              Patch(facecolor=(0.15, 0.3, 0.5), edgecolor="black", label="backward (dark)"),
-              Patch(facecolor="white", edgecolor="none", label="blank = bubble")]
-    if any(e.kind in ("dp", "reduce") for e in boxes):
-        legend.append(Patch(facecolor="0.6", edgecolor="0.3", label="dp grad reduce"))
-    if any(e.kind == "unshard" for e in boxes):
-        legend.append(Patch(facecolor=GATHER_COLOR, edgecolor="0.3",
-                            label="param all-gather (UNSHARD)"))
+    legend = legend_handles({e.kind for e in boxes}, virtual)
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12 if n_ranks > 2
                                                                    else -0.22),
               ncol=len(legend), frameon=False, fontsize=8)
@@ -101,6 +93,26 @@ def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str =
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def legend_handles(kinds: set[str], virtual: int) -> list:
+    """The legend: shade is forward/backward; with several chunks per device, hatching and
+    primes are the chunk (not the direction)."""
+    from matplotlib.patches import Patch
+
+    legend = [Patch(facecolor=(0.8, 0.87, 0.95), edgecolor="black", label="forward (light)"),
+              Patch(facecolor=(0.15, 0.3, 0.5), edgecolor="black", label="backward (dark)")]
+    if virtual > 1:
+        legend += [Patch(facecolor="white", edgecolor="black", hatch=HATCHES[i % len(HATCHES)],
+                         label=f"chunk {i}" + (" (" + "'" * i + ")" if i else ""))
+                   for i in range(virtual)]
+    legend.append(Patch(facecolor="white", edgecolor="none", label="blank = bubble"))
+    if kinds & {"dp", "reduce"}:
+        legend.append(Patch(facecolor="0.6", edgecolor="0.3", label="dp grad reduce"))
+    if "unshard" in kinds:
+        legend.append(Patch(facecolor=GATHER_COLOR, edgecolor="0.3",
+                            label="param all-gather (UNSHARD)"))
+    return legend
 
 
 def chrome_trace(events: Sequence[TimelineEvent], time_unit: float = 1.0) -> dict:
