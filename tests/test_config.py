@@ -190,3 +190,12 @@ def test_defaults_derived():
     m = ModelConfig(d_model=192, n_heads=6)
     assert m.n_kv_heads == 6
     assert m.ffn_hidden == 512  # Llama: 2/3 * 4 * 192 = 512, already a multiple of 32
+
+
+def test_python_floor_has_tomllib():
+    # Before: pyproject said >= 3.10, but config.py imports tomllib (3.11+).
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["requires-python"] == ">=3.11"
