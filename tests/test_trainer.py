@@ -4,6 +4,7 @@ two ranks reproduces the single-process run step for step."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,13 @@ def test_loss_decreases_and_metrics_logged(tiny_data, tmp_path):
 
 
 def test_mfu_against_stated_peak(tiny_data, tmp_path):
+    started = time.time()
     run(_cfg(tiny_data, tmp_path, steps=2, peak_tflops=1.0, sample_tokens=0), progress=False)
     row = _metrics(tmp_path)[-1]
     assert row["mfu"] == pytest.approx(row["model_flops_per_s"] / 1e12)
+    # Every record carries the wall clock it was written at (Unix seconds).
+    times = [r["time"] for r in _metrics(tmp_path)]
+    assert started - 1 <= times[0] <= times[-1] <= time.time() + 1
 
 
 def test_warmup_cosine_schedule():

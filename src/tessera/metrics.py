@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ class JsonlLogger:
                 self.path.write_text("")
 
     def log(self, record: dict[str, Any]) -> None:
+        """Append `record` with `time`, the wall clock in Unix seconds (UTC), when it is written:
+        so runs can be lined up with each other and with system logs."""
         if self.path:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
