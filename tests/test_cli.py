@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -156,3 +158,38 @@ def test_launched_training_run(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "world=2" in proc.stdout and "dp=2" in proc.stdout
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 5  # step 0 + 4
+
+
+def _bpe_data(tmp_path) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["[UNK]", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text("def add(a, b):\n    return a + b\n" * 400)
+    out = tmp_path / "data"
+    result = runner.invoke(app, ["data", "prepare", "--source", str(tmp_path / "corpus.txt"),
+                                 "--tokenizer", str(tmp_path / "tokenizer.json"),
+                                 "--out", str(out), "--val-percent", "10"])
+    assert result.exit_code == 0, result.output
+    return str(out)
+
+
+def test_vocab_size_comes_from_the_datas_tokenizer(tmp_path):
+    # Before: `model.vocab_size=256: must be >= the data's vocabulary 26x` unless set by hand.
+    data = _bpe_data(tmp_path)
+    vocab = json.loads((Path(data) / "manifest.json").read_text())["vocab_size"]
+    assert vocab > 256
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--preset", "tiny", "--data", data, "--steps", "1",
+                                 "--out", str(out), "--no-progress", "--set",
+                                 "data.val_tokens=64", "--set", "data.seq_len=16"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["model"]["vocab_size"] == vocab
+    # A vocabulary named by hand is kept, and must fit the data.
+    line = cli_error(["train", "--preset", "tiny", "--data", data, "--set",
+                      "model.vocab_size=256"])
+    assert f"model.vocab_size=256: must be >= the data's vocabulary {vocab}" in line

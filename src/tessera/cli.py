@@ -12,6 +12,7 @@ Bad input (a config rule, a missing data path, an unknown preset) prints one lin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Annotated
@@ -138,7 +139,8 @@ def train(
     try:
         # Under a launcher the world is known; dp fills it unless given, as with --nproc.
         world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
-        cfg = resolve_config(preset, config, set_, flags, world_hint)
+        cfg = vocab_from_data(resolve_config(preset, config, set_, flags, world_hint), config,
+                              set_)
         world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
             nproc or cfg.parallel.world_size)
         cfg.validate(world)
@@ -164,6 +166,23 @@ def train(
         run(cfg, progress=not no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+
+
+def vocab_from_data(cfg: Config, config_file: str | None, sets: list[str] | None) -> Config:
+    """The model's vocabulary is the prepared data's tokenizer's, unless the config file or a
+    --set names model.vocab_size (then check_data holds the two to agreement)."""
+    from tessera.data.loader import DataError, TokenDataset
+
+    in_file = "vocab_size" in (load_file(config_file).get("model") or {}) if config_file else False
+    if in_file or any(s.replace(" ", "").startswith("model.vocab_size=") for s in sets or []):
+        return cfg
+    try:
+        vocab = TokenDataset(cfg.data.path, verify=False).vocab_size
+    except DataError:
+        return cfg  # check_data says what is wrong with the data
+    if vocab == cfg.model.vocab_size:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 def train_args(argv: list[str]) -> list[str]:
