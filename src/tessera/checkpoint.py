@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.config import Config
+from tessera.config import Config, ModelConfig
 
 FORMAT = 1
 META = "meta.json"
@@ -186,6 +186,37 @@ def verify(path: str | Path, cfg: Config, world: int) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint {f}: size or SHA-256 differs from {META} "
                                   "(corrupt or partly written)")
     return meta
+
+
+def find(path: str | Path) -> Path:
+    """A checkpoint directory from what a user types: the step directory itself, a checkpoint
+    root (its newest), or a run's out_dir (the newest under its checkpoints/)."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    found = latest(path) or latest(path / "checkpoints")
+    if found is None:
+        raise CheckpointError(f"checkpoint {path}: no {META} there, nor a complete step-* "
+                              "under it or under its checkpoints/")
+    return found
+
+
+def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """The full model a checkpoint holds (``model.pt``, in the reference model's names), its
+    config, and the checkpoint directory; `path` as :func:`find` reads it. The file's size and
+    SHA-256 are checked against the manifest first."""
+    path = find(path)
+    try:
+        meta = json.loads((path / META).read_text())
+        model_cfg = ModelConfig(**meta["model"])
+        want = meta["files"]["model.pt"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path / META}: unreadable manifest ({e})") from e
+    f = path / "model.pt"
+    if not f.is_file() or f.stat().st_size != want.get("bytes") or _sha256(f) != want.get(
+            "sha256"):
+        raise CheckpointError(f"checkpoint {f}: missing, or size or SHA-256 differs from {META}")
+    return model_cfg, torch.load(f, map_location="cpu", weights_only=True), path
 
 
 def load(path: str | Path, rank: int) -> dict[str, Any]:

@@ -5,6 +5,8 @@
     tessera data prepare [--source stdlib|PATH ...] [--out DIR] [--tokenizer byte|FILE]
     tessera config [--preset NAME] [--config FILE] [--set ...]     print the resolved config
     tessera schedule --schedule NAME --pp P --microbatches M [--virtual V] [--out DIR]
+    tessera generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] ...
+    tessera eval --checkpoint DIR --data DIR [--seq-len N] [--tokens N]
 
 Bad input (a config rule, a missing data path, an unknown preset) prints one line,
 ``error: <field>=<value>: <rule>``, and exits with code 2, on every rank, before any collective.
@@ -254,6 +256,111 @@ def show_config(preset: Preset = None, config: ConfigFile = None, set_: Sets = N
     except ConfigError as e:
         raise fail(str(e)) from None
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+
+
+Checkpoint = Annotated[str, typer.Option(
+    help="A checkpoint step directory, a checkpoint root, or a run's --out (its newest).")]
+
+
+def load_checkpoint_model(checkpoint: str, device: str):
+    """The reference model with a checkpoint's model.pt loaded, and the checkpoint directory."""
+    from tessera.checkpoint import load_model
+    from tessera.model import Transformer
+
+    model_cfg, state, path = load_model(checkpoint)
+    model = Transformer(model_cfg)
+    model.load_state_dict(state)
+    return model.to(device), path
+
+
+def tokenizer_for(spec: str):
+    """'byte', a tokenizer.json, or a prepared data directory (the tokenizer it was made with)."""
+    from tessera.data.loader import TokenDataset
+    from tessera.data.tokenizer import load_tokenizer
+
+    if os.path.isdir(spec):
+        spec = TokenDataset(spec, verify=False).tokenizer
+    return load_tokenizer(spec)
+
+
+@app.command("generate")
+def generate_cmd(
+    checkpoint: Checkpoint,
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
+    tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 200,
+    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Sample from the k likeliest tokens; 0: all.")] = 40,
+    top_p: Annotated[float, typer.Option(
+        help="Sample from the smallest set of tokens whose probability reaches p; 1: all.")
+    ] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    tokenizer: Annotated[str, typer.Option(
+        help="'byte', a tokenizer.json, or the prepared data directory the model trained on.")
+    ] = "byte",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Continue a prompt with a checkpoint's model (its model.pt), printed to stdout."""
+    from tessera.checkpoint import CheckpointError
+    from tessera.data.loader import DataError
+    from tessera.generate import generate
+
+    try:
+        for flag, value, ok, rule in (
+                ("--tokens", tokens, tokens >= 0, "must be >= 0"),
+                ("--temperature", temperature, temperature >= 0, "must be >= 0"),
+                ("--top-k", top_k, top_k >= 0, "must be >= 0"),
+                ("--top-p", top_p, 0 < top_p <= 1, "must be in (0, 1]")):
+            if not ok:
+                raise ConfigError(flag, value, rule)
+        tok = tokenizer_for(tokenizer)
+        model, _ = load_checkpoint_model(checkpoint, device)
+        if tok.vocab_size > model.cfg.vocab_size:
+            raise ConfigError("--tokenizer", tokenizer, f"its vocabulary {tok.vocab_size} "
+                              f"exceeds the model's {model.cfg.vocab_size}")
+        ids = generate(model, tok.encode(prompt), tokens, temperature, top_k or None, seed,
+                       top_p, stop=getattr(tok, "eot_id", None))
+    except (ConfigError, CheckpointError, DataError, FileNotFoundError, ValueError) as e:
+        raise fail(str(e)) from None
+    print(prompt + tok.decode(ids))
+
+
+@app.command("eval")
+def eval_cmd(
+    checkpoint: Checkpoint,
+    data: Annotated[str, typer.Option(help="Prepared data directory.")],
+    seq_len: Annotated[int | None, typer.Option(
+        help="Tokens per window; default: the model's max_seq_len.")] = None,
+    tokens: Annotated[int, typer.Option(help="Targets to score.")] = 65536,
+    split: Annotated[str, typer.Option(help="val or train.")] = "val",
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 16,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Validation loss (nats per token) and perplexity of a checkpoint's model."""
+    from tessera.checkpoint import CheckpointError
+    from tessera.data.loader import DataError, TokenDataset
+    from tessera.evaluate import evaluate
+
+    try:
+        if split not in ("val", "train"):
+            raise ConfigError("--split", split, "must be val or train")
+        for flag, value in (("--tokens", tokens), ("--batch-size", batch_size),
+                            ("--seq-len", seq_len or 1)):
+            if value < 1:
+                raise ConfigError(flag, value, "must be >= 1")
+        model, path = load_checkpoint_model(checkpoint, device)
+        dataset = TokenDataset(data)
+        if dataset.vocab_size > model.cfg.vocab_size:
+            raise ConfigError("--data", data, f"its vocabulary {dataset.vocab_size} exceeds "
+                              f"the model's {model.cfg.vocab_size}")
+        seq = seq_len or model.cfg.max_seq_len
+        if seq > model.cfg.max_seq_len:
+            raise ConfigError("--seq-len", seq, f"must be <= the model's max_seq_len="
+                              f"{model.cfg.max_seq_len}")
+        result = evaluate(model, dataset, seq, tokens, batch_size, split)
+    except (ConfigError, CheckpointError, DataError) as e:
+        raise fail(str(e)) from None
+    print(f"{path}: {split} loss {result.loss:.4f} nats/token, perplexity "
+          f"{result.perplexity:.2f} ({result.tokens:,} tokens of {data}, windows of {seq})")
 
 
 @data_app.command("prepare")
