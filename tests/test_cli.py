@@ -193,3 +193,21 @@ def test_vocab_size_comes_from_the_datas_tokenizer(tmp_path):
     line = cli_error(["train", "--preset", "tiny", "--data", data, "--set",
                       "model.vocab_size=256"])
     assert f"model.vocab_size=256: must be >= the data's vocabulary {vocab}" in line
+
+
+def test_profile_steps_write_a_trace(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["train", "--preset", "tiny", "--data", tiny_data, "--steps",
+                                 "3", "--profile-steps", "2:3", "--out", str(out),
+                                 "--no-progress", "--set", "data.seq_len=16", "--set",
+                                 "data.val_tokens=64", "--set", "train.sample_tokens=0"])
+    assert result.exit_code == 0, result.output
+    trace = json.loads((out / "profile" / "rank-00000.trace.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("profiled", False) for r in rows if r["step"] > 0] == [False, True, True]
+    assert "train.profile_steps='2:9': needs 1 <= A <= B <= train.steps=3" in cli_error(
+        ["train", "--preset", "tiny", "--data", tiny_data, "--steps", "3", "--profile-steps",
+         "2:9"])
+    assert "must look like A:B" in cli_error(["train", "--preset", "tiny", "--data", tiny_data,
+                                              "--profile-steps", "5"])

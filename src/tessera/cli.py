@@ -116,6 +116,9 @@ def train(
     precision: Annotated[str | None, typer.Option(help="fp32 or bf16.")] = None,
     peak_tflops: Annotated[float | None, typer.Option(
         help="Peak TFLOP/s of one device, for MFU.")] = None,
+    profile_steps: Annotated[str | None, typer.Option(
+        help="A:B: torch.profiler trace of steps A to B, per rank, under <out>/profile/.")
+    ] = None,
     data: Annotated[str | None, typer.Option(help="Prepared data directory.")] = None,
     out: Annotated[str | None, typer.Option(help="Output directory for metrics and sample.")
                    ] = None,
@@ -130,7 +133,8 @@ def train(
                          virtual_stages=virtual, recompute=recompute),
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
-                      checkpoint_interval=checkpoint_interval, resume=resume),
+                      checkpoint_interval=checkpoint_interval, resume=resume,
+                      profile_steps=profile_steps),
         "data": dict(path=data),
     }
     from tessera.checkpoint import CheckpointError, verify

@@ -229,6 +229,19 @@ class TrainConfig:
     """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
     there is one (else start fresh, so a restarted job picks up where it stopped)."""
 
+    profile_steps: str = ""
+    """'A:B': record steps A to B (1-based, both included) with torch.profiler and write one
+    Chrome/Perfetto trace per rank to <out_dir>/profile/; empty: no profiling. Profiled steps
+    run slower; their metrics records say "profiled": true."""
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """(A, B) of profile_steps, or None."""
+        if not self.profile_steps:
+            return None
+        a, _, b = self.profile_steps.partition(":")
+        return int(a), int(b)
+
     @property
     def checkpoint_root(self) -> str:
         return self.checkpoint_dir or f"{self.out_dir}/checkpoints"
@@ -256,6 +269,13 @@ class TrainConfig:
                  "must be >= 0")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",
                  self.peak_tflops, "must be > 0")
+        _require(not self.profile_steps or re.fullmatch(r"\d+:\d+", self.profile_steps)
+                 is not None, "train.profile_steps", self.profile_steps,
+                 "must look like A:B (steps A to B), e.g. 5:7")
+        if self.profile_range:
+            a, b = self.profile_range
+            _require(1 <= a <= b <= self.steps, "train.profile_steps", self.profile_steps,
+                     f"needs 1 <= A <= B <= train.steps={self.steps}")
 
 
 @dataclass(kw_only=True)

@@ -94,6 +94,34 @@ def resume_path(cfg: Config) -> Path | None:
     return Path(cfg.train.resume)
 
 
+class StepProfiler:
+    """torch.profiler around steps A..B (1-based, inclusive); one Chrome trace per rank."""
+
+    def __init__(self, steps: tuple[int, int] | None, out: Path, rank: int,
+                 device: torch.device):
+        self.steps, self.out, self.rank, self.device = steps, out, rank, device
+        self.prof: torch.profiler.profile | None = None
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> bool:
+        """Whether `step` was profiled; the trace is written after step B."""
+        if self.prof is None:
+            return False
+        if step == self.steps[1]:
+            self.prof.__exit__(None, None, None)
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.out / f"rank-{self.rank:05d}.trace.json"))
+            self.prof = None
+        return True
+
+
 def evaluate(executor, cfg: Config, dataset: TokenDataset, topo: Topology) -> float:
     """Mean validation loss in nats per token over data.val_tokens held-out tokens."""
     batches = val_windows(dataset.val, cfg.data.seq_len, cfg.data.val_tokens,
@@ -156,6 +184,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     elif rank0:
         print(f"resumed from {resume_from} at step {start}", flush=True)
 
+    profiler = StepProfiler(cfg.train.profile_range, out / "profile", topo.rank, device)
     # The bar only on a terminal: in a log file its redraws bury the metric lines.
     show_bar = rank0 and progress and sys.stderr.isatty()
     bar = tqdm(range(start, cfg.train.steps), disable=not show_bar, unit="step",
@@ -163,6 +192,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     for step in bar:
         # The last step also counts the activations saved for backward (the summary's memory).
         executor.runtime.measure_memory = step + 1 == cfg.train.steps
+        profiler.before(step + 1)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = executor.forward_backward(next(loader))
@@ -174,6 +204,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         dt = time.perf_counter() - t0
         step_times.append(dt)
         result.final_loss = loss
+        profiled = profiler.after(step + 1)
 
         record: dict[str, Any] = {
             "step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0],
@@ -182,6 +213,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             "mfu": mfu(flops_per_step / dt, peak, topo.world_size),
             "peak_mem_bytes": peak_memory_bytes(device),
         }
+        if profiled:
+            record["profiled"] = True
         last = step + 1 == cfg.train.steps
         every = cfg.train.eval_interval
         if last or (every and (step + 1) % every == 0):
