@@ -112,6 +112,20 @@ def test_jsonl_records_are_documents(tmp_path):
         prepare([str(one)], tmp_path / "out3", ByteTokenizer())
 
 
+def test_parquet_text_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(20)), "body": [f"row {i}" for i in range(20)]})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=7)
+    m = prepare([str(tmp_path / "d.parquet")], tmp_path / "out", ByteTokenizer(),
+                text_field="body")
+    assert sum(s["tokens"] for v in m["splits"].values() for s in v) == sum(
+        len(f"row {i}") + 2 for i in range(20))
+    with pytest.raises(ValueError, match=r"d.parquet: no column 'text' .*columns: id, body"):
+        prepare([str(tmp_path / "d.parquet")], tmp_path / "out2", ByteTokenizer())
+
+
 def test_documents_joined_by_the_tokenizers_end_of_text(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
