@@ -211,3 +211,13 @@ def test_profile_steps_write_a_trace(tiny_data, tmp_path):
          "2:9"])
     assert "must look like A:B" in cli_error(["train", "--preset", "tiny", "--data", tiny_data,
                                               "--profile-steps", "5"])
+
+
+def test_small_val_split_refused_at_start(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abcdefgh" * 500)  # 4,002 tokens, 2% (80) held out
+    data = tmp_path / "data"
+    assert runner.invoke(app, ["data", "prepare", "--source", str(corpus), "--out",
+                               str(data)]).exit_code == 0
+    line = cli_error(["train", "--preset", "tiny", "--data", str(data)])
+    assert f"data.val_tokens=4096: the val split of {data} holds 80 tokens" in line

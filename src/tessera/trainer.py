@@ -63,6 +63,16 @@ def check_data(cfg: Config) -> TokenDataset:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"must be >= the data's vocabulary {dataset.vocab_size} "
                           f"({cfg.data.path})")
+    # The validation windows (val_windows): ceil(val_tokens / seq_len) of them, a multiple of
+    # dp, each seq_len + 1 tokens long.
+    seq, dp = cfg.data.seq_len, cfg.parallel.dp
+    windows = math.ceil(cfg.data.val_tokens / seq)
+    windows += (-windows) % dp
+    if windows * seq + 1 > len(dataset.val):
+        raise ConfigError("data.val_tokens", cfg.data.val_tokens,
+                          f"the val split of {cfg.data.path} holds {len(dataset.val)} tokens, "
+                          f"fewer than the validation windows need ({windows * seq + 1}); lower "
+                          "it or prepare with a larger --val-percent")
     return dataset
 
 
