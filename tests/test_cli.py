@@ -150,14 +150,16 @@ def test_real_process_bad_layout_exit_code(tiny_data):
 @pytest.mark.slow
 def test_launched_training_run(tiny_data, tmp_path):
     # `tessera train --nproc 2` goes through torch's elastic launcher and trains on two ranks.
+    # `--out train` (a value equal to the command word) survives the relaunch.
     proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--preset", "tiny",
                            "--data", tiny_data, "--nproc", "2", "--steps", "4",
-                           "--out", str(tmp_path), "--no-progress", "--set", "data.seq_len=16",
-                           "--set", "data.val_tokens=256"],
-                          capture_output=True, text=True, timeout=300)
+                           "--set", "data.seq_len=16", "--set", "data.val_tokens=256",
+                           "--out", "train", "--no-progress"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "world=2" in proc.stdout and "dp=2" in proc.stdout
-    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 5  # step 0 + 4
+    assert (tmp_path / "train" / "metrics.jsonl").read_text().count("\n") == 5  # step 0 + 4
+    assert not (tmp_path / "--no-progress").exists()
 
 
 def _bpe_data(tmp_path) -> str:
