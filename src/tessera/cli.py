@@ -7,6 +7,7 @@
     tessera schedule --schedule NAME --pp P --microbatches M [--virtual V] [--out DIR]
     tessera generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] ...
     tessera eval --checkpoint DIR --data DIR [--seq-len N] [--tokens N]
+    tessera export-hf --checkpoint DIR --out DIR          (a Hugging Face Llama directory)
 
 Bad input (a config rule, a missing data path, an unknown preset) prints one line,
 ``error: <field>=<value>: <rule>``, and exits with code 2, on every rank, before any collective.
@@ -263,15 +264,25 @@ def show_config(preset: Preset = None, config: ConfigFile = None, set_: Sets = N
 
 
 Checkpoint = Annotated[str, typer.Option(
-    help="A checkpoint step directory, a checkpoint root, or a run's --out (its newest).")]
+    help="A checkpoint step directory, a checkpoint root, a run's --out (its newest), or a "
+         "Hugging Face Llama directory (config.json + *.safetensors).")]
 
 
 def load_checkpoint_model(checkpoint: str, device: str):
-    """The reference model with a checkpoint's model.pt loaded, and the checkpoint directory."""
-    from tessera.checkpoint import load_model
+    """The reference model with a checkpoint's model.pt (or a Hugging Face Llama directory's
+    weights) loaded, and the directory read."""
+    from pathlib import Path
+
+    from tessera.checkpoint import META, load_model
     from tessera.model import Transformer
 
-    model_cfg, state, path = load_model(checkpoint)
+    path = Path(checkpoint)
+    if (path / "config.json").is_file() and not (path / META).is_file():
+        from tessera.hf import load_hf
+
+        model_cfg, state = load_hf(path)
+    else:
+        model_cfg, state, path = load_model(checkpoint)
     model = Transformer(model_cfg)
     model.load_state_dict(state)
     return model.to(device), path
@@ -328,6 +339,24 @@ def generate_cmd(
     print(prompt + tok.decode(ids))
 
 
+@app.command("export-hf")
+def export_hf_cmd(
+    checkpoint: Checkpoint,
+    out: Annotated[str, typer.Option(help="Directory to write config.json and "
+                                          "model.safetensors to.")],
+) -> None:
+    """Write a checkpoint's model as a Hugging Face Llama directory (LlamaForCausalLM reads it)."""
+    from tessera.checkpoint import CheckpointError, load_model
+    from tessera.hf import HFError, save_hf
+
+    try:
+        model_cfg, state, path = load_model(checkpoint)
+        written = save_hf(model_cfg, state, out)
+    except (CheckpointError, HFError) as e:
+        raise fail(str(e)) from None
+    print(f"{path} -> {written} (config.json, model.safetensors)")
+
+
 @app.command("eval")
 def eval_cmd(
     checkpoint: Checkpoint,
@@ -361,7 +390,7 @@ def eval_cmd(
             raise ConfigError("--seq-len", seq, f"must be <= the model's max_seq_len="
                               f"{model.cfg.max_seq_len}")
         result = evaluate(model, dataset, seq, tokens, batch_size, split)
-    except (ConfigError, CheckpointError, DataError) as e:
+    except (ConfigError, CheckpointError, DataError, ValueError) as e:
         raise fail(str(e)) from None
     print(f"{path}: {split} loss {result.loss:.4f} nats/token, perplexity "
           f"{result.perplexity:.2f} ({result.tokens:,} tokens of {data}, windows of {seq})")
