@@ -70,3 +70,42 @@ def test_top_k_and_top_p_filters():
     assert kept(filter_logits(logits, None, 0.5)) == [0]  # 0.5 alone reaches p
     assert kept(filter_logits(logits, None, 0.7)) == [0, 2]  # 0.5 + 0.3 >= 0.7
     assert kept(filter_logits(logits, None, 1.0)) == [0, 1, 2, 3]
+
+
+def test_init_from_a_checkpoint_starts_where_it_ended(trained, tiny_data, tmp_path):
+    # The new run's step-0 validation scores the loaded weights on the same windows: it equals
+    # the first run's last validation loss (same fp32 model, same windows, same batching).
+    summary = json.loads((trained / "summary.json").read_text())
+    out = tmp_path / "second"
+    result = runner.invoke(app, [
+        "train", "--preset", "demo", "--data", tiny_data, "--steps", "1", "--dp", "1",
+        "--init-from", str(trained), "--out", str(out), "--no-progress", "--set",
+        "data.seq_len=16", "--set", "data.val_tokens=256", "--set", "train.sample_tokens=0",
+        "--set", "train.micro_batch_size=8"])
+    assert result.exit_code == 0, result.output
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0
+    assert first["val_loss"] == pytest.approx(summary["val_losses"][-1][1], abs=1e-6)
+    # The model's shape came from the weights (tiny's), not from the demo preset.
+    assert json.loads((out / "config.json").read_text())["model"]["d_model"] == 64
+    assert "no meta.json there" in cli_error(["train", "--preset", "tiny", "--data", tiny_data,
+                                              "--init-from", str(tmp_path / "none")])
+
+
+@pytest.mark.slow
+def test_init_from_under_tensor_parallelism(trained, tiny_data, tmp_path):
+    # Each tp rank cuts its shards from the loaded full tensors, as from the initializer.
+    import subprocess
+    import sys
+
+    summary = json.loads((trained / "summary.json").read_text())
+    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--preset", "tiny",
+                           "--data", tiny_data, "--nproc", "2", "--tp", "2", "--steps", "1",
+                           "--init-from", str(trained), "--out", str(tmp_path / "tp"),
+                           "--no-progress", "--set", "data.seq_len=16", "--set",
+                           "data.val_tokens=256", "--set", "train.sample_tokens=0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = json.loads((tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()[0])
+    # tp splits the matrix multiplies' sums across ranks: float32 reassociation only.
+    assert first["val_loss"] == pytest.approx(summary["val_losses"][-1][1], abs=1e-5)

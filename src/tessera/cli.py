@@ -117,6 +117,9 @@ def train(
     precision: Annotated[str | None, typer.Option(help="fp32 or bf16.")] = None,
     peak_tflops: Annotated[float | None, typer.Option(
         help="Peak TFLOP/s of one device, for MFU.")] = None,
+    init_from: Annotated[str | None, typer.Option(
+        help="Start from these weights (a checkpoint, a run's --out, or a Hugging Face Llama "
+             "directory); the model's shape comes from them.")] = None,
     profile_steps: Annotated[str | None, typer.Option(
         help="A:B: torch.profiler trace of steps A to B, per rank, under <out>/profile/.")
     ] = None,
@@ -135,7 +138,7 @@ def train(
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,
-                      profile_steps=profile_steps),
+                      profile_steps=profile_steps, init_from=init_from),
         "data": dict(path=data),
     }
     from tessera.checkpoint import CheckpointError, verify
@@ -146,8 +149,9 @@ def train(
     try:
         # Under a launcher the world is known; dp fills it unless given, as with --nproc.
         world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
-        cfg = vocab_from_data(resolve_config(preset, config, set_, flags, world_hint), config,
-                              set_)
+        cfg = resolve_config(preset, config, set_, flags, world_hint)
+        cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config,
+                                                                                 set_)
         world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
             nproc or cfg.parallel.world_size)
         cfg.validate(world)
@@ -173,6 +177,18 @@ def train(
         run(cfg, progress=not no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+
+
+def model_from_weights(cfg: Config) -> Config:
+    """With train.init_from, the model section is the weights' own."""
+    from tessera.hf import HFError
+    from tessera.weights import weights_config
+
+    try:
+        model = weights_config(cfg.train.init_from)
+    except HFError as e:
+        raise ConfigError("train.init_from", cfg.train.init_from, str(e)) from None
+    return dataclasses.replace(cfg, model=model)
 
 
 def vocab_from_data(cfg: Config, config_file: str | None, sets: list[str] | None) -> Config:
@@ -269,20 +285,16 @@ Checkpoint = Annotated[str, typer.Option(
 
 
 def load_checkpoint_model(checkpoint: str, device: str):
-    """The reference model with a checkpoint's model.pt (or a Hugging Face Llama directory's
-    weights) loaded, and the directory read."""
+    """The reference model with the weights at `checkpoint` loaded (a checkpoint's model.pt or
+    a Hugging Face Llama directory), and the directory read."""
     from pathlib import Path
 
-    from tessera.checkpoint import META, load_model
+    from tessera.checkpoint import find
     from tessera.model import Transformer
+    from tessera.weights import is_hf_dir, load_weights
 
-    path = Path(checkpoint)
-    if (path / "config.json").is_file() and not (path / META).is_file():
-        from tessera.hf import load_hf
-
-        model_cfg, state = load_hf(path)
-    else:
-        model_cfg, state, path = load_model(checkpoint)
+    path = Path(checkpoint) if is_hf_dir(checkpoint) else find(checkpoint)
+    model_cfg, state = load_weights(path)
     model = Transformer(model_cfg)
     model.load_state_dict(state)
     return model.to(device), path

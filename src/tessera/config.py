@@ -229,6 +229,10 @@ class TrainConfig:
     """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
     there is one (else start fresh, so a restarted job picks up where it stopped)."""
 
+    init_from: str = ""
+    """Start from these weights instead of the random initialization: a checkpoint (step
+    directory, checkpoint root or run directory: its model.pt) or a Hugging Face Llama directory.
+    The model section is taken from them; the optimizer starts fresh."""
     profile_steps: str = ""
     """'A:B': record steps A to B (1-based, both included) with torch.profiler and write one
     Chrome/Perfetto trace per rank to <out_dir>/profile/; empty: no profiling. Profiled steps

@@ -34,7 +34,7 @@ tensors, gradient ownership for the global norm, full state dicts in reference n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -378,11 +378,31 @@ def _tie_group(topo: Topology, owner: tuple[int, ...]) -> dist.ProcessGroup | No
     return mine
 
 
+def initial_values(cfg: Config) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """(reference name, shape) -> the parameter's full starting value: the reference
+    initializer's, or with train.init_from the loaded model's (every rank loads it whole and
+    cuts its own shards, as from the initializer)."""
+    if not cfg.train.init_from:
+        return lambda name, shape: init_tensor(cfg.model, name, shape, cfg.train.seed)
+    from tessera.weights import load_weights
+
+    _, state = load_weights(cfg.train.init_from)
+
+    def loaded(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in state or tuple(state[name].shape) != shape:
+            raise ConfigError("train.init_from", cfg.train.init_from,
+                              f"has no tensor {name!r} of shape {shape}")
+        return state[name].float()
+
+    return loaded
+
+
 def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Schedule,
                  tp: TPContext) -> dict[int, Chunk]:
     """Steps 1, 2 and 4 of the module doc: this rank's chunks, TP-split and recomputing."""
     pp_rank = topo.coords()["pp"]
     seed = cfg.train.seed
+    initial = initial_values(cfg)
     specs = partition(cfg.model, schedule.n_chunks, cfg.data.seq_len)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     chunks: dict[int, Chunk] = {}
@@ -392,7 +412,7 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
             chunk = Chunk(cfg.model, specs[c], shared_embedding=shared)
         if tp.size > 1:
             def full(name: str, shape: tuple[int, ...], chunk: Chunk = chunk) -> torch.Tensor:
-                return init_tensor(cfg.model, chunk.reference_name(name), shape, seed)
+                return initial(chunk.reference_name(name), tuple(shape))
 
             parallelize_module(chunk, tp, full)
             if chunk._shared:  # the head reads the (vocab-parallel) embedding of chunk 0
@@ -407,7 +427,7 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
             if tp.sequence_parallel:
                 chunk.seq_scale = tp.size
         else:
-            chunk.materialize(seed, device)
+            chunk.materialize(seed, device, initial)
         chunk.compute_dtype = dtype
         apply_recompute(chunk, cfg.parallel.recompute)
         chunks[c] = chunk

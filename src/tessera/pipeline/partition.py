@@ -19,7 +19,7 @@ steps and stay equal (Megatron-LM's embedding group).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,11 +110,16 @@ class Chunk(nn.Module):
         return name
 
     @torch.no_grad()
-    def materialize(self, seed: int, device: str | torch.device = "cpu") -> Chunk:
+    def materialize(self, seed: int, device: str | torch.device = "cpu",
+                    initial: Callable[[str, tuple[int, ...]], torch.Tensor] | None = None
+                    ) -> Chunk:
         """Give every parameter its reference initial value (``init_tensor`` under its
-        reference name) on `device`; meta parameters are replaced, others overwritten."""
+        reference name, or ``initial(reference name, shape)``: loaded weights) on `device`;
+        meta parameters are replaced, others overwritten."""
         for name, p in list(self.named_parameters()):
-            value = init_tensor(self.cfg, self.reference_name(name), p.shape, seed)
+            ref = self.reference_name(name)
+            value = (initial(ref, tuple(p.shape)) if initial is not None
+                     else init_tensor(self.cfg, ref, p.shape, seed))
             if p.is_meta:
                 owner_name, _, attr = name.rpartition(".")
                 setattr(self.get_submodule(owner_name), attr,
