@@ -168,8 +168,12 @@ def train(
     if not under_launcher and world > 1:
         from tessera.launch import launch
 
-        os.environ[RELAUNCHED] = "1"
-        raise typer.Exit(launch(world, strip_option(train_args(sys.argv[1:]), "--nproc")))
+        os.environ[RELAUNCHED] = "1"  # the ranks inherit it: they do not warn again
+        try:
+            code = launch(world, strip_option(train_args(sys.argv[1:]), "--nproc"))
+        finally:
+            del os.environ[RELAUNCHED]
+        raise typer.Exit(code)
 
     from tessera.trainer import run
 
