@@ -223,3 +223,16 @@ def test_small_val_split_refused_at_start(tmp_path):
                                str(data)]).exit_code == 0
     line = cli_error(["train", "--preset", "tiny", "--data", str(data)])
     assert f"data.val_tokens=4096: the val split of {data} holds 80 tokens" in line
+
+
+@pytest.mark.slow
+def test_launched_run_warns_once(tiny_data, tmp_path):
+    # The parent warns before the relaunch; the ranks it starts do not warn again.
+    proc = subprocess.run([sys.executable, "-m", "tessera", "train", "--preset", "tiny",
+                           "--data", tiny_data, "--nproc", "2", "--pp", "2", "--steps", "2",
+                           "--out", str(tmp_path), "--no-progress", "--set", "data.seq_len=16",
+                           "--set", "data.val_tokens=256", "--set", "train.sample_tokens=0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: ")]
+    assert len(warnings) == 2 and "pipeline ranks idle" in warnings[0]
