@@ -1,4 +1,7 @@
-"""Run a function on N gloo ranks: the harness every multi-process test and benchmark uses.
+"""Test support: the multi-rank harness, and the tolerance of every parity comparison.
+
+Ranks. ``run_ranks`` runs a function on N gloo ranks: the harness every multi-process test and
+benchmark uses.
 
     results = run_ranks(my_check, world_size=4, args=(cfg,))
 
@@ -14,10 +17,28 @@ a fraction of a second, and it is forked from a clean single-threaded process. F
 process itself is not safe: its store server thread (or a thread a library started) may hold a
 lock at the moment of the fork, and the child then hangs in ``init_process_group``. So `fn` and
 its arguments must be picklable: a module-level function in an importable module.
+
+Tolerances. A parity test compares a parallel run with the single-device model; the two compute
+the same sums in another order (other ranks, other shards, other kernel blocking), nothing
+else. ``assert_close_summed(actual, expected, terms=n)`` bounds one such comparison by
+n·ε·(magnitude of what was summed) times a small safety factor (`summation_bound` has the
+derivation); ``summation_error`` gives the share of that bound used, for checks made on a rank;
+``assert_curves_close`` compares per-step metric curves of two free-running trainings.
+
+What the bound does not cover is Adam: AdamW divides each gradient entry by its own running
+RMS, so an entry whose gradient is itself round-off sized takes a visibly different step in
+two runs whose gradients differ only by round-off, and the parameters that differ feed every
+later step. No bound on the parameters of two free-running runs follows from the summation
+bound, short of lr·steps (how far Adam can move anything), which would let real bugs through.
+So the parity tests compare each step against the single-device model started from the run's
+own parameters (tests/dp_parity.py's ``Shadow``): its gradients within the summation bound,
+then AdamW applied to the run's parameters and the run's own gradients, which leaves only the
+roundings of the elementwise update.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -112,3 +133,153 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict |
         raise RankFailure(f"ranks {sorted(pending)} of {world_size} did not finish within "
                           f"{timeout:.0f}s (deadlock or too slow)")
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances of parity comparisons.
+
+SAFETY = 4.0
+"""Default safety factor of `summation_bound` (see its docstring for what it covers)."""
+
+_LOG_ENV = "TESSERA_TOLERANCE_LOG"
+
+
+def summation_bound(terms: int, scale: float | torch.Tensor, dtype: torch.dtype = torch.float32,
+                    safety: float = SAFETY) -> float | torch.Tensor:
+    """How far apart two computations of the same sum can land when they add its `terms` terms
+    in different orders: ``safety · terms · ε(dtype) · scale``.
+
+    Derivation: floating-point summation of n terms returns Σxᵢ + e with
+    |e| ≤ (n−1)·u·Σ|xᵢ| + O(u²), u = ε/2 the unit round-off (Higham, "Accuracy and Stability of
+    Numerical Algorithms", 2nd ed., §4.2, recursive summation; pairwise, blocked and ring orders
+    have smaller constants). Two orders each within that of the exact sum lie within
+    n·ε·Σ|xᵢ| of each other. `scale` is Σ|xᵢ| in the units of the result (divided by n for a
+    mean), i.e. the result's magnitude had nothing cancelled; it may be a tensor (elementwise).
+
+    `safety` covers what the formula leaves out when a test cannot know Σ|xᵢ| per element and
+    passes the magnitude of the result instead (`assert_close_summed`'s default): sums that
+    partly cancel, and terms that themselves carry round-off from reordered sums upstream
+    (activations of a layer computed in another blocking). 4 is measured to suffice for every
+    parity test of this repository under ATEN_CPU_CAPABILITY default, avx2 and avx512; a
+    tolerance that needs more says why next to its call.
+    """
+    return safety * terms * torch.finfo(dtype).eps * scale
+
+
+def assert_close_summed(actual: torch.Tensor | float, expected: torch.Tensor | float, *,
+                        terms: int, scale: float | torch.Tensor | None = None,
+                        dtype: torch.dtype = torch.float32, safety: float = SAFETY,
+                        msg: str = "") -> None:
+    """Assert that `actual` equals `expected` up to reordering the sums that produced them.
+
+    ``|actual − expected| <= summation_bound(terms, scale, dtype, safety)`` elementwise, where
+
+    - `terms`: how many values were added into each element along the reduction whose order
+      differs (e.g. the tokens of the global batch for a data-parallel gradient: each rank sums
+      its tokens, then the ranks' partial sums are added);
+    - `scale`: the magnitude of what was summed (Σ|xᵢ|, in the result's units); by default the
+      largest magnitude in `expected`. One scale per tensor is deliberate: an element whose terms
+      cancel to ~0 carries the round-off of terms as large as its neighbours', which a relative
+      tolerance per element (or a fixed absolute one) denies it;
+    - `dtype`: the precision the sums ran in (fp32 unless told).
+
+    The message names the worst element and how the bound was made. With the environment
+    variable TESSERA_TOLERANCE_LOG=path, every check appends ``share-of-bound-used msg`` to that
+    file: the headroom each tolerance has on this machine's kernels.
+    """
+    used, detail = _summation_check(actual, expected, terms, scale, dtype, safety, msg)
+    if used > 1.0:
+        raise AssertionError(detail)
+
+
+def summation_error(actual: torch.Tensor | float, expected: torch.Tensor | float, *,
+                    terms: int, scale: float | torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32, safety: float = SAFETY,
+                    msg: str = "") -> float:
+    """The share of `assert_close_summed`'s bound that |actual − expected| uses (<= 1 is
+    within it): for checks made where they cannot raise, e.g. on a rank that collects results
+    for the test process to assert on."""
+    return _summation_check(actual, expected, terms, scale, dtype, safety, msg)[0]
+
+
+def assert_curves_close(actual: Sequence[float], expected: Sequence[float], *,
+                        terms_per_step: int, msg: str = "") -> None:
+    """Assert that two per-step metric curves (losses, gradient norms) of free-running
+    trainings that differ only in the order of their sums agree: the value of step k (1-based)
+    within the summation bound over k·terms_per_step terms, relative to its own magnitude.
+
+    Why k·terms: every step reorders one more sum of terms_per_step terms (e.g. the global
+    batch's tokens), whose round-off moves the parameters, and a loss sees a parameter change
+    only through ⟨g, Δp⟩. Adam's amplification of round-off (module docstring) lands on
+    entries whose gradient is itself round-off sized, which such a metric barely sees, so the
+    differences add up step by step rather than compound. Gradients and parameters are not
+    compared this way: see the module docstring.
+    """
+    actual, expected = list(actual), list(expected)
+    if len(actual) != len(expected):
+        raise AssertionError(f"{msg}: {len(actual)} steps != expected {len(expected)}")
+    for k, (got, want) in enumerate(zip(actual, expected, strict=True), 1):
+        assert_close_summed(got, want, terms=k * terms_per_step, msg=f"{msg} step {k}")
+
+
+def _as_float64(actual, expected, msg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    actual_t = torch.as_tensor(actual).detach().double().cpu()
+    expected_t = torch.as_tensor(expected).detach().double().cpu()
+    if actual_t.shape != expected_t.shape:
+        raise AssertionError(f"{msg}: shape {tuple(actual_t.shape)} != expected "
+                             f"{tuple(expected_t.shape)}")
+    return actual_t, expected_t
+
+
+def _summation_check(actual, expected, terms: int, scale, dtype: torch.dtype, safety: float,
+                     msg: str) -> tuple[float, str]:
+    actual_t, expected_t = _as_float64(actual, expected, msg)
+    if scale is None:
+        scale = float(expected_t.abs().max()) if expected_t.numel() else 0.0
+    bound = summation_bound(terms, scale, dtype, safety)
+    return _within(actual_t, expected_t, bound, lambda: (
+        f"bound = {safety:g} safety x {terms} terms x eps({str(dtype).removeprefix('torch.')})"
+        f" x scale {_fmt_scale(scale)}"), msg)
+
+
+def _log(used: float, msg: str) -> None:
+    path = os.environ.get(_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{used:.4g} {msg}\n")
+
+
+def _fmt_scale(scale: float | torch.Tensor) -> str:
+    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        return f"(elementwise, max {float(scale.max()):.3g})" if scale.numel() else "(empty)"
+    return f"{float(scale):.3g}"
+
+
+def _within(actual: torch.Tensor, expected: torch.Tensor, bound: float | torch.Tensor,
+            how: Callable[[], str], msg: str) -> tuple[float, str]:
+    """The largest share of `bound` that |actual − expected| uses (NaN and inf use all of it
+    unless equal), and the message that names the worst element."""
+    err = (actual - expected).abs()
+    largest = float(err.max()) if err.numel() else 0.0
+    if math.isfinite(largest) and not isinstance(bound, torch.Tensor):  # the common case, fast
+        worst = largest / bound if largest > 0 else 0.0
+        _log(worst, msg)
+        if worst <= 1.0:
+            return worst, ""
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    err = torch.where(same, torch.zeros_like(actual), err.nan_to_num(nan=float("inf")))
+    bound_t = torch.as_tensor(bound, dtype=torch.float64).expand_as(err)
+    # 0 where equal, inf where the bound is 0 and not met.
+    used = torch.where(err == 0, torch.zeros_like(err), err / bound_t)
+    worst = float(used.max()) if used.numel() else 0.0
+    if not (math.isfinite(largest) and not isinstance(bound, torch.Tensor)):
+        _log(worst, msg)
+    if worst <= 1.0:
+        return worst, ""
+    i = int(used.flatten().argmax())
+    index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), err.shape)) \
+        if err.dim() else ()
+    return worst, (
+        f"{msg}: |actual - expected| = {float(err.flatten()[i]):.3g} at {index} (actual "
+        f"{float(actual.flatten()[i]):.8g}, expected {float(expected.flatten()[i]):.8g}) is "
+        f"{worst:.3g}x the {how()} = {float(bound_t.flatten()[i]):.3g}")
