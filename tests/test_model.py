@@ -16,6 +16,7 @@ from tessera.model import (
     param_count,
     rope_tables,
 )
+from tessera.testing import assert_close_summed
 
 SHAPES = [
     dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
@@ -69,8 +70,9 @@ def test_causal_future_does_not_leak():
     x = torch.randint(0, 256, (1, 16))
     y = x.clone()
     y[0, 10:] = (y[0, 10:] + 1) % 256
-    # Positions before the change see identical inputs; fp32 results identical to 1e-6.
-    torch.testing.assert_close(model(x)[0, :10], model(y)[0, :10], rtol=0, atol=1e-6)
+    # Positions before the change see identical inputs: the same sums, at most blocked
+    # differently by the attention kernel (16 positions).
+    assert_close_summed(model(y)[0, :10], model(x)[0, :10], terms=16, msg="positions < 10")
     assert not torch.allclose(model(x)[0, 10:], model(y)[0, 10:])
 
 
