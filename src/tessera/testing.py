@@ -8,8 +8,10 @@ benchmark uses.
 ``my_check(*args)`` runs in N processes with the default process group already initialized
 (gloo on CPU, one thread each so N ranks do not oversubscribe 2 cores). Each rank's return
 value comes back in rank order. If any rank raises, the call raises ``RankFailure`` carrying
-that rank's traceback; if ranks are still running after `timeout` seconds they are killed and
-``RankFailure`` says which ones hung.
+that rank's traceback and the ranks that had not finished; if ranks are still running after
+`timeout` seconds they are killed and ``RankFailure`` says which ones hung. Each rank's
+collectives time out after `collective_timeout_s()` seconds (20, or
+TESSERA_TEST_COLLECTIVE_TIMEOUT), so a deadlock fails in seconds, not after gloo's default.
 
 The rendezvous store lives in the parent on a port the OS picks, so parallel tests never race
 for a free port. Ranks start from a fork server that has imported torch once: a rank starts in
@@ -51,13 +53,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+COLLECTIVE_TIMEOUT_ENV = "TESSERA_TEST_COLLECTIVE_TIMEOUT"
+DEFAULT_COLLECTIVE_TIMEOUT = 20.0
+
 
 class RankFailure(AssertionError):
     """A rank raised, or hung past the timeout."""
 
 
 def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size: int,
-               port: int, backend: str, threads: int, conn: Any) -> None:
+               port: int, backend: str, threads: int, collective_timeout: float,
+               conn: Any) -> None:
     try:
         torch.set_num_threads(threads)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -65,7 +71,7 @@ def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=60))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+                                timeout=timedelta(seconds=collective_timeout))
         result = fn(*args, **kwargs)
         try:
             dist.barrier()
@@ -78,10 +84,26 @@ def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size
         conn.close()
 
 
+def collective_timeout_s() -> float:
+    """The timeout a test rank's collectives get: TESSERA_TEST_COLLECTIVE_TIMEOUT seconds, 20
+    unless set. Collectives in these tests move kilobytes between ranks doing the same work,
+    so a wait of 20 s means a rank is missing, not slow; gloo's default (30 min; torch's
+    default_pg_timeout) or the 120 s used before would only delay the report of a deadlock."""
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT))
+
+
 def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | None = None,
               *, timeout: float = 180.0, backend: str = "gloo", threads: int = 1,
-              start_method: str = "forkserver") -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on `world_size` ranks; return the per-rank results."""
+              start_method: str = "forkserver",
+              collective_timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on `world_size` ranks; return the per-rank results.
+
+    `timeout`: seconds for the whole run before the ranks still running are killed.
+    `collective_timeout`: seconds any one collective or receive may wait before it raises on
+    its rank (default `collective_timeout_s()`): a deadlock fails fast, naming the rank that
+    timed out and the ranks that had not finished."""
+    if collective_timeout is None:
+        collective_timeout = collective_timeout_s()
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # torch._dynamo: AdamW imports it lazily, ~1.4 s per rank if not preloaded.
@@ -93,7 +115,8 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict |
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, args=(fn, args, kwargs or {}, rank, world_size,
-                                                 server.port, backend, threads, send),
+                                                 server.port, backend, threads,
+                                                 collective_timeout, send),
                         daemon=True)
         p.start()
         send.close()
@@ -120,7 +143,10 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict |
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
-                failure = f"rank {rank} failed:\n{payload}"
+                still = sorted(pending)
+                waiting = (f" (ranks {still} of {world_size} had not finished: hung, or waiting "
+                           f"for rank {rank})") if still else ""
+                failure = f"rank {rank} failed{waiting}:\n{payload}"
                 break
     for p in procs:
         if failure is not None or pending:
