@@ -47,7 +47,7 @@ from tessera.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from tessera.parallel.tp_engine import TensorParallelEngine
-from tessera.testing import run_ranks, summation_error
+from tessera.testing import assert_close_summed, run_ranks, summation_error
 from tessera.topology import Topology
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH = 251, 32, 4, 2, 16, 2
@@ -240,11 +240,54 @@ def _conjugates(t: int) -> dict:
     return out
 
 
+def large_logits(shift: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, VOCAB) logits around `shift`, each row with a spike `shift` higher in a random
+    column (so the row maximum lives on one tp shard), and targets half at the spike."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(BATCH, SEQ, VOCAB, generator=g) * 3 + shift
+    spike = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    logits.scatter_add_(-1, spike[..., None], torch.full((BATCH, SEQ, 1), float(shift)))
+    targets = torch.where(torch.rand(BATCH, SEQ, generator=g) < 0.5, spike,
+                          torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return logits, targets
+
+
+LARGE_SHIFTS = (100.0, 1000.0)  # exp(100) already overflows fp32: the loss needs its max
+
+
+def _large_logit_losses(t: int) -> dict[float, tuple[float, float]]:
+    """vocab_parallel_cross_entropy on t ranks' shards of large logits against the reference
+    cross-entropy: shares of the summation bound used by the loss and the logits' gradient."""
+    topo = topology(4 // t, t, False)
+    tp = TPContext(group=topo.group("tp"))
+    out = {}
+    for shift in LARGE_SHIFTS:
+        logits, y = large_logits(shift)
+        padded = torch.cat([logits, torch.zeros(BATCH, SEQ, 252 - VOCAB)], dim=-1)
+        local = padded.chunk(t, dim=-1)[tp.rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, y, VOCAB, tp)
+        loss.backward()
+        ref_logits = logits.clone().requires_grad_()
+        ref = cross_entropy(ref_logits, y)
+        ref.backward()
+        width = local.shape[-1]
+        ref_grad = torch.cat([ref_logits.grad, torch.zeros(BATCH, SEQ, 252 - VOCAB)], dim=-1)
+        where = f"rank {dist.get_rank()} t={t} shift={shift}"
+        # The loss sums the exponentials of the vocabulary's logits, shifted by their maximum.
+        out[shift] = (summation_error(loss, ref, terms=VOCAB, msg=f"{where} loss"),
+                      summation_error(local.grad, ref_grad[..., tp.rank * width:
+                                                           (tp.rank + 1) * width],
+                                      terms=VOCAB, scale=float(ref_logits.grad.abs().max()),
+                                      msg=f"{where} grad"))
+    return out
+
+
 def _parity_worker() -> dict:
     return {
         "cases": [_one_case(*case) for case in PARITY_CASES],
         "stages": [_stages_case(1, 4, True), _stages_case(2, 2, False), _stages_case(1, 4, False)],
         "conjugates": {t: _conjugates(t) for t in (2, 4)},
+        "large_logits": {t: _large_logit_losses(t) for t in (2, 4)},
     }
 
 
@@ -452,6 +495,24 @@ def test_shard_pads_vocabulary_and_gathers_back():
     assert [kv.owns(r, 4) for r in range(4)] == [True, False, True, False]
     with pytest.raises(ValueError, match="size 5 of dim 0 is not divisible into 2"):
         shard(full, ShardSpec(dim=0, chunks=2, full_size=5), TPContext(group=None))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_vocab_parallel_loss_of_large_logits(parity):
+    """Logits near 100 and 1000 (fp32's exp overflows past 88.7), the row maximum on one shard:
+    the loss and its gradient equal the reference cross-entropy's on t = 2 and 4 ranks."""
+    for rank_result in parity:
+        for t, by_shift in rank_result["large_logits"].items():
+            for shift, (loss_used, grad_used) in by_shift.items():
+                assert loss_used <= 1 and grad_used <= 1, (t, shift, loss_used, grad_used)
+
+
+@pytest.mark.parametrize("shift", LARGE_SHIFTS)
+def test_vocab_parallel_loss_of_large_logits_one_rank(shift):
+    logits, y = large_logits(shift)
+    loss = vocab_parallel_cross_entropy(logits, y, VOCAB, TPContext(group=None))
+    assert_close_summed(loss, cross_entropy(logits, y), terms=VOCAB, msg=f"shift {shift}")
 
 
 def test_single_rank_tp_is_the_reference():
