@@ -8,12 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from dp_parity import STEPS, assert_matches_reference, distributed_run, reference_run, tiny_config
+from dp_parity import (
+    ADAM_ROUNDINGS,
+    STEPS,
+    assert_matches_reference,
+    clip_like_engine,
+    distributed_run,
+    local_micro_batches,
+    named_params,
+    reference_run,
+    tiny_config,
+)
 from tessera.collectives import CommStats, all_reduce
 from tessera.config import ConfigError, make_config
-from tessera.engine import check_supported
-from tessera.model import build_model, param_count
-from tessera.testing import assert_curves_close, run_ranks
+from tessera.engine import adamw, check_supported
+from tessera.model import build_model, cross_entropy, param_count
+from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
 from tessera.trainer import train
 
 ASYNC_TRAIN_STEPS = 40
@@ -118,6 +128,42 @@ def test_async_staleness_bound_and_training(world, results_by_world):
         losses = r["async losses"]
         first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
         assert last < first - 1.5, losses
+
+
+def _async_first_step() -> dict:
+    engine, _ = distributed_run(tiny_config(dp=2, dp_mode="ps-async", max_staleness=1), steps=1)
+    return dict(applied=list(engine.ps.staleness.applied), dropped=engine.ps.staleness.dropped,
+                params=named_params(engine) if engine.ps.is_server else None)
+
+
+@pytest.mark.multiprocess
+def test_async_server_scales_a_stale_gradient_by_one_over_one_plus_staleness():
+    """The update the asynchronous server actually applies. With two ranks the staleness is
+    deterministic: each trainer step the server applies its own gradient (version 0 -> 1),
+    then serves the worker's push, computed on version 0: tau = 1. So after one step the
+    server's parameters are AdamW's two steps from the initial ones: its own gradient at lr,
+    then the worker's at lr / (1 + 1), both computed on the initial parameters and clipped."""
+    server = run_ranks(_async_first_step, 2)[0]
+    assert server["applied"] == [1] and server["dropped"] == 0
+    cfg = tiny_config(dp=2, dp_mode="ps-async", max_staleness=1)
+    model = build_model(cfg.model, cfg.train.seed)
+    grads = []
+    for rank in (0, 1):  # each rank's gradient on its rows, at the initial parameters
+        at_start = build_model(cfg.model, cfg.train.seed)
+        (x, y), = local_micro_batches(0, rank, 2, 1)
+        cross_entropy(at_start(x), y).backward()
+        clip_like_engine(list(at_start.parameters()), cfg.train.grad_clip)
+        grads.append([p.grad for p in at_start.parameters()])
+    opt = adamw(model.parameters(), cfg.train)
+    for rank_grads, lr_scale in zip(grads, (1.0, 1 / (1 + 1)), strict=True):
+        for p, g in zip(model.parameters(), rank_grads, strict=True):
+            p.grad = g
+        for group in opt.param_groups:
+            group["lr"] = cfg.train.lr * lr_scale
+        opt.step()
+    for name, want in model.named_parameters():
+        # The same gradients and the same AdamW arithmetic: a few roundings.
+        assert_close_summed(server["params"][name], want, terms=ADAM_ROUNDINGS, msg=name)
 
 
 def test_parameter_server_needs_two_ranks():
