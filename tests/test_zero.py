@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from typer.testing import CliRunner
 
 from cli_errors import cli_error
@@ -17,7 +18,8 @@ from tessera.cli import app
 from tessera.collectives.algorithms import all_gather_single
 from tessera.config import Config, make_config
 from tessera.engine import build_engine, lr_lambda
-from tessera.model import build_model
+from tessera.model import build_model, cross_entropy
+from tessera.parallel.zero import ZeroModel
 from tessera.parallel.zero_engine import ZeroEngine
 from tessera.parallel.zero_state import zero_formula_bytes
 from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
@@ -176,6 +178,86 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("dp", [2, 3, 4])
 def test_zero_stages_match_single_process(dp):
     run_ranks(_parity_rank, dp, args=(dp,))
+
+
+def _events_rank() -> dict[int, dict]:
+    """ZeroModel alone (no engine) at stages 2 and 3 on two ranks: what ZeroModel.events
+    recorded in the second of two forward/backward passes (the first learns the order in
+    which units run, which prefetching follows)."""
+    out = {}
+    for stage in (2, 3):
+        cfg = _cfg(2, stage)
+        zero = ZeroModel(build_model(cfg.model, cfg.train.seed), dist.group.WORLD, stage=stage)
+        for x, y in _my_micro_batches(0, dist.get_rank(), 2):
+            zero.zero_grad()
+            cross_entropy(zero(x), y).backward()
+            zero.finish_gradient_sync()
+        out[stage] = dict(events=list(zero.events),
+                          forward=[zero.units[i].name for i in zero.forward_order],
+                          backward=[zero.units[i].name for i in zero.backward_order],
+                          resident=[u.name for u in zero.units
+                                    if u.full.untyped_storage().nbytes()])
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_events() -> dict[int, dict]:
+    return run_ranks(_events_rank, 2)[0]
+
+
+def _at(events: list[tuple[str, str]], what: str, unit: str, after: int = -1) -> int:
+    """Index of the first (what, unit) event after index `after`."""
+    return next(i for i, e in enumerate(events) if i > after and e == (what, unit))
+
+
+@pytest.mark.multiprocess
+def test_stage3_prefetches_the_next_unit_in_forward_and_backward(zero_events):
+    """Each unit's all-gather starts before the previous unit's forward (backward) ends, so
+    the transfer overlaps that unit's compute (module docstring of tessera.parallel.zero)."""
+    r = zero_events[3]
+    ev, fwd, bwd = r["events"], r["forward"], r["backward"]
+    assert fwd == ["tok_embeddings", "layers.0", "layers.1", "head"]
+    assert bwd == ["head", "layers.1", "layers.0"]  # the embedding is not gathered for it
+    for prev, nxt in zip(fwd, fwd[1:], strict=False):
+        assert _at(ev, "gather", nxt) < _at(ev, "forward", prev), (prev, nxt, ev)
+    end_of_forward = _at(ev, "forward", fwd[-1])
+    for prev, nxt in zip(bwd, bwd[1:], strict=False):
+        assert _at(ev, "gather", nxt, end_of_forward) < _at(ev, "backward", prev), (prev, nxt)
+    # One gather per forward and one per backward (the head, first to run backward, stays
+    # gathered in between; the embedding's backward needs no weights).
+    gathers = [u for what, u in ev if what == "gather"]
+    assert sorted(gathers) == sorted(fwd[:-1] + bwd[1:] + ["head"]), gathers
+
+
+@pytest.mark.multiprocess
+def test_stage3_frees_each_unit_after_its_forward_and_its_backward(zero_events):
+    r = zero_events[3]
+    ev, fwd, bwd = r["events"], r["forward"], r["backward"]
+    for i, unit in enumerate(fwd):
+        if unit == bwd[0]:
+            continue  # needed again at once: kept from its forward into its backward
+        # Freed before the next unit's forward ends.
+        limit = _at(ev, "forward", fwd[i + 1]) if i + 1 < len(fwd) else len(ev)
+        assert _at(ev, "free", unit, _at(ev, "forward", unit)) < limit, (unit, ev)
+    for i, unit in enumerate(bwd):
+        # Freed when its backward ends, before the next unit's backward ends.
+        limit = _at(ev, "backward", bwd[i + 1]) if i + 1 < len(bwd) else len(ev)
+        assert _at(ev, "free", unit, _at(ev, "backward", unit)) < limit, (unit, ev)
+    assert r["resident"] == []  # nothing stays gathered after the step's gradient sync
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_reduction_overlaps_the_next_units_backward(zero_events, stage):
+    """Stages 2-3: a unit's reduce-scatter starts when its backward ends and is waited for
+    only when the next unit's first gradient arrives, so it overlaps that unit's backward;
+    then the next reduction starts (one unit's full gradient at a time)."""
+    ev = zero_events[stage]["events"]
+    order = [u for what, u in ev if what == "backward"]
+    assert order == ["head", "layers.1", "layers.0", "tok_embeddings"]
+    for prev, nxt in zip(order, order[1:], strict=False):
+        started, waited = _at(ev, "reduce", prev), _at(ev, "reduced", prev)
+        assert started < _at(ev, "grad", nxt) < waited < _at(ev, "reduce", nxt), (prev, ev)
 
 
 def _memory_rank(dp: int) -> list[str]:
