@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -322,3 +323,116 @@ def test_each_activation_lands_on_its_micro_batch():
     assert len(losses) == 2 and losses[0] != losses[1]
     # The same modules on the same activations: bitwise, whatever arrived first.
     assert losses == want
+
+
+# ---------------------------------------------------------------------------------------------
+# What the runtime promises about precision, memory and overlap (its module docstring).
+
+
+class _Bf16Out(torch.nn.Module):
+    """A first stage whose output is bf16, as autocast can make it."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens):
+        return self.inner(tokens).to(torch.bfloat16)
+
+
+class _TrackedHead(torch.nn.Module):
+    """A last stage that records what it receives: dtypes and values, how many received
+    activations are still alive when each backward reaches its input, and how many forwards
+    had run when each input's receive was posted (from a wrapped batch_isend_irecv)."""
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.head = head
+        self.reset()
+
+    def reset(self) -> None:
+        self.inputs: list = []  # weak references to every input received
+        self.values: list[torch.Tensor] = []
+        self.alive_at_backward: list[int] = []
+        self.posted: list = []  # (weak reference to a receive buffer, forwards run by then)
+        self.posted_ahead: list[tuple[int, int]] = []  # (forward index, forwards at posting)
+
+    def forward(self, x):
+        index = len(self.inputs)
+        for buffer, forwards in self.posted:
+            if buffer() is x:
+                self.posted_ahead.append((index, forwards))
+        self.inputs.append(weakref.ref(x))
+        self.values.append(x.detach().clone())
+        if x.requires_grad:
+            x.register_hook(lambda g: self.alive_at_backward.append(
+                sum(r() is not None for r in self.inputs)))
+        return self.head(x)
+
+
+def _runtime_promises() -> dict | None:
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    first, head = _Embed(), _TrackedHead(torch.nn.Linear(8, VOCAB))
+    cpu = torch.device("cpu")
+    out = {}
+    if rank == 1:  # record every receive buffer this rank posts, with the forwards run by then
+        post = torch.distributed.batch_isend_irecv
+
+        def recording(ops):
+            head.posted += [(weakref.ref(op.tensor), len(head.inputs)) for op in ops
+                            if op.op is torch.distributed.irecv]
+            return post(ops)
+
+        torch.distributed.batch_isend_irecv = recording
+    # Activations travel in fp32, whatever the stage made (here bf16).
+    rt = PipelineRuntime({rank: _Bf16Out(first) if rank == 0 else head}, rank, [0, 1], None,
+                         cpu, 8)
+    batches = step_batches(0, 2)
+    rt.run(build_schedule("gpipe", 2, 2), batches, cross_entropy, scale=0.5)
+    if rank == 1:
+        with torch.no_grad():
+            want = [first(x).to(torch.bfloat16).float() for x, _ in batches]
+        out["wire"] = [(v.dtype, torch.equal(v, w)) for v, w in zip(head.values, want,
+                                                                   strict=True)]
+    # Received activations are released when their backward is done; receives are posted one
+    # communication batch ahead.
+    rt = PipelineRuntime({rank: first if rank == 0 else head}, rank, [0, 1], None, cpu, 8)
+    batches = step_batches(0, 6)
+    for name in ("1f1b", "gpipe"):
+        head.reset()
+        rt.run(build_schedule(name, 2, 6), batches, cross_entropy, scale=1 / 6)
+        out[name] = dict(alive=head.alive_at_backward, ahead=head.posted_ahead)
+    return out if rank == 1 else None
+
+
+@pytest.fixture(scope="module")
+def runtime_promises() -> dict:
+    return run_ranks(_runtime_promises, 2)[1]
+
+
+@pytest.mark.multiprocess
+def test_activations_travel_in_fp32(runtime_promises):
+    """A bf16 stage output arrives as fp32 holding exactly the bf16 values."""
+    assert runtime_promises["wire"] == [(torch.float32, True)] * 2
+
+
+@pytest.mark.multiprocess
+def test_received_activations_are_freed_when_their_backward_is_done(runtime_promises):
+    """On the last stage 1F1B holds one micro-batch's activation at a time: when backward
+    reaches an input, no earlier input is alive. GPipe holds all m at the turn (the count sees
+    them), then lets them go as backward proceeds (the runtime's loop variable keeps the
+    previous input until the next backward has run, which 1F1B's alternation hides)."""
+    assert runtime_promises["1f1b"]["alive"] == [1] * 6
+    alive = runtime_promises["gpipe"]["alive"]
+    assert alive[0] == 6 and alive == sorted(alive, reverse=True) and alive[-1] <= 2, alive
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_receives_are_posted_ahead_of_the_compute_before_them(runtime_promises, schedule):
+    """Every forward input after the first was received into a buffer posted before the
+    previous forward ran, so its transfer overlapped that compute."""
+    ahead = runtime_promises[schedule]["ahead"]
+    assert [k for k, _ in ahead] == list(range(6))
+    assert all(posted_at < k for k, posted_at in ahead[1:]), ahead
