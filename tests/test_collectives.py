@@ -197,6 +197,22 @@ def _check_all_reduce(n: int, me: int, digests: list[str]) -> int:
     return checks + 1
 
 
+def _check_bf16_rounds_once(n: int, me: int) -> int:
+    """docs/collectives.md, Numerics: a 16-bit sum folds in float32 and rounds once where one
+    rank folds all the buffers (naive, parallel): the result is exactly the float32 sum in
+    rank order, rounded to bf16 once."""
+    checks = 0
+    for alg in ("naive", "parallel"):
+        x = _data(4099, torch.bfloat16, 77, me)
+        want = _data(4099, torch.bfloat16, 77, 0).float()
+        for r in range(1, n):
+            want += _data(4099, torch.bfloat16, 77, r).float()
+        got = C.all_reduce(x, op="sum", algorithm=alg)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), alg
+        checks += 1
+    return checks
+
+
 def _check_reduce_scatter_all_gather(n: int, me: int) -> int:
     checks = 0
     cases = [(m, torch.float32) for m in _numels(n)]
@@ -398,7 +414,8 @@ def _check_segmented(n: int, me: int) -> int:
 def check_world(n: int) -> tuple[int, list[str]]:
     me = dist.get_rank()
     digests: list[str] = []
-    checks = (_check_all_reduce(n, me, digests) + _check_reduce_scatter_all_gather(n, me)
+    checks = (_check_all_reduce(n, me, digests) + _check_bf16_rounds_once(n, me)
+              + _check_reduce_scatter_all_gather(n, me)
               + _check_rooted(n, me) + _check_segmented(n, me)
               + _check_subgroup_and_errors(n, me))
     return checks, digests
