@@ -32,10 +32,11 @@ def _rank_one_hangs():
 
 
 def _rank_one_skips_the_all_reduce():
+    group = dist.new_group([0, 1])  # like every Topology axis: a group made after start-up
     if dist.get_rank() == 1:
         time.sleep(60)  # never joins: a collective the other rank waits in forever
         return
-    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1), group=group)
 
 
 def _both_receive_first():

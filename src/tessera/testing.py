@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 COLLECTIVE_TIMEOUT_ENV = "TESSERA_TEST_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT = 20.0
@@ -70,6 +71,10 @@ def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=60))
+        # Groups made later (dist.new_group, DeviceMesh: every Topology axis) get torch's
+        # default timeout, not the default group's: make it the same short one, in this rank's
+        # process only.
+        c10d.default_pg_timeout = timedelta(seconds=collective_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout))
         result = fn(*args, **kwargs)
