@@ -8,7 +8,7 @@ DATA   ?= data/stdlib
 # 4 ranks; the global batch (32 sequences of 128 bytes) is the demo preset's.
 DEMO_LAYOUT ?= --nproc 4 --dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --micro-batch-size 8
 
-.PHONY: setup demo test test-fast lint format bench clean
+.PHONY: setup demo test test-fast test-kernels lint format bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,21 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The multi-process tests again under another CPU kernel set than this machine's: their
+# tolerances must not hold on one set of kernels only. ATEN_CPU_CAPABILITY=default on an AVX2
+# or AVX-512 machine, avx2 where the native set is default; KERNELS=... picks one.
+CAPABILITY := import torch; print(torch.backends.cpu.get_cpu_capability().lower())
+test-kernels: $(STAMP)
+	@native=$$($(PY) -c "$(CAPABILITY)"); kernels="$(KERNELS)"; \
+	if [ -z "$$kernels" ]; then \
+	  if [ "$$native" = default ]; then kernels=avx2; else kernels=default; fi; fi; \
+	got=$$(ATEN_CPU_CAPABILITY=$$kernels $(PY) -c "$(CAPABILITY)"); \
+	if [ "$$got" = "$$native" ]; then \
+	  echo "test-kernels: ATEN_CPU_CAPABILITY=$$kernels runs the native $$native kernels here; skipped"; \
+	  exit 0; fi; \
+	echo "test-kernels: multi-process tests with ATEN_CPU_CAPABILITY=$$kernels (native: $$native)"; \
+	ATEN_CPU_CAPABILITY=$$kernels $(PY) -m pytest -q -m multiprocess
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks

@@ -148,6 +148,7 @@ def test_real_process_bad_layout_exit_code(tiny_data):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_launched_training_run(tiny_data, tmp_path):
     # `tessera train --nproc 2` goes through torch's elastic launcher and trains on two ranks.
     # `--out train` (a value equal to the command word) survives the relaunch.

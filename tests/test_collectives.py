@@ -20,7 +20,7 @@ from tessera.collectives.algorithms import fold_layout
 from tessera.collectives.p2p import PeerGroup
 from tessera.collectives.rooted import binomial_reduce_
 from tessera.config import ConfigError
-from tessera.testing import run_ranks
+from tessera.testing import assert_close_summed, run_ranks
 
 BIG = 1 << 20  # 4 MiB in float32: the "few MB" case, float32 all-reduce only (keeps tests fast)
 
@@ -39,16 +39,11 @@ def _assert_sum_close(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor,
                       what: str) -> None:
     """Elementwise |got - ref| <= n * eps * scale, scale = sum_i |x_i| (divided by n for avg).
 
-    Both are sums of the same n values in different orders; each is at most n-1 roundings
-    (plus one for avg) of partial sums bounded by sum_i |x_i|, so each lies within
-    n * u * scale of the exact sum (u = eps / 2, the unit roundoff) and they lie within
-    n * eps * scale of each other. bfloat16's eps (2^-7) makes its bound 65536x looser.
+    Both are sums of the same n values in different orders: tessera.testing's summation bound
+    with the exact Σ|xᵢ| of every element known, so no safety factor. bfloat16's eps (2^-7)
+    makes its bound 65536x looser.
     """
-    tol = n * torch.finfo(got.dtype).eps * scale
-    err = (got.double() - ref.double()).abs()
-    bad = err > tol
-    assert not bad.any(), (f"{what}: {int(bad.sum())} elements off, worst err "
-                           f"{err.max().item():.3g} vs tol {tol[bad].min().item():.3g}")
+    assert_close_summed(got, ref, terms=n, scale=scale, dtype=got.dtype, safety=1.0, msg=what)
 
 
 def _sizes(numel: int, n: int) -> list[int]:
@@ -200,6 +195,22 @@ def _check_all_reduce(n: int, me: int, digests: list[str]) -> int:
     assert got is x
     _assert_sum_close(x, ref, scale, n, "non-contiguous all_reduce")
     return checks + 1
+
+
+def _check_bf16_rounds_once(n: int, me: int) -> int:
+    """docs/collectives.md, Numerics: a 16-bit sum folds in float32 and rounds once where one
+    rank folds all the buffers (naive, parallel): the result is exactly the float32 sum in
+    rank order, rounded to bf16 once."""
+    checks = 0
+    for alg in ("naive", "parallel"):
+        x = _data(4099, torch.bfloat16, 77, me)
+        want = _data(4099, torch.bfloat16, 77, 0).float()
+        for r in range(1, n):
+            want += _data(4099, torch.bfloat16, 77, r).float()
+        got = C.all_reduce(x, op="sum", algorithm=alg)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), alg
+        checks += 1
+    return checks
 
 
 def _check_reduce_scatter_all_gather(n: int, me: int) -> int:
@@ -403,7 +414,8 @@ def _check_segmented(n: int, me: int) -> int:
 def check_world(n: int) -> tuple[int, list[str]]:
     me = dist.get_rank()
     digests: list[str] = []
-    checks = (_check_all_reduce(n, me, digests) + _check_reduce_scatter_all_gather(n, me)
+    checks = (_check_all_reduce(n, me, digests) + _check_bf16_rounds_once(n, me)
+              + _check_reduce_scatter_all_gather(n, me)
               + _check_rooted(n, me) + _check_segmented(n, me)
               + _check_subgroup_and_errors(n, me))
     return checks, digests

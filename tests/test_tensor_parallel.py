@@ -5,13 +5,14 @@ layouts in turn: tp=4 (dp=1), tp=2 (dp=2: two independent tp groups) and tp=1 (d
 model is tiny (d_model 32, 4 heads, 2 layers, seq 16) with a vocabulary of 251 so that tp=2 and
 tp=4 both pad it (to 252).
 
-Tolerances (fp32): tensor parallelism only reassociates sums (row-parallel partial products are
-added by an all-reduce; the loss's log-sum-exp is summed over vocabulary shards), so results
-differ from the reference by round-off: a few ulp of fp32 (eps 1.2e-7) times the depth of the
-sums. We allow 1e-5 relative to the largest reference magnitude of each tensor, 10-100x the
-observed 1e-7..6e-7, while a wrong shard, a missing collective or a double-counted replica gives
-O(1) errors. Initialization and gathered state dicts are compared exactly: a shard is a copy of
-a slice of the same full tensor.
+Tolerances (tessera.testing's summation bound): tensor parallelism only reassociates sums.
+Row-parallel partial products over the MLP's hidden units (FFN = 96) or the attention heads
+are added by an all-reduce, and the loss's sum of exponentials over the vocabulary (VOCAB =
+251) is summed per shard and then across shards, a sum every logit's gradient divides by. So
+logits differ from the reference by the bound over FFN terms, the loss and the gradients by
+the bound over VOCAB terms, each relative to the tensor's largest magnitude; a wrong shard, a
+missing collective or a double-counted replica gives O(1) errors. Initialization and gathered
+state dicts are compared exactly: a shard is a copy of a slice of the same full tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dp_parity import ADAM_ROUNDINGS, Shadow
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from tessera.model import Transformer, build_model, cross_entropy
 from tessera.optim import lr_lambda
@@ -44,12 +46,12 @@ from tessera.parallel.tensor_parallel import (
     sync_partial_grads,
     vocab_parallel_cross_entropy,
 )
-from tessera.step import build_executor
-from tessera.testing import run_ranks
+from tessera.step import Executor, build_executor
+from tessera.testing import assert_close_summed, run_ranks, summation_error
 from tessera.topology import Topology
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH = 251, 32, 4, 2, 16, 2
-TOL = 1e-5  # relative round-off budget, see the module docstring
+FFN = 96  # model_cfg's ffn_hidden (32 · ceil(⌊8·32/3⌋ / 32))
 
 
 def model_cfg(n_kv_heads: int, tie: bool) -> ModelConfig:
@@ -60,10 +62,6 @@ def model_cfg(n_kv_heads: int, tie: bool) -> ModelConfig:
 def batch(seed: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def topology(dp: int, tp: int, sequence_parallel: bool) -> Topology:
@@ -110,7 +108,10 @@ def _one_case(dp, t, kv, tie, sequence_parallel, regather) -> dict:
     loss = vocab_parallel_cross_entropy(logits, y, VOCAB, tp)
     loss.backward()
     sync_partial_grads(model, tp)
-    grad_errs = {n: rel_err(gather_full(p.grad, specs[n], tp), ref_params[n].grad)
+    where = f"rank {dist.get_rank()} case {(dp, t, kv, tie, sequence_parallel, regather)}"
+    # Shares of the summation bound used (module docstring): <= 1 passes.
+    grad_errs = {n: summation_error(gather_full(p.grad, specs[n], tp), ref_params[n].grad,
+                                    terms=VOCAB, msg=f"{where} grad {n}")
                  for n, p in model.named_parameters(remove_duplicate=False)}
     padded_rows = [p.grad[VOCAB - tp.rank * p.shape[0]:] for n, p in model.named_parameters()
                    if n in ("tok_embeddings.weight", "output.weight")]
@@ -123,12 +124,15 @@ def _one_case(dp, t, kv, tie, sequence_parallel, regather) -> dict:
     return {
         "local_vocab": logits.shape[-1],
         "init_err": init_err,
-        "logits_err": rel_err(gather_logits(logits, VOCAB, tp), ref_logits),
-        "loss_err": abs(float(loss) - float(ref_loss)),
+        "logits_err": summation_error(gather_logits(logits, VOCAB, tp), ref_logits, terms=FFN,
+                                      msg=f"{where} logits"),
+        "loss_err": summation_error(loss, ref_loss, terms=VOCAB, msg=f"{where} loss"),
         "grad_errs": grad_errs,
         "padded_grad_max": max((float(r.abs().max()) for r in padded_rows if r.numel()),
                                default=0.0),
-        "grad_norm_err": abs(float(sq) / ref_sq - 1),
+        # ‖g + δ‖ − ‖g‖ <= ‖δ‖: the gradients' bound (the fp64 sums add nothing at this size).
+        "grad_norm_err": summation_error(sq.sqrt(), ref_sq ** 0.5, terms=VOCAB,
+                                         msg=f"{where} grad norm"),
         "state_keys_equal": sorted(state) == sorted(ref_state),
         "state_err": max(float((state[k] - v).abs().max()) for k, v in ref_state.items()),
         "bytes": {prefix: stats.bytes_sent(prefix) for prefix in
@@ -178,6 +182,7 @@ def _stages_case(dp, t, sequence_parallel) -> dict:
     logits = stages[1](hidden, cos, sin)
     loss = vocab_parallel_cross_entropy(logits, y, VOCAB, tp)
     loss.backward()
+    where = f"rank {dist.get_rank()} stages dp={dp} tp={t} sp={sequence_parallel}"
     errs = {}
     for stage, offset in zip(stages, (0, 1), strict=True):
         sync_partial_grads(stage, tp)
@@ -187,9 +192,11 @@ def _stages_case(dp, t, sequence_parallel) -> dict:
             if name.startswith("layers."):
                 i, rest = name[len("layers."):].split(".", 1)
                 ref_name = f"layers.{int(i) + offset}.{rest}"
-            errs[ref_name] = rel_err(gather_full(p.grad, specs[name], tp),
-                                     ref.get_parameter(ref_name).grad)
-    return {"hidden_len": hidden.shape[1], "loss_err": abs(float(loss) - float(ref_loss)),
+            errs[ref_name] = summation_error(gather_full(p.grad, specs[name], tp),
+                                             ref.get_parameter(ref_name).grad, terms=VOCAB,
+                                             msg=f"{where} grad {ref_name}")
+    return {"hidden_len": hidden.shape[1],
+            "loss_err": summation_error(loss, ref_loss, terms=VOCAB, msg=f"{where} loss"),
             "grad_errs": errs}
 
 
@@ -202,22 +209,76 @@ def _conjugates(t: int) -> dict:
     # sequences (B, t·L, H).
     small, big = torch.randn(t, 2, 3, 5, generator=gen), torch.randn(t, 2, 3 * t, 5, generator=gen)
     w_small, w_big = torch.randn_like(small), torch.randn_like(big)
-    cases = {  # op: (input, upstream gradient, expected output, expected input gradient)
-        "f": (f, big[r], w_big[r], big[r], w_big.sum(0)),
-        "g": (g, big[r], w_big[r], big.sum(0), w_big[r]),
-        "sp.g": (sp.g, small[r], w_big[r], torch.cat(list(small), dim=1),
-                 w_big.sum(0).chunk(t, 1)[r]),
-        "sp.g_bar": (sp.g_bar, big[r], w_small[r], big.sum(0).chunk(t, 1)[r],
-                     torch.cat(list(w_small), dim=1)),
-        "sp.scatter": (sp.scatter, big[0], w_small[r], big[0].chunk(t, 1)[r],
-                       torch.cat(list(w_small), dim=1)),
-    }
+    def expect(small, big, w_small, w_big):
+        """op: (input, upstream gradient, expected output, expected input gradient)."""
+        return {
+            "f": (f, big[r], w_big[r], big[r], w_big.sum(0)),
+            "g": (g, big[r], w_big[r], big.sum(0), w_big[r]),
+            "sp.g": (sp.g, small[r], w_big[r], torch.cat(list(small), dim=1),
+                     w_big.sum(0).chunk(t, 1)[r]),
+            "sp.g_bar": (sp.g_bar, big[r], w_small[r], big.sum(0).chunk(t, 1)[r],
+                         torch.cat(list(w_small), dim=1)),
+            "sp.scatter": (sp.scatter, big[0], w_small[r], big[0].chunk(t, 1)[r],
+                           torch.cat(list(w_small), dim=1)),
+        }
+
+    # The same expressions on magnitudes give Σ|xᵢ| of every element, the exact scale of
+    # Higham's bound: sums of t terms (a copy has one).
+    magnitudes = expect(small.abs(), big.abs(), w_small.abs(), w_big.abs())
     out = {}
-    for name, (op, x, w, y_expected, grad_expected) in cases.items():
+    for name, (op, x, w, y_expected, grad_expected) in expect(small, big, w_small,
+                                                              w_big).items():
+        *_, y_scale, grad_scale = magnitudes[name]
         x = x.clone().requires_grad_()
         y = op(x, group)
         y.backward(w)
-        out[name] = (rel_err(y.detach(), y_expected), rel_err(x.grad, grad_expected))
+        where = f"rank {dist.get_rank()} t={t} {name}"
+        out[name] = (summation_error(y.detach(), y_expected, terms=t, scale=y_scale,
+                                     msg=f"{where} forward"),
+                     summation_error(x.grad, grad_expected, terms=t, scale=grad_scale,
+                                     msg=f"{where} backward"))
+    return out
+
+
+def large_logits(shift: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, VOCAB) logits around `shift`, each row with a spike `shift` higher in a random
+    column (so the row maximum lives on one tp shard), and targets half at the spike."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(BATCH, SEQ, VOCAB, generator=g) * 3 + shift
+    spike = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    logits.scatter_add_(-1, spike[..., None], torch.full((BATCH, SEQ, 1), float(shift)))
+    targets = torch.where(torch.rand(BATCH, SEQ, generator=g) < 0.5, spike,
+                          torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return logits, targets
+
+
+LARGE_SHIFTS = (100.0, 1000.0)  # exp(100) already overflows fp32: the loss needs its max
+
+
+def _large_logit_losses(t: int) -> dict[float, tuple[float, float]]:
+    """vocab_parallel_cross_entropy on t ranks' shards of large logits against the reference
+    cross-entropy: shares of the summation bound used by the loss and the logits' gradient."""
+    topo = topology(4 // t, t, False)
+    tp = TPContext(group=topo.group("tp"))
+    out = {}
+    for shift in LARGE_SHIFTS:
+        logits, y = large_logits(shift)
+        padded = torch.cat([logits, torch.zeros(BATCH, SEQ, 252 - VOCAB)], dim=-1)
+        local = padded.chunk(t, dim=-1)[tp.rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, y, VOCAB, tp)
+        loss.backward()
+        ref_logits = logits.clone().requires_grad_()
+        ref = cross_entropy(ref_logits, y)
+        ref.backward()
+        width = local.shape[-1]
+        ref_grad = torch.cat([ref_logits.grad, torch.zeros(BATCH, SEQ, 252 - VOCAB)], dim=-1)
+        where = f"rank {dist.get_rank()} t={t} shift={shift}"
+        # The loss sums the exponentials of the vocabulary's logits, shifted by their maximum.
+        out[shift] = (summation_error(loss, ref, terms=VOCAB, msg=f"{where} loss"),
+                      summation_error(local.grad, ref_grad[..., tp.rank * width:
+                                                           (tp.rank + 1) * width],
+                                      terms=VOCAB, scale=float(ref_logits.grad.abs().max()),
+                                      msg=f"{where} grad"))
     return out
 
 
@@ -226,6 +287,7 @@ def _parity_worker() -> dict:
         "cases": [_one_case(*case) for case in PARITY_CASES],
         "stages": [_stages_case(1, 4, True), _stages_case(2, 2, False), _stages_case(1, 4, False)],
         "conjugates": {t: _conjugates(t) for t in (2, 4)},
+        "large_logits": {t: _large_logit_losses(t) for t in (2, 4)},
     }
 
 
@@ -244,7 +306,8 @@ def test_conjugate_operators(parity):
     for rank_result in parity:
         for t, ops in rank_result["conjugates"].items():
             for name, (fwd_err, bwd_err) in ops.items():
-                assert fwd_err < TOL and bwd_err < TOL, (t, name, fwd_err, bwd_err)
+                # Shares of the summation bound over the t ranks' terms.
+                assert fwd_err <= 1 and bwd_err <= 1, (t, name, fwd_err, bwd_err)
 
 
 @pytest.mark.multiprocess
@@ -260,15 +323,16 @@ def test_parity_with_reference(parity, i):
         where = f"rank {rank}"
         assert r["local_vocab"] == (252 // t if t > 1 else VOCAB), where  # padded, then split
         assert r["init_err"] == 0.0, where  # shards are slices of init_tensor's full tensors
-        assert r["logits_err"] < TOL, (where, r["logits_err"])
-        assert r["loss_err"] < TOL * 6, (where, r["loss_err"])  # loss ~5.5, so 1e-5 relative
-        bad = {n: e for n, e in r["grad_errs"].items() if not e < TOL}
+        # Shares of the summation bounds (module docstring) used: <= 1 passes.
+        assert r["logits_err"] <= 1, (where, r["logits_err"])
+        assert r["loss_err"] <= 1, (where, r["loss_err"])
+        bad = {n: e for n, e in r["grad_errs"].items() if not e <= 1}
         assert not bad, (where, bad)
         assert len(r["grad_errs"]) == len(Transformer(model_cfg(kv, tie)).state_dict())
         assert r["padded_grad_max"] == 0.0, where  # padding rows never receive gradient
-        # The global norm counts shards once each and replicas once: float64 sums of the same
-        # fp32 values in another order, so relative error ~1e-6 at most.
-        assert r["grad_norm_err"] < 1e-5, (where, r["grad_norm_err"])
+        # The global norm counts shards once each and replicas once (a replica counted twice
+        # is off by O(1)); the gradients' bound.
+        assert r["grad_norm_err"] <= 1, (where, r["grad_norm_err"])
         assert r["state_keys_equal"] and r["state_err"] == 0.0, where
 
 
@@ -306,8 +370,8 @@ def test_pipeline_stage_subsets(parity):
         for r, sequence_parallel, t in zip(rank_result["stages"], (True, False, False),
                                            (4, 2, 4), strict=True):
             assert r["hidden_len"] == (SEQ // t if sequence_parallel else SEQ)
-            assert r["loss_err"] < TOL * 6
-            bad = {n: e for n, e in r["grad_errs"].items() if not e < TOL}
+            assert r["loss_err"] <= 1, r["loss_err"]  # shares of the summation bound
+            bad = {n: e for n, e in r["grad_errs"].items() if not e <= 1}
             assert not bad and len(r["grad_errs"]) == len(
                 dict(build_model(model_cfg(2, False)).named_parameters())), bad
 
@@ -328,19 +392,6 @@ def run_cfg(dp, t, kv, tie, sequence_parallel) -> Config:
                   data=DataConfig(path="unused", seq_len=SEQ))
 
 
-def _train(engine, batches_of_step) -> tuple[list[float], list[float]]:
-    optimizer = engine.optimizer(engine.cfg.train)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(engine.cfg.train))
-    losses, norms = [], []
-    for step in range(STEPS):
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(engine.forward_backward(batches_of_step(step)))
-        norms.append(engine.clip_grad_norm_(engine.cfg.train.grad_clip))
-        optimizer.step()
-        scheduler.step()
-    return losses, norms
-
-
 def _global_batch(step: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Learnable sequences (each token is the previous plus 7, mod the vocabulary) from random
     starts, so ten steps visibly lower the loss."""
@@ -351,52 +402,79 @@ def _global_batch(step: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return list(zip(x.split(MBS), y.split(MBS), strict=True))
 
 
+def _gathered_grads(engine: Executor) -> dict[str, torch.Tensor]:
+    """The step's gradients by reference name, TP pieces gathered (ParallelModel.full_grads)."""
+    return engine.model.full_grads()
+
+
 def _curve_worker() -> list[dict]:
+    """Each case trains STEPS steps through build_executor next to a Shadow
+    (tests/dp_parity.py): every step, the single-device model started from the engine's own
+    gathered parameters. Returns the shares of the summation bounds each comparison used."""
     out = []
     cpu = torch.device("cpu")
-    for dp, t, kv, tie, sequence_parallel in CURVE_CASES:
-        cfg = run_cfg(dp, t, kv, tie, sequence_parallel)
+    for case in CURVE_CASES:
+        dp, t, kv, tie, sequence_parallel = case
+        cfg = run_cfg(*case)
         topo = topology(dp, t, sequence_parallel)
         engine = build_executor(cfg, topo, cpu)
-        d = topo.coords()["dp"]
-        losses, norms = _train(
-            engine, lambda s, dp=dp, d=d: _global_batch(s, dp)[d * ACCUM:(d + 1) * ACCUM])
-        ref_cfg = copy.deepcopy(cfg)
-        ref_cfg.parallel = ParallelConfig()
-        ref_cfg.train.grad_accum = dp * ACCUM
-        ref = build_executor(ref_cfg, Topology(), cpu)
-        ref_losses, ref_norms = _train(ref, lambda s, dp=dp: _global_batch(s, dp))
+        opt = engine.optimizer(cfg.train)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
+        shadow = Shadow(cfg, schedule=True)
+        d, where = topo.coords()["dp"], f"rank {dist.get_rank()} case {case}"
+        # The sums reassociated: the vocabulary's (the loss, and every gradient through the
+        # softmax; module docstring) and the global batch's tokens (dp ranks' partial means).
+        # Their bounds add.
+        terms = VOCAB + dp * ACCUM * MBS * SEQ
+        used: dict[str, float] = dict.fromkeys(("loss", "norm", "grad", "param"), 0.0)
+        losses, norms = [], []
+        for step in range(STEPS):
+            batches = _global_batch(step, dp)
+            before = engine.full_state_dict()
+            twin = shadow.gradients(before, batches)
+            opt.zero_grad(set_to_none=True)
+            losses.append(engine.forward_backward(batches[d * ACCUM:(d + 1) * ACCUM]))
+            norms.append(engine.clip_grad_norm_(cfg.train.grad_clip))
+            clipped = _gathered_grads(engine)
+            opt.step()
+            sched.step()
+            after, want = engine.full_state_dict(), shadow.optimizer_step(before, clipped)
+            label = f"{where} step {step}"
+            checks = [("loss", losses[-1], twin["loss"], terms),
+                      ("norm", norms[-1], twin["norm"], terms),
+                      *(("grad", clipped[n], g, terms) for n, g in twin["clipped"].items()),
+                      # AdamW on shards against AdamW on whole tensors, same inputs.
+                      *(("param", after[k], w, ADAM_ROUNDINGS) for k, w in want.items())]
+            assert after.keys() == want.keys(), where
+            for kind, got, expected, n in checks:
+                used[kind] = max(used[kind], summation_error(got, expected, terms=n,
+                                                             msg=f"{label} {kind}"))
         val = _global_batch(99, dp)
-        state, ref_state = engine.full_state_dict(), ref.full_state_dict()
-        out.append({
-            "losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-            "val": engine.eval_loss(val[d * ACCUM:(d + 1) * ACCUM]),
-            "ref_val": ref.eval_loss(val),
-            "state_err": max(rel_err(state[k], v) for k, v in ref_state.items()),
-            "state_keys_equal": sorted(state) == sorted(ref_state),
-        })
+        shadow.model.load_state_dict(engine.full_state_dict())
+        with torch.no_grad():
+            ref_val = sum(float(cross_entropy(shadow.model(x), y)) * y.numel() for x, y in val)
+        got_val, count = engine.eval_loss(val[d * ACCUM:(d + 1) * ACCUM])
+        used["val"] = summation_error(got_val / count, ref_val / count, terms=terms,
+                                      msg=f"{where} val")
+        out.append(dict(used=used, losses=losses, norms=norms, val_count=count,
+                        ref_val_count=sum(y.numel() for _, y in val)))
     return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ten_steps_match_reference_curve():
-    """Loss curve, global grad norm (clipping active: the first norm is above the clip, 0.5),
-    validation loss and the gathered weights after 10 AdamW steps equal the single-process run
-    on the same global batch. Adam divides by √v, so round-off in tiny gradient entries grows
-    over steps: 1e-4 relative on losses and norms, 1e-3 on weights, still far below any real
-    divergence."""
+    """Ten AdamW steps through the engine (clipping active: the first norm is above the clip,
+    0.5), each against the single-device model started from the engine's own parameters: loss,
+    global grad norm and clipped gradients within the summation bound, the optimizer's step
+    within AdamW's roundings; then the validation loss. (Against a free-running single-device
+    run, Adam would turn round-off in near-zero gradient entries into visible drift.)"""
     for rank_result in run_ranks(_curve_worker, 4, timeout=240):
         for case, r in zip(CURVE_CASES, rank_result, strict=True):
-            torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-4, atol=0,
-                                       msg=str(case))
-            torch.testing.assert_close(r["norms"], r["ref_norms"], rtol=1e-4, atol=0,
-                                       msg=str(case))
+            assert all(v <= 1 for v in r["used"].values()), (case, r["used"])
             assert r["norms"][0] > 0.5  # the clip (0.5) did scale the first step
             assert r["losses"][-1] < r["losses"][0] - 0.1  # and it trained
-            assert r["val"][1] == r["ref_val"][1]
-            assert r["val"][0] == pytest.approx(r["ref_val"][0], rel=1e-4)
-            assert r["state_keys_equal"] and r["state_err"] < 1e-3, (case, r["state_err"])
+            assert r["val_count"] == r["ref_val_count"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,6 +495,24 @@ def test_shard_pads_vocabulary_and_gathers_back():
     assert [kv.owns(r, 4) for r in range(4)] == [True, False, True, False]
     with pytest.raises(ValueError, match="size 5 of dim 0 is not divisible into 2"):
         shard(full, ShardSpec(dim=0, chunks=2, full_size=5), TPContext(group=None))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_vocab_parallel_loss_of_large_logits(parity):
+    """Logits near 100 and 1000 (fp32's exp overflows past 88.7), the row maximum on one shard:
+    the loss and its gradient equal the reference cross-entropy's on t = 2 and 4 ranks."""
+    for rank_result in parity:
+        for t, by_shift in rank_result["large_logits"].items():
+            for shift, (loss_used, grad_used) in by_shift.items():
+                assert loss_used <= 1 and grad_used <= 1, (t, shift, loss_used, grad_used)
+
+
+@pytest.mark.parametrize("shift", LARGE_SHIFTS)
+def test_vocab_parallel_loss_of_large_logits_one_rank(shift):
+    logits, y = large_logits(shift)
+    loss = vocab_parallel_cross_entropy(logits, y, VOCAB, TPContext(group=None))
+    assert_close_summed(loss, cross_entropy(logits, y), terms=VOCAB, msg=f"shift {shift}")
 
 
 def test_single_rank_tp_is_the_reference():

@@ -4,29 +4,38 @@ and the command line."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from typer.testing import CliRunner
 
 from cli_errors import cli_error
+from dp_parity import ADAM_ROUNDINGS, Shadow
 from tessera.cli import app
+from tessera.collectives.algorithms import all_gather_single
 from tessera.config import Config, make_config
 from tessera.model import build_model, cross_entropy
-from tessera.optim import adamw, lr_lambda
+from tessera.optim import lr_lambda
+from tessera.parallel.zero import ZeroModel
 from tessera.parallel.zero_state import (
     allocated_model_state,
     load_full_state_dict,
     zero_formula_bytes,
 )
 from tessera.step import Executor, build_executor
-from tessera.testing import run_ranks
+from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
 from tessera.topology import Topology
 
-STEPS, GLOBAL_BATCH, SEQ, ACCUM, CLIP = 10, 8, 16, 2, 0.5
+STEPS, SEQ, ACCUM, CLIP, LR = 10, 16, 2, 0.5, 1e-2
+
+
+def _rows(dp: int) -> int:
+    """Rows of the global batch: 8, or 12 where 8 does not split into dp·ACCUM micro-batches
+    (dp=3, whose units are not multiples of 3 elements: the padding path)."""
+    return 8 if 8 % (dp * ACCUM) == 0 else 12
 
 
 def _cfg(dp: int, stage: int, precision: str = "fp32", tie: bool = False) -> Config:
@@ -34,144 +43,227 @@ def _cfg(dp: int, stage: int, precision: str = "fp32", tie: bool = False) -> Con
         None, model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
                          tie_embeddings=tie),
         parallel=dict(dp=dp, zero_stage=stage),
-        train=dict(lr=1e-2, warmup_steps=2, steps=STEPS, grad_accum=ACCUM, grad_clip=CLIP,
-                   micro_batch_size=GLOBAL_BATCH // dp // ACCUM, precision=precision),
+        train=dict(lr=LR, warmup_steps=2, steps=STEPS, grad_accum=ACCUM, grad_clip=CLIP,
+                   micro_batch_size=_rows(dp) // dp // ACCUM, precision=precision),
         data=dict(seq_len=SEQ))
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, 256, (rows, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def _my_micro_batches(step: int, rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = _batch(step)
-    rows = slice(rank * GLOBAL_BATCH // dp, (rank + 1) * GLOBAL_BATCH // dp)
+    n = _rows(dp)
+    x, y = _batch(step, n)
+    rows = slice(rank * n // dp, (rank + 1) * n // dp)
     return list(zip(x[rows].chunk(ACCUM), y[rows].chunk(ACCUM), strict=True))
 
 
-def _reference(cfg: Config) -> tuple[list[dict], dict[str, dict[str, torch.Tensor]]]:
-    """One process, whole batch, torch AdamW, torch's clip_grad_norm_: per step the loss, the
-    norm, the clipped gradients and the parameters after the step; then Adam's moments."""
-    model = build_model(cfg.model, cfg.train.seed)
-    opt = adamw(model.parameters(), cfg.train)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
-    trace = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        sched.step()
-        trace.append(dict(loss=loss.item(), norm=norm.item(), grads=grads,
-                          params={k: v.clone() for k, v in model.state_dict().items()}))
-    moments = {n: {k: opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
-               for n, p in model.named_parameters()}
-    return trace, moments
+def _full_grads(zero: ZeroModel) -> dict[str, torch.Tensor]:
+    """Every parameter's reduced gradient by reference name, all-gathered from the ranks' dp
+    slices (the padding dropped): what the ranks' optimizer steps on, as one tensor each."""
+    out = {}
+    for u in zero.units:
+        flat = torch.empty(u.padded, dtype=u.grad.dtype)
+        all_gather_single(flat, u.dp_grad_slice().contiguous(), group=zero.group)
+        for s in u.slots:
+            out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
+    return out
 
 
-def _unit_flat(u, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    flat = torch.zeros(u.padded)
-    for s in u.slots:
-        flat[s.offset:s.offset + s.numel] = tensors[s.name].reshape(-1)
-    return flat
-
-
-def _check_stage(cfg: Config, trace: list[dict], moments: dict) -> tuple[Executor, object]:
+def _check_stage(cfg: Config) -> tuple[Executor, torch.optim.Optimizer]:
+    """Ten steps of ZeRO at cfg's stage against a `Shadow` (tests/dp_parity.py) each step:
+    loss, norm and clipped gradients from the same parameters, then AdamW's step from the same
+    parameters and gradients; at the end, Adam's moments."""
     topo = Topology.build(cfg.parallel)
     engine = build_executor(cfg, topo, torch.device("cpu"))
     (zero,) = engine.model.zeros
     assert zero.stage == cfg.parallel.zero_stage
     opt = engine.optimizer(cfg.train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
-    stage, clipped = zero.stage, 0
-    for step, ref in enumerate(trace):
+    shadow = Shadow(cfg, schedule=True)
+    stage, clipped, rows = zero.stage, 0, _rows(topo.dp)
+    # Tolerances (tessera.testing): the ranks' partial means of the step's tokens are added
+    # across ranks where the shadow sums all tokens at once: the same sums in another order.
+    tokens = rows * SEQ
+    for step in range(STEPS):
+        before = engine.full_state_dict()
+        twin = shadow.gradients(before, [_batch(step, rows)])
         opt.zero_grad()
         loss = engine.forward_backward(_my_micro_batches(step, topo.rank, topo.dp))
         norm = engine.clip_grad_norm_(CLIP)
         clipped += norm > CLIP
-        # Loss and norm: fp32 sums over the same numbers in another order (per-rank partial
-        # means, sharded squares summed in fp64) agree to a few ulp of values of order 1-10.
-        assert abs(loss - ref["loss"]) < 1e-5, (stage, step, loss, ref["loss"])
-        assert abs(norm - ref["norm"]) < 1e-5 * max(1.0, ref["norm"]), (stage, step)
-        # Gradients: this rank's dp slice of every unit equals the reference's slice, and at
-        # stage 1, where the whole reduced gradient exists on every rank, every parameter's.
-        # Same order-of-summation argument, on gradients of size ~1e-2: atol 1e-6.
+        label = f"stage {stage} dp={topo.dp}{' tied' if cfg.model.tie_embeddings else ''} " \
+                f"step {step}"
+        assert_close_summed(loss, twin["loss"], terms=tokens, msg=f"{label} loss")
+        # ‖g + δ‖ − ‖g‖ <= ‖δ‖, δ each gradient's reordering error: the gradients' bound
+        # (the sharded squares are summed in fp64, which adds nothing at this size).
+        assert_close_summed(norm, twin["norm"], terms=tokens, msg=f"{label} norm")
+        # Gradients, clipped: this rank's dp slice of every unit, parameter by parameter,
+        # equals the shadow's, and the padding at the end of the last shard stays exactly
+        # zero; at stage 1, where the whole reduced gradient exists on every rank, every
+        # parameter's. Scale: each parameter's largest gradient (its own tensor's magnitude).
         for u in zero.units:
-            want = _unit_flat(u, ref["grads"])[u.lo:u.hi]
-            torch.testing.assert_close(u.dp_grad_slice(), want, rtol=1e-4, atol=1e-6)
+            got = u.dp_grad_slice()
+            for s in u.slots:
+                lo, hi = max(s.offset, u.lo), min(s.offset + s.numel, u.hi)
+                if lo < hi:
+                    want = twin["clipped"][s.name].reshape(-1)
+                    assert_close_summed(got[lo - u.lo:hi - u.lo],
+                                        want[lo - s.offset:hi - s.offset], terms=tokens,
+                                        scale=float(want.abs().max()),
+                                        msg=f"{label} grad {s.name}")
+            pad_lo = max(u.numel, u.lo)
+            if pad_lo < u.hi:
+                assert not got[pad_lo - u.lo:].any(), f"{label} {u.name}: padding got a gradient"
             if stage == 1:
                 for s, p in zip(u.slots, u.params, strict=True):
-                    torch.testing.assert_close(p.grad, ref["grads"][s.name], rtol=1e-4,
-                                               atol=1e-6)
+                    assert_close_summed(p.grad, twin["clipped"][s.name], terms=tokens,
+                                        msg=f"{label} full grad {s.name}")
+        grads = _full_grads(zero)
         opt.step()
         sched.step()
-        # Parameters: Adam divides each gradient element by its own running RMS, so an element
-        # whose gradient is near zero turns a rounding difference into a visible step change;
-        # over 10 steps at lr=1e-2 we see up to ~2e-5. atol 1e-4 is 1% of one lr-sized step.
-        state = engine.full_state_dict()
-        assert state.keys() == ref["params"].keys()
-        for k, want in ref["params"].items():
-            torch.testing.assert_close(state[k], want, rtol=0, atol=1e-4, msg=f"{stage} {k}")
+        # ShardedAdamW against torch's AdamW from the same parameters with the same gradients:
+        # the same elementwise arithmetic on shards (vectorized in other places).
+        state, want = engine.full_state_dict(), shadow.optimizer_step(before, grads)
+        assert state.keys() == want.keys()
+        for k, w in want.items():
+            assert_close_summed(state[k], w, terms=ADAM_ROUNDINGS, msg=f"{label} param {k}")
     assert clipped >= 3, "the test must exercise clipping"
-    # The gathered optimizer state is the reference AdamW's, by reference name (same tolerance
-    # reasoning as the gradients: moments are running averages of them).
+    # The gathered optimizer state is the shadow AdamW's, by reference name: both built from
+    # the same gradients, each step's rounding shrinking by beta afterwards.
     full = opt.full_state()
     assert full["step"] == STEPS
-    for name, want in moments.items():
+    for name, want in shadow.moments().items():
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(full[key][name], want[key], rtol=1e-3, atol=1e-7,
-                                       msg=f"{stage} {key} {name}")
+            assert_close_summed(full[key][name], want[key], terms=ADAM_ROUNDINGS,
+                                msg=f"stage {stage} dp={topo.dp} {key} {name}")
     return engine, opt
 
 
-def _parity_rank(dp: int, references: bytes) -> None:
-    untied, tied = torch.load(io.BytesIO(references))
-    engines = {stage: _check_stage(_cfg(dp, stage), *untied) for stage in (1, 2, 3)}
+def _parity_rank(dp: int) -> None:
+    engines = {stage: _check_stage(_cfg(dp, stage)) for stage in (1, 2, 3)}
     if dp == 2:
         # Tied embeddings: the embedding and the head form one unit that stays gathered.
-        _check_stage(_cfg(dp, 3, tie=True), *tied)
+        _check_stage(_cfg(dp, 3, tie=True))
         _check_round_trip(dp, engines[3])
 
 
-def _check_round_trip(dp: int, saved: tuple[Executor, object]) -> None:
-    """A stage-3 run's gathered state, loaded into a fresh stage-2 one, continues the
-    same run: one more step on both gives the same weights."""
+def _check_round_trip(dp: int, saved_run: tuple[Executor, torch.optim.Optimizer]) -> None:
+    """A stage-3 run's gathered state, loaded into a fresh stage-2 run, is the same state,
+    and one more step on both gives the same weights."""
     cfg = _cfg(dp, 2)
     topo = Topology.build(cfg.parallel)
-    saved, saved_opt = saved
+    saved, saved_opt = saved_run
     fresh = build_executor(cfg, topo, torch.device("cpu"))
     fresh_opt = fresh.optimizer(cfg.train)
     load_full_state_dict(fresh.model.zeros[0], saved.full_state_dict())
     fresh_opt.load_full_state(saved_opt.full_state())
+    assert _equal(fresh.full_state_dict(), saved.full_state_dict())
+    a, b = saved_opt.full_state(), fresh_opt.full_state()
+    assert a["step"] == b["step"] and all(_equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
     for engine, opt in ((saved, saved_opt), (fresh, fresh_opt)):
-        opt.param_groups[0]["lr"] = 1e-2
+        opt.param_groups[0]["lr"] = LR
         opt.zero_grad()
         engine.forward_backward(_my_micro_batches(STEPS, topo.rank, dp))
         engine.clip_grad_norm_(CLIP)
         opt.step()
     a, b = saved.full_state_dict(), fresh.full_state_dict()
-    # Both stages reduce-scatter the same gradients and step the same masters with the same
-    # moments; they differ only in how the parameters reach the forward: atol 1e-6.
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+        assert_close_summed(a[k], b[k], terms=_rows(dp) * SEQ, msg=f"round trip {k}")
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dp", [2, 3, 4])
 def test_zero_stages_match_single_process(dp):
-    # The reference runs once, here; the ranks get its trace as bytes (sending the tensors
-    # themselves would pass one file descriptor each to the fork server).
-    untied = _reference(_cfg(1, 0))
-    tied = _reference(_cfg(1, 0, tie=True)) if dp == 2 else None
-    buffer = io.BytesIO()
-    torch.save((untied, tied), buffer)
-    run_ranks(_parity_rank, dp, args=(dp, buffer.getvalue()))
+    run_ranks(_parity_rank, dp, args=(dp,))
+
+
+def _events_rank() -> dict[int, dict]:
+    """ZeroModel alone (no engine) at stages 2 and 3 on two ranks: what ZeroModel.events
+    recorded in the second of two forward/backward passes (the first learns the order in
+    which units run, which prefetching follows)."""
+    out = {}
+    for stage in (2, 3):
+        cfg = _cfg(2, stage)
+        zero = ZeroModel(build_model(cfg.model, cfg.train.seed), dist.group.WORLD, stage=stage)
+        for x, y in _my_micro_batches(0, dist.get_rank(), 2):
+            zero.zero_grad()
+            cross_entropy(zero(x), y).backward()
+            zero.finish_gradient_sync()
+        out[stage] = dict(events=list(zero.events),
+                          forward=[zero.units[i].name for i in zero.forward_order],
+                          backward=[zero.units[i].name for i in zero.backward_order],
+                          resident=[u.name for u in zero.units
+                                    if u.full.untyped_storage().nbytes()])
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_events() -> dict[int, dict]:
+    return run_ranks(_events_rank, 2)[0]
+
+
+def _at(events: list[tuple[str, str]], what: str, unit: str, after: int = -1) -> int:
+    """Index of the first (what, unit) event after index `after`."""
+    return next(i for i, e in enumerate(events) if i > after and e == (what, unit))
+
+
+@pytest.mark.multiprocess
+def test_stage3_prefetches_the_next_unit_in_forward_and_backward(zero_events):
+    """Each unit's all-gather starts before the previous unit's forward (backward) ends, so
+    the transfer overlaps that unit's compute (module docstring of tessera.parallel.zero)."""
+    r = zero_events[3]
+    ev, fwd, bwd = r["events"], r["forward"], r["backward"]
+    assert fwd == ["tok_embeddings", "layers.0", "layers.1", "head"]
+    assert bwd == ["head", "layers.1", "layers.0"]  # the embedding is not gathered for it
+    for prev, nxt in zip(fwd, fwd[1:], strict=False):
+        assert _at(ev, "gather", nxt) < _at(ev, "forward", prev), (prev, nxt, ev)
+    end_of_forward = _at(ev, "forward", fwd[-1])
+    for prev, nxt in zip(bwd, bwd[1:], strict=False):
+        assert _at(ev, "gather", nxt, end_of_forward) < _at(ev, "backward", prev), (prev, nxt)
+    # One gather per forward and one per backward (the head, first to run backward, stays
+    # gathered in between; the embedding's backward needs no weights).
+    gathers = [u for what, u in ev if what == "gather"]
+    assert sorted(gathers) == sorted(fwd[:-1] + bwd[1:] + ["head"]), gathers
+
+
+@pytest.mark.multiprocess
+def test_stage3_frees_each_unit_after_its_forward_and_its_backward(zero_events):
+    r = zero_events[3]
+    ev, fwd, bwd = r["events"], r["forward"], r["backward"]
+    for i, unit in enumerate(fwd):
+        if unit == bwd[0]:
+            continue  # needed again at once: kept from its forward into its backward
+        # Freed before the next unit's forward ends.
+        limit = _at(ev, "forward", fwd[i + 1]) if i + 1 < len(fwd) else len(ev)
+        assert _at(ev, "free", unit, _at(ev, "forward", unit)) < limit, (unit, ev)
+    for i, unit in enumerate(bwd):
+        # Freed when its backward ends, before the next unit's backward ends.
+        limit = _at(ev, "backward", bwd[i + 1]) if i + 1 < len(bwd) else len(ev)
+        assert _at(ev, "free", unit, _at(ev, "backward", unit)) < limit, (unit, ev)
+    assert r["resident"] == []  # nothing stays gathered after the step's gradient sync
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_reduction_overlaps_the_next_units_backward(zero_events, stage):
+    """Stages 2-3: a unit's reduce-scatter starts when its backward ends and is waited for
+    only when the next unit's first gradient arrives, so it overlaps that unit's backward;
+    then the next reduction starts (one unit's full gradient at a time)."""
+    ev = zero_events[stage]["events"]
+    order = [u for what, u in ev if what == "backward"]
+    assert order == ["head", "layers.1", "layers.0", "tok_embeddings"]
+    for prev, nxt in zip(order, order[1:], strict=False):
+        started, waited = _at(ev, "reduce", prev), _at(ev, "reduced", prev)
+        assert started < _at(ev, "grad", nxt) < waited < _at(ev, "reduce", nxt), (prev, ev)
 
 
 def _memory_rank(dp: int) -> list[str]:
@@ -277,10 +369,12 @@ def _trainer_rank(data: str, out: str) -> dict[int, list[float]]:
 def test_trainer_runs_every_stage_with_the_same_losses(tiny_data, tmp_path):
     losses = run_ranks(_trainer_rank, 2, args=(tiny_data, str(tmp_path)))[0]
     # The trainer drives stage 0 (plain DDP) and ZeRO 1-3 through the same loop; they compute
-    # the same mean loss (fp32, reduction order aside: 1e-4 after 4 Adam steps).
+    # the same mean loss, up to the order of the sums over the global batch's tokens (the
+    # tiny preset's 8 rows of 16 per rank).
     assert len(losses[0]) == 4 and losses[0][-1] < losses[0][0]
     for stage in (1, 2, 3):
-        assert losses[stage] == pytest.approx(losses[0], abs=1e-4), stage
+        assert_curves_close(losses[stage], losses[0], terms_per_step=2 * 8 * 16,
+                            msg=f"stage {stage}")
 
 
 def test_cli_zero_stage_reaches_the_run(tiny_data, tmp_path):

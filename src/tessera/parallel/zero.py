@@ -204,6 +204,12 @@ class ZeroModel(nn.Module):
         self.schedule_driven = schedule_driven
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.events: list[tuple[str, str]] = []
+        """What the last forward and backward did, in order, as (what, unit name): "gather"
+        (an all-gather started), "forward" (the unit's forward ended), "grad" (its first
+        gradient arrived), "backward" (its last), "reduce" (its gradient reduction started),
+        "reduced" (waited for), "free" (its gathered parameters released). For tests of the
+        prefetching, overlap and freeing promised above."""
         self.units: list[FlatUnit] = []
         names = {id(p): n for n, p in module.named_parameters()}
         for name, modules in units or transformer_units(module):
@@ -215,6 +221,7 @@ class ZeroModel(nn.Module):
         self._sync = True
         # (work, what to do when it is done, the buffer it reads, kept alive until then)
         self._reduces: deque[tuple[dist.Work, Callable[[], object] | None, torch.Tensor]] = deque()
+        self._reducing: deque[str] = deque()
         self.forward_order: list[int] = []    # unit indices by first use in the last forward
         self.backward_order: list[int] = []   # unit indices by backward start, last forward
         self._seen: list[int] = []
@@ -276,7 +283,7 @@ class ZeroModel(nn.Module):
         if self.schedule_driven:
             self.wait_unsharded()
             return self.module(*args, **kwargs)
-        self._seen, self._done = [], []
+        self._seen, self._done, self.events = [], [], []
         out = self.module(*args, **kwargs)
         self.forward_order = self._seen
         self.backward_order = [i for i in self._done[::-1] if self.units[i].gather_for_backward]
@@ -303,6 +310,7 @@ class ZeroModel(nn.Module):
 
     def _post_forward(self, i: int, out: torch.Tensor) -> torch.Tensor:
         self._done.append(i)
+        self.events.append(("forward", self.units[i].name))
         if not (torch.is_grad_enabled() and self.units[i].gather_for_backward):
             self._free(self.units[i])
             return out
@@ -324,6 +332,7 @@ class ZeroModel(nn.Module):
         u = self.units[i]
         u.grads_ready += 1
         if u.grads_ready == 1:
+            self.events.append(("grad", u.name))
             # This unit's gradients start to pile up: finish the reduction of the unit before
             # it (in flight since that unit's backward ended, overlapping the compute since) and
             # drop its full gradient, so one unit's full gradient exists at a time.
@@ -331,11 +340,13 @@ class ZeroModel(nn.Module):
         if u.grads_ready < len(u.params):
             return
         u.grads_ready = 0
+        self.events.append(("backward", u.name))
         if self.stage < 2:
             if self._sync:
                 u.grad.div_(self.world)
                 work = dist.all_reduce(u.grad, group=self.group, async_op=True)
                 self._reduces.append((work, None, u.grad))
+                self._log_reduce(u)
             return
         if self.stage == 3:
             self._free(u)  # before flattening the gradients: never params and two grad copies
@@ -351,6 +362,7 @@ class ZeroModel(nn.Module):
         for p in u.params:
             p.grad = None
         # Sum, then divide the shard (1/N of the work of dividing the full gradient).
+        self._log_reduce(u)
         if u.grad_fresh:  # first micro-batch of the step: reduce straight into the shard
             u.grad_fresh = False
             work = reduce_scatter_single(u.grad, full_grad, group=self.group, async_op=True)
@@ -367,6 +379,11 @@ class ZeroModel(nn.Module):
             work.wait()
             if on_done is not None:
                 on_done()
+            self.events.append(("reduced", self._reducing.popleft()))
+
+    def _log_reduce(self, u: FlatUnit) -> None:
+        self.events.append(("reduce", u.name))
+        self._reducing.append(u.name)  # names of self._reduces' entries, same order
 
     def finish_gradient_sync(self) -> None:
         """Wait for every gradient reduction of the step (call after the last backward)."""
@@ -425,6 +442,7 @@ class ZeroModel(nn.Module):
     def _start_gather(self, u: FlatUnit) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         u.pending = all_gather_single(u.full, u.shard, group=self.group, async_op=True)
+        self.events.append(("gather", u.name))
         gathered = sum(v.full.untyped_storage().nbytes() for v in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
@@ -440,6 +458,8 @@ class ZeroModel(nn.Module):
         if u.pending is not None:
             u.pending.wait()
             u.pending = None
+        if u.full.untyped_storage().nbytes():
+            self.events.append(("free", u.name))
         u.full.untyped_storage().resize_(0)
         u.resident = False
 
