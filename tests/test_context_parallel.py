@@ -1,0 +1,126 @@
+"""Context-parallel attention (ring, all-gather, Ulysses, hybrid) against ``AttentionCore``.
+
+Each rank holds its zig-zag (or contiguous) share of q, k, v of one causal attention over the
+whole sequence; the output and the q/k/v gradients, put back in sequence order, must equal the
+reference core's on the whole sequence (SDPA, fp32, causal, grouped-query heads).
+
+Tolerance: the methods compute the same softmax by another association: ring and all-gather
+merge per-block results by log-sum-exp (one exp and one rescale per block, error a few ε
+relative each, ε = 2⁻²⁴), Ulysses runs the reference SDPA on reordered tokens (exact up to
+summation order). Each output element is a convex combination of v entries over T ≤ 40 keys,
+so reassociation moves it by ≤ T·ε·max|v| ≈ 40·6e-8·4 ≈ 1e-5 in the worst case; gradients are
+sums over T queries of products of such terms, same order. We bound every tensor by
+TOL = 2e-5 × max|reference| (measured ≤ 1e-6); a missing block, a wrong mask or a gradient
+that never made it back around the ring is an O(1)·max error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.model import AttentionCore
+from tessera.parallel.comm import CommStats
+from tessera.parallel.context_parallel import (
+    ContextParallelAttention,
+    CPContext,
+    bytes_per_layer,
+    hybrid_groups,
+    sequence_positions,
+    shard_sequence,
+    ulysses_kv_repeat,
+    unshard_sequence,
+)
+from tessera.testing import run_ranks
+
+B, HEADS, HD = 2, 4, 8
+TOL = 2e-5  # relative to max|reference|, see the module docstring
+
+
+def _inputs(T: int, n_kv: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HEADS, T, HD, generator=g)
+    k = torch.randn(B, n_kv, T, HD, generator=g)
+    v = torch.randn(B, n_kv, T, HD, generator=g)
+    dout = torch.randn(B, HEADS, T, HD, generator=g)
+    return q, k, v, dout
+
+
+def _reference(T: int, n_kv: int):
+    q, k, v, dout = _inputs(T, n_kv)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    y = AttentionCore()(q, k, v)
+    (y * dout).sum().backward()
+    return y.detach(), q.grad, k.grad, v.grad
+
+
+def _cp_rank(cases):
+    """Runs on each cp rank: every case's local output and q/k/v gradients, and the logs."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    u_group, r_group = hybrid_groups([list(range(cp))], 2, rank)
+    results = []
+    for method, layout, T, n_kv in cases:
+        q, k, v, dout = (shard_sequence(t, 2, cp, rank, layout) for t in _inputs(T, n_kv))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        ctx = CPContext(dist.group.WORLD, method, layout, ulysses_group=u_group,
+                        ring_group=r_group, stats=CommStats())
+        y = ContextParallelAttention(ctx)(q, k, v)
+        (y * dout).sum().backward()
+        results.append({"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                        "products": ctx.work.products, "stats": ctx.stats})
+    return results
+
+
+CASES = [("ring", "zigzag", 32, 4), ("ring", "zigzag", 32, 2), ("ring", "contiguous", 32, 1),
+         ("allgather", "zigzag", 32, 2), ("ulysses", "zigzag", 32, 4),
+         ("ulysses", "zigzag", 32, 1), ("hybrid", "zigzag", 32, 2)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_parity(cp):
+    """Output and q/k/v gradients of every method equal the reference core's (cp 2 and 4;
+    GQA with kv heads equal to, fewer than, and (Ulysses) fewer than cp)."""
+    per_rank = run_ranks(_cp_rank, cp, args=(CASES,))
+    for i, (method, layout, T, n_kv) in enumerate(CASES):
+        ref = dict(zip(("y", "dq", "dk", "dv"), _reference(T, n_kv), strict=True))
+        for name, want in ref.items():
+            got = unshard_sequence([r[i][name] for r in per_rank], 2, layout)
+            err = (got - want).abs().max().item()
+            assert err <= TOL * want.abs().max().item(), (method, layout, n_kv, name, err)
+        # communication: the bytes counted per rank equal the module's formulas (exactly)
+        want = bytes_per_layer(method, cp, B, HEADS, n_kv, T // cp, HD)
+        for r in per_rank:
+            for phase in ("forward", "backward"):
+                assert r[i]["stats"].bytes_sent(phase=phase) == pytest.approx(want[phase]), \
+                    (method, phase)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_balance(cp):
+    """Zig-zag: every rank computes 2·cp+1 chunk-pair products (differ by 0 ≤ 1); contiguous:
+    rank r computes 4r+3, the last rank 4·cp−1 against the first's 3."""
+    cases = [("ring", "zigzag", 8 * cp, 2), ("ring", "contiguous", 8 * cp, 2)]
+    per_rank = run_ranks(_cp_rank, cp, args=(cases,))
+    zigzag = [r[0]["products"] for r in per_rank]
+    contiguous = [r[1]["products"] for r in per_rank]
+    assert zigzag == [2 * cp + 1] * cp
+    assert max(zigzag) - min(zigzag) <= 1
+    assert contiguous == [4 * r + 3 for r in range(cp)]
+    print(f"cp={cp} chunk-pair products per rank: zig-zag {zigzag}, contiguous {contiguous}")
+
+
+def test_positions_zigzag_and_refusal():
+    assert sequence_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert sequence_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sequence_positions(8, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]
+    x = torch.arange(24).view(1, 24)
+    parts = [shard_sequence(x, 1, 3, r) for r in range(3)]
+    assert torch.equal(unshard_sequence(parts, 1), x)
+    with pytest.raises(ValueError, match="multiple of 2\\*cp=4"):
+        sequence_positions(10, 2, 0)
+    with pytest.raises(ValueError, match="must be divisible by the Ulysses degree 4"):
+        ulysses_kv_repeat(6, 2, 4)
+    with pytest.raises(ValueError, match="kv heads per tp rank \\(3\\)"):
+        ulysses_kv_repeat(12, 3, 2)
+    assert ulysses_kv_repeat(8, 2, 4) == 2
