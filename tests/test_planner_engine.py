@@ -97,9 +97,11 @@ def test_planner_proposes_exactly_what_tessera_runs(preset, precision):
     proposed = planner_proposes(preset, precision)
     accepted = tessera_accepts(preset, precision)
     assert proposed == accepted, (sorted(proposed - accepted)[:5], sorted(accepted - proposed)[:5])
-    # What the sets contain: no context parallelism (not built yet), the parameter server only
-    # with pure data parallelism in fp32, pp = 1 with several chunks, every schedule.
-    assert all(key[3] == 1 for key in proposed)
+    # What the sets contain: context parallelism (default cp_method, ring) without sequence
+    # parallelism or the parameter server, the parameter server only with pure data
+    # parallelism in fp32, pp = 1 with several chunks, every schedule.
+    assert any(key[3] > 1 for key in proposed)
+    assert all(not key[7] and key[9] == "allreduce" for key in proposed if key[3] > 1)
     servers = {key for key in proposed if key[9] != "allreduce"}
     assert (len(servers) > 0) == (precision == "fp32")
     assert all(key[1] == key[2] == 1 and key[6] == 0 for key in servers)
@@ -109,15 +111,16 @@ def test_planner_proposes_exactly_what_tessera_runs(preset, precision):
 
 def test_catalog_models_keep_the_planners_rules():
     """GPT-form catalog models are not tessera's: their checks are the planner's (and allow
-    context parallelism); Llama 3 is tessera-expressible, so cp > 1 is refused for it."""
+    context parallelism); Llama 3 is tessera-expressible, and tessera runs cp > 1 for it."""
     gpt = Workload(model=load_model("gpt3-1.3b"), hardware=HW, gpus=16, global_batch=64,
                    seq_len=2048)
     llama = Workload(model=load_model("llama3-8b"), hardware=HW, gpus=16, global_batch=64,
                      seq_len=2048)
     assert not engine.expressible(gpt.model) and engine.expressible(llama.model)
     estimate(gpt, Layout(dp=4, tp=2, cp=2))
-    with pytest.raises(PlanError, match="parallel.cp=2: context parallelism is not in this"):
-        estimate(llama, Layout(dp=4, tp=2, cp=2))
+    estimate(llama, Layout(dp=4, tp=2, cp=2))
+    with pytest.raises(PlanError, match="parallel.sequence_parallel=True: is not supported"):
+        estimate(llama, Layout(dp=2, tp=2, cp=4, sequence_parallel=True))
     # The planner's own parameter-server rule for them mirrors tessera's.
     gpt32 = Workload(model=gpt.model, hardware=HW, gpus=16, global_batch=64, seq_len=2048,
                      precision="fp32")

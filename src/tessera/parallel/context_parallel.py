@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
 
+from tessera.model import AttentionCore
 from tessera.parallel.comm import CommStats, all_gather, group_rank, group_size, reduce_scatter
 
 METHODS = ("ring", "allgather", "ulysses", "hybrid")
@@ -436,9 +437,11 @@ class CPContext:
                             for r in range(self.size)])
 
 
-class ContextParallelAttention(nn.Module):
+class ContextParallelAttention(AttentionCore):
     """Drop-in for ``model.AttentionCore`` on a cp rank: q (B, nh, L, d), k/v (B, nkv, L, d)
-    of this rank's tokens -> (B, nh, L, d). No parameters; rank-aware only through `ctx`."""
+    of this rank's tokens -> (B, nh, L, d). No parameters; rank-aware only through `ctx`. A
+    subclass of the core so selective recomputation still finds it (recomputing re-runs the
+    method's forward communication in backward)."""
 
     def __init__(self, ctx: CPContext, tag: str = "attention"):
         super().__init__()
@@ -494,6 +497,19 @@ def bytes_per_layer(method: str, cp: int, batch: int, n_heads: int, n_kv_heads: 
                             kv_rep // ulysses, local_len * ulysses, head_dim, element_size)
         return {k: a[k] + b[k] for k in a}
     raise ValueError(f"cp_method={method!r}: must be one of {', '.join(METHODS)}")
+
+
+def apply_context_parallel(module: nn.Module, ctx: CPContext) -> int:
+    """Swap every ``AttentionCore`` under `module` for a ContextParallelAttention over `ctx`
+    (tagged by the core's name, for byte counts); returns how many were swapped. The module's
+    owner must also feed RoPE the global positions (``Chunk.context_parallel``)."""
+    swapped = 0
+    for name, core in list(module.named_modules()):
+        if isinstance(core, AttentionCore) and not isinstance(core, ContextParallelAttention):
+            owner_name, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner_name), attr, ContextParallelAttention(ctx, name))
+            swapped += 1
+    return swapped
 
 
 def hybrid_groups(cp_ranks: list[list[int]], ulysses: int, my_rank: int
