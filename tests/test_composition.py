@@ -132,6 +132,11 @@ CP_MATRIX: dict[str, Config] = {
     "(2,1,2,2) allgather": _cfg(2, 1, 2, m=2, cp=2, cp_method="allgather"),
     "(2,2,1,2) ulysses zero2": _cfg(2, 2, 1, m=2, cp=2, cp_method="ulysses", zero_stage=2),
     "(1,1,4,2) ring": _cfg(1, 1, 4, m=4, cp=2, cp_method="ring"),
+    # cp = 4: chunks of 2 tokens; Ulysses replicates the 2 kv heads to 4 ranks
+    "(1,1,1,4) ulysses": _cfg(1, 1, 1, m=2, cp=4, cp_method="ulysses"),
+    "(1,2,1,4) allgather zero1": _cfg(1, 2, 1, m=2, cp=4, cp_method="allgather", zero_stage=1),
+    "(2,1,1,4) hybrid selective": _cfg(2, 1, 1, m=2, cp=4, cp_method="hybrid",
+                                       recompute="selective"),
 }
 MATRIX.update(CP_MATRIX)
 
@@ -190,7 +195,8 @@ def test_every_layout_matches_the_single_device_model(world, reference_bytes):
 @pytest.mark.parametrize("name", sorted(CP_MATRIX))
 def test_context_parallel_layouts_match_the_single_device_model(name, reference_bytes):
     ref = torch.load(io.BytesIO(reference_bytes))
-    results = run_ranks(_matrix_rank, 8, args=([name],), timeout=600)
+    results = run_ranks(_matrix_rank, CP_MATRIX[name].parallel.world_size, args=([name],),
+                        timeout=600)
     for rank, per_layout in enumerate(results):
         _check(name, rank, per_layout[name], ref)
 

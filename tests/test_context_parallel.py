@@ -55,6 +55,19 @@ def _reference(T: int, n_kv: int):
     return y.detach(), q.grad, k.grad, v.grad
 
 
+def saved_bytes(fn):
+    """(bytes of the distinct storages autograd saves while fn runs, fn())."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
 def _cp_rank(cases):
     """Runs on each cp rank: every case's local output and q/k/v gradients, and the logs."""
     cp, rank = dist.get_world_size(), dist.get_rank()
@@ -65,10 +78,10 @@ def _cp_rank(cases):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         ctx = CPContext(dist.group.WORLD, method, layout, ulysses_group=u_group,
                         ring_group=r_group, stats=CommStats())
-        y = ContextParallelAttention(ctx)(q, k, v)
+        saved, y = saved_bytes(lambda: ContextParallelAttention(ctx)(q, k, v))  # noqa: B023
         (y * dout).sum().backward()
         results.append({"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-                        "products": ctx.work.products, "stats": ctx.stats})
+                        "products": ctx.work.products, "stats": ctx.stats, "saved": saved})
     return results
 
 
@@ -124,3 +137,24 @@ def test_positions_zigzag_and_refusal():
     with pytest.raises(ValueError, match="kv heads per tp rank \\(3\\)"):
         ulysses_kv_repeat(12, 3, 2)
     assert ulysses_kv_repeat(8, 2, 4) == 2
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_activations_fall_as_one_over_cp(cp):
+    """Bytes autograd keeps for backward per rank vs the reference core on the whole sequence
+    (q, k, v, output, lse): ring and all-gather keep the local q, k, v, output and lse (K/V are
+    passed or gathered again in backward), Ulysses the head-sharded full-sequence q, k, v,
+    the same size; plus O(T) positions and permutation indices. With kv heads ≥ cp (no
+    replication: kv heads fewer than cp are copied to every Ulysses rank, so its K/V would
+    not shrink) each method keeps ≤ 1.1·reference/cp."""
+    T = 64
+    methods = ["ring", "allgather", "ulysses", "hybrid"]
+    per_rank = run_ranks(_cp_rank, cp, args=([(m, "zigzag", T, HEADS) for m in methods],))
+    q, k, v, _ = _inputs(T, HEADS)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref, _ = saved_bytes(lambda: AttentionCore()(q, k, v))
+    for i, method in enumerate(methods):
+        ratios = [r[i]["saved"] / ref for r in per_rank]
+        print(f"cp={cp} {method}: saved bytes per rank / single-device = {max(ratios):.3f} "
+              f"(1/cp = {1 / cp:.3f})")
+        assert max(ratios) <= 1.1 / cp, (method, ratios)
