@@ -158,3 +158,37 @@ def test_attention_activations_fall_as_one_over_cp(cp):
         print(f"cp={cp} {method}: saved bytes per rank / single-device = {max(ratios):.3f} "
               f"(1/cp = {1 / cp:.3f})")
         assert max(ratios) <= 1.1 / cp, (method, ratios)
+
+
+def _executor_bytes(method: str) -> dict:
+    from tessera.config import make_config
+    from tessera.step import build_executor
+    from tessera.topology import Topology
+
+    cfg = make_config(None, model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                       max_seq_len=16),
+                      data=dict(seq_len=16), parallel=dict(tp=2, cp=2, cp_method=method),
+                      train=dict(grad_accum=2, micro_batch_size=2))
+    topo = Topology.build(cfg.parallel)
+    stats = CommStats()
+    executor = build_executor(cfg, topo, torch.device("cpu"), cp_stats=stats)
+    from tessera.data.loader import cp_shard
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 2, 17), generator=g)
+    batches = [cp_shard((t[:, :-1], t[:, 1:]), topo.coords()["cp"], 2) for t in tokens]
+    executor.forward_backward(batches)
+    return {"by_tag": stats.by_tag(), "rank": topo.rank}
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_bytes_per_layer_in_a_training_step(method):
+    """Through parallelize + Executor at (dp, tp, pp, cp) = (1, 2, 1, 2): each layer's
+    attention sends, per rank, m × (forward + backward) of the formula with the heads per tp
+    rank (4/2 query, 2/2 kv) and the local tokens (16/2)."""
+    per_rank = run_ranks(_executor_bytes, 4, args=(method,))
+    want = bytes_per_layer(method, 2, 2, 2, 1, 8, 8)
+    for r in per_rank:
+        assert sorted(r["by_tag"]) == ["layers.0.attention.core", "layers.1.attention.core"]
+        for got in r["by_tag"].values():
+            assert got == pytest.approx(2 * (want["forward"] + want["backward"]))
