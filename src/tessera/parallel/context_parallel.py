@@ -10,8 +10,10 @@ to get them, each an autograd Function (or a pair) so that backward is as explic
   Partial results merge by the online-softmax rule (Milakov & Gimelshein 2018; FlashAttention):
   ``lse = logaddexp(lse₁, lse₂)``, ``o = o₁·e^(lse₁−lse) + o₂·e^(lse₂−lse)``. Backward sends
   the (K, V) blocks around again with their gradient accumulators (dK, dV), which arrive back at
-  their owner after cp hops; the whole K/V is never gathered. Per rank per layer, forward sends
-  (cp−1)·|KV_local| and backward (cp−1)·|KV_local| + cp·|dKV_local|.
+  their owner after cp hops; the whole K/V is never gathered. Each pair of T/(2·cp)-token
+  chunks is one block: on CPU torch's fused attention kernel (it returns the log-sum-exp;
+  causal on the diagonal, unmasked below), elsewhere an explicit masked product. Per rank per
+  layer, forward sends (cp−1)·|KV_local| and backward (cp−1)·|KV_local| + cp·|dKV_local|.
 - **allgather** (Llama 3, Dubey et al. 2024, §3.3.2): K/V of the whole sequence are all-gathered,
   local queries attend to them, dK/dV are reduce-scattered back. Backward all-gathers K/V again
   instead of keeping the full copy (the memory-saving form): forward (cp−1)/cp·|KV_full|,
@@ -119,20 +121,50 @@ def _scores(q, k, q_pos, k_pos, scale):
     return s if mask is None else s.masked_fill(mask, float("-inf"))
 
 
+def _fused_causal(q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool | None:
+    """Whether torch's fused CPU attention kernel (which returns the log-sum-exp) can compute
+    this block: True for a diagonal block (the same positions: causal, top-left aligned),
+    False for a block wholly below the diagonal (no mask), None otherwise (explicit path)."""
+    if q.device.type != "cpu":
+        return None
+    if _mask(q_pos, k_pos) is None:
+        return False
+    if q_pos.numel() == k_pos.numel() and torch.equal(q_pos, k_pos) \
+            and bool((q_pos[1:] == q_pos[:-1] + 1).all()):
+        return True
+    return None
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 def block_forward(q, k, v, q_pos, k_pos, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q·kᵀ·scale, causal in positions)·v and its row log-sum-exp:
     (B, nh, Lq, d) and (B, nh, Lq)."""
+    causal = _fused_causal(q, q_pos, k_pos)
+    if causal is not None:
+        nh = q.shape[1]
+        out, lse = _FLASH_CPU(q.contiguous(), _expand_kv(k, nh).contiguous(),
+                              _expand_kv(v, nh).contiguous(), 0.0, causal, scale=scale)
+        return out, lse.float()
     s = _scores(q, k, q_pos, k_pos, scale)
     lse = torch.logsumexp(s, dim=-1)  # -inf on rows whose keys are all later (masked)
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
     return torch.matmul(p, _expand_kv(v, q.shape[1])), lse
 
 
-def block_backward(q, k, v, dout, delta, lse, q_pos, k_pos, scale):
-    """Gradients of one block given the merged output's lse and delta = rowsum(dO·O)
+def block_backward(q, k, v, out, dout, delta, lse, q_pos, k_pos, scale):
+    """Gradients of one block given the merged output, its lse and delta = rowsum(dO·O)
     (FlashAttention-2, Dao 2023, Alg. 2): P = e^(S−lse), dV = Pᵀ·dO, dS = P∘(dO·Vᵀ − delta)."""
     nh, nkv = q.shape[1], k.shape[1]
     ke, ve = _expand_kv(k, nh), _expand_kv(v, nh)
+    causal = _fused_causal(q, q_pos, k_pos)
+    if causal is not None:
+        dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), ke.contiguous(),
+                                         ve.contiguous(), out.contiguous(), lse.contiguous(),
+                                         0.0, causal, scale=scale)
+        return dq, _fold_kv(dk, nkv), _fold_kv(dv, nkv)
     p = torch.exp(_scores(q, k, q_pos, k_pos, scale) - lse[..., None])  # (B, nh, Lq, Lk)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta[..., None])
@@ -153,6 +185,37 @@ def _segments(pos: torch.Tensor, chunk: int) -> list[tuple[slice, torch.Tensor]]
     """A rank's tokens as runs of `chunk` consecutive positions (the zig-zag chunks):
     (slice, their positions). Work is counted, and skipped, per pair of such runs."""
     return [(slice(a, a + chunk), pos[a:a + chunk]) for a in range(0, pos.numel(), chunk)]
+
+
+def attend_blocks_(q, k, v, q_pos, k_pos, chunk, scale, out, lse, work=None) -> None:
+    """Merge q's attention to the keys k (positions k_pos) into the running (out, lse), pair of
+    `chunk`-token runs by pair, skipping pairs wholly above the diagonal."""
+    for ks, kpos in _segments(k_pos, chunk):
+        for qs, qpos in _segments(q_pos, chunk):
+            if skipped(qpos, kpos):
+                if work is not None:
+                    work.skipped += 1
+                continue
+            if work is not None:
+                work.products += 1
+            b_out, b_lse = block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], qpos, kpos,
+                                         scale)
+            merge_(out[:, :, qs], lse[:, :, qs], b_out, b_lse)
+
+
+def attend_blocks_backward_(q, k, v, out, dout, delta, lse, q_pos, k_pos, chunk, scale,
+                            dq, dk, dv) -> None:
+    """The gradients of attend_blocks_, accumulated into dq and (for these keys) dk, dv."""
+    for ks, kpos in _segments(k_pos, chunk):
+        for qs, qpos in _segments(q_pos, chunk):
+            if skipped(qpos, kpos):
+                continue
+            dq_b, dk_b, dv_b = block_backward(
+                q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], dout[:, :, qs],
+                delta[:, :, qs], lse[:, :, qs], qpos, kpos, scale)
+            dq[:, :, qs] += dq_b
+            dk[:, :, ks] += dk_b
+            dv[:, :, ks] += dv_b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +256,7 @@ class RingAttention(Function):
         kv = torch.stack([k, v]).contiguous()  # (2, B, nkv, L, d): one message per hop
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        q_segs = _segments(positions[r].to(q.device), chunk)
+        q_pos = positions[r].to(q.device)
         for s in range(n):
             reqs = []
             if s < n - 1:  # the next hop travels while this block computes
@@ -201,17 +264,8 @@ class RingAttention(Function):
                 if stats is not None:
                     stats.record(tag, "send", "forward", kv.numel(), kv.element_size(), n)
             src = (r - s) % n
-            for ks, kpos in _segments(positions[src].to(q.device), chunk):
-                for qs, qpos in q_segs:
-                    if skipped(qpos, kpos):
-                        if work is not None:
-                            work.skipped += 1
-                        continue
-                    if work is not None:
-                        work.products += 1
-                    b_out, b_lse = block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                 qpos, kpos, scale)
-                    merge_(out[:, :, qs], lse[:, :, qs], b_out, b_lse)
+            attend_blocks_(q, kv[0], kv[1], q_pos, positions[src].to(q.device), chunk, scale,
+                           out, lse, work)
             for req in reqs:
                 req.wait()
             if reqs:
@@ -232,7 +286,7 @@ class RingAttention(Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv, dtype=torch.float32)
-        q_segs = _segments(positions[r].to(q.device), chunk)
+        q_pos = positions[r].to(q.device)
         grad_reqs: list = []
         dkv_in = dkv
         for s in range(n):
@@ -246,16 +300,9 @@ class RingAttention(Function):
                     req.wait()
                 dkv = dkv_in
             src = (r - s) % n
-            for ks, kpos in _segments(positions[src].to(q.device), chunk):
-                for qs, qpos in q_segs:
-                    if skipped(qpos, kpos):
-                        continue
-                    dq_b, dk_b, dv_b = block_backward(
-                        q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs],
-                        delta[:, :, qs], lse[:, :, qs], qpos, kpos, scale)
-                    dq[:, :, qs] += dq_b
-                    dkv[0][:, :, ks] += dk_b
-                    dkv[1][:, :, ks] += dv_b
+            attend_blocks_backward_(q, kv[0], kv[1], out, dout, delta, lse, q_pos,
+                                    positions[src].to(q.device), chunk, scale, dq, dkv[0],
+                                    dkv[1])
             # pass the accumulator on; after the n-th hop it is back with its owner
             if n > 1:
                 grad_reqs, dkv_in = _start_send_recv(dkv, to, frm, group, tag=1)
@@ -278,19 +325,21 @@ class RingAttention(Function):
 
 
 class AllGatherAttention(Function):
-    """K/V all-gathered over the cp group, local queries attend; dK/dV reduce-scattered."""
+    """K/V all-gathered over the cp group, local queries attend (chunk pairs above the diagonal
+    skipped, as the ring); dK/dV reduce-scattered."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, scale, stats, tag):
+    def forward(ctx, q, k, v, positions, group, scale, stats, tag, work, chunk):
         r = group_rank(group)
         kv = torch.stack([k, v])  # (2, B, nkv, L, d)
         kv_full = all_gather(kv, SEQ + 1, group, stats, tag, "forward")  # (2, B, nkv, T, d)
-        pos_all = positions.reshape(-1).to(q.device)
-        out, lse = block_forward(q, kv_full[0], kv_full[1], positions[r].to(q.device), pos_all,
-                                 scale)
+        out = torch.zeros_like(q, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        attend_blocks_(q, kv_full[0], kv_full[1], positions[r].to(q.device),
+                       positions.reshape(-1).to(q.device), chunk, scale, out, lse, work)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse, positions)
-        ctx.group, ctx.scale, ctx.stats, ctx.tag = group, scale, stats, tag
+        ctx.group, ctx.scale, ctx.stats, ctx.tag, ctx.chunk = group, scale, stats, tag, chunk
         return out
 
     @staticmethod
@@ -300,12 +349,15 @@ class AllGatherAttention(Function):
         r = group_rank(group)
         # gathered again rather than kept: activations stay 1/cp of the sequence
         kv_full = all_gather(kv, SEQ + 1, group, stats, tag, "backward")
+        dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)
-        dq, dk, dv = block_backward(q, kv_full[0], kv_full[1], dout, delta, lse,
-                                    positions[r].to(q.device), positions.reshape(-1).to(q.device),
-                                    ctx.scale)
-        dkv = reduce_scatter(torch.stack([dk, dv]), SEQ + 1, group, stats, tag, "backward")
-        return dq, dkv[0], dkv[1], None, None, None, None, None
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dkv = torch.zeros_like(kv_full, dtype=torch.float32)
+        attend_blocks_backward_(q, kv_full[0], kv_full[1], out, dout, delta, lse,
+                                positions[r].to(q.device), positions.reshape(-1).to(q.device),
+                                ctx.chunk, ctx.scale, dq, dkv[0], dkv[1])
+        dkv = reduce_scatter(dkv.to(kv.dtype), SEQ + 1, group, stats, tag, "backward")
+        return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +508,8 @@ class ContextParallelAttention(AttentionCore):
             return RingAttention.apply(q, k, v, pos, c.group, scale, c.stats, self.tag, c.work,
                                       chunk)
         if c.method == "allgather":
-            return AllGatherAttention.apply(q, k, v, pos, c.group, scale, c.stats, self.tag)
+            return AllGatherAttention.apply(q, k, v, pos, c.group, scale, c.stats, self.tag,
+                                            c.work, chunk)
         if c.method == "ulysses":
             qh, kh, vh = ulysses_split(q, k, v, c.group, c.stats, self.tag)
             y = _local_attention(qh, kh, vh, pos.reshape(-1), scale)
