@@ -498,11 +498,13 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) 
     bwd = 2 * fwd + redo
     tp_fwd += syncs * straggler_time(hw, t, fwd / syncs)
     tp_bwd += syncs * straggler_time(hw, t, bwd / syncs)
-    # Context parallel ring: c−1 steps passing K and V forward; K, V, dK, dV backward, each
-    # hidden behind the attention of the block it overlaps.
+    # Context parallel ring (tessera.parallel.context_parallel): c−1 hops passing K and V
+    # forward; backward c−1 hops of K, V and c of the dK, dV accumulators (the last hop returns
+    # them to their owner), each hidden behind the attention of the block it overlaps.
     kv_block = 2 * e * b * (s // cp) * spec.kv_dim / min(t, spec.kv_heads)
-    cp_fwd = (cp - 1) * (cp_link.alpha + kv_block * cp_link.beta) if cp > 1 else 0.0
-    cp_bwd = 2 * cp_fwd
+    cp_hop = cp_link.alpha + kv_block * cp_link.beta
+    cp_fwd = (cp - 1) * cp_hop if cp > 1 else 0.0
+    cp_bwd = (2 * cp - 1) * cp_hop if cp > 1 else 0.0
     act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
     work = full_bytes
     if engine.expressible(spec) and cp == 1:  # what tessera's block saves (engine module)
