@@ -192,3 +192,34 @@ def test_bytes_per_layer_in_a_training_step(method):
         assert sorted(r["by_tag"]) == ["layers.0.attention.core", "layers.1.attention.core"]
         for got in r["by_tag"].values():
             assert got == pytest.approx(2 * (want["forward"] + want["backward"]))
+
+
+def _model_activation_bytes(cp: int, method: str) -> int:
+    from tessera.config import make_config
+    from tessera.data.loader import cp_shard
+    from tessera.step import build_executor
+    from tessera.topology import Topology
+
+    cfg = make_config(None, model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4,
+                                       max_seq_len=64),
+                      data=dict(seq_len=64), parallel=dict(cp=cp, cp_method=method),
+                      train=dict(grad_accum=1, micro_batch_size=2))
+    topo = Topology.build(cfg.parallel)
+    executor = build_executor(cfg, topo, torch.device("cpu"), measure_memory=True)
+    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
+    batch = cp_shard((tokens[:, :-1], tokens[:, 1:]), topo.coords()["cp"], cp)
+    executor.forward_backward([batch])
+    return executor.last_record.peak_activation_bytes
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_model_activations_per_rank_fall_as_one_over_cp(method):
+    """The whole model's saved activations per rank (the runtime's peak, T = 64, 2 layers):
+    every tensor of a block and the head is per token, so cp ranks each keep ~1/cp of the
+    single-process bytes (+ O(T) positions); bound 1.1/cp."""
+    single = run_ranks(_model_activation_bytes, 1, args=(1, method))[0]
+    for cp in (2, 4):
+        per_rank = run_ranks(_model_activation_bytes, cp, args=(cp, method))
+        ratio = max(per_rank) / single
+        print(f"{method} cp={cp}: activation bytes per rank / single = {ratio:.3f}")
+        assert ratio <= 1.1 / cp, (cp, per_rank, single)
