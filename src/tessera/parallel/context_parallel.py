@@ -528,13 +528,13 @@ def bytes_per_layer(method: str, cp: int, batch: int, n_heads: int, n_kv_heads: 
                     ulysses: int = 2) -> dict[str, float]:
     """Bytes one rank sends per attention layer and micro-batch, forward and backward: the
     formulas of the module doc (heads per tp rank; L = local_len = T/cp tokens; the ring's
-    gradient accumulators are fp32, counted at `element_size` for fp32 runs)."""
+    dK/dV accumulators travel in fp32 whatever `element_size` the activations have)."""
     if cp == 1:
         return {"forward": 0.0, "backward": 0.0}
     kv = 2 * batch * n_kv_heads * local_len * head_dim * element_size  # |K|+|V| local
     share = (cp - 1) / cp
     if method == "ring":
-        return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + cp * kv}
+        return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + cp * kv * 4 // element_size}
     if method == "allgather":
         return {"forward": share * cp * kv, "backward": 2 * share * cp * kv}
     if method == "ulysses":
