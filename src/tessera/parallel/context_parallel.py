@@ -15,29 +15,32 @@ to get them, each an autograd Function (or a pair) so that backward is as explic
   causal on the diagonal, unmasked below), elsewhere an explicit masked product. Per rank per
   layer, forward sends (cp−1)·|KV_local| and backward (cp−1)·|KV_local| + cp·|dKV_local|.
 - **allgather** (Llama 3, Dubey et al. 2024, §3.3.2): K/V of the whole sequence are all-gathered,
-  local queries attend to them, dK/dV are reduce-scattered back. Backward all-gathers K/V again
+  local queries attend to them (chunk pairs above the diagonal skipped, as in the ring), dK/dV
+  are reduce-scattered back. Backward all-gathers K/V again
   instead of keeping the full copy (the memory-saving form): forward (cp−1)/cp·|KV_full|,
   backward (cp−1)/cp·|KV_full| gathered + (cp−1)/cp·|dKV_full| reduce-scattered.
 - **ulysses** (Jacobs et al., "DeepSpeed Ulysses", 2023): an all-to-all turns sequence-sharded
   q, k, v (B, H, T/cp, d) into head-sharded full sequences (B, H/cp, T, d); attention is local;
   the inverse all-to-all returns the output. Query heads (after tp) must divide by cp; kv heads
   fewer than cp are replicated to cp (each rank needs one); otherwise refused. Bytes per rank
-  per layer: forward (cp−1)/cp·(|q|+|k|+|v|+|o|) of local tensors, backward the same.
-- **hybrid** (USP, Fang & Zhao 2024): Ulysses inside groups of ``ulysses`` consecutive cp ranks,
-  ring across the groups.
+  per layer: forward (cp−1)/cp·(|q|+|k|+|v|+|o|) of local tensors (k, v after replication),
+  backward the same.
+- **hybrid** (USP, Fang & Zhao 2024): Ulysses inside groups of ``cp_ulysses`` consecutive cp
+  ranks, ring across the groups (``hybrid_groups``).
 
 Sequence layout. The sequence is cut into 2·cp chunks of T/(2·cp) tokens; rank r holds chunks
-r and 2·cp−1−r (**zig-zag**, Brandon et al. 2023 "Striped attention"-style load balancing for
-causal masks), so every rank does the same number of causal block products (2·cp+1 chunk pairs
-per layer). ``layout='contiguous'`` (rank r holds chunks 2r, 2r+1) is kept to show the
-imbalance it causes (4r+3 pairs on rank r). Sequence lengths that are not a multiple of 2·cp
-are refused (``check_layout``); padding would change the loss normalization of every rank.
+r and 2·cp−1−r (**zig-zag**, the load balancing of Llama 3's context parallelism), so every
+rank does the same number of causal block products (2·cp+1 chunk pairs per layer).
+``layout='contiguous'`` (rank r holds chunks 2r, 2r+1) is kept to show the imbalance it causes
+(4r+3 pairs on rank r). Sequence lengths that are not a multiple of 2·cp are refused
+(``check_layout``); padding would change the loss normalization of every rank.
 Every function here takes positions, not a layout: a rank's tokens are identified by their
 global positions (``sequence_positions``), which also index the RoPE tables.
 
-Invariants: masking is causal in global positions; every query row sees its own position in
-its own rank's first block, so the running log-sum-exp is finite after the first step; blocks
-whose keys are all later than all queries are skipped (never computed, never sent twice).
+Invariants: masking is causal in global positions; a query row that has seen no key yet keeps
+log-sum-exp −inf and contributes nothing (``merge_`` guards −inf − −inf), and every row sees at
+least its own position, so the final log-sum-exp is finite; blocks whose keys are all later
+than all their queries are never computed.
 """
 
 from __future__ import annotations
