@@ -151,6 +151,11 @@ def block_forward(q, k, v, q_pos, k_pos, scale) -> tuple[torch.Tensor, torch.Ten
         out, lse = _FLASH_CPU(q.contiguous(), _expand_kv(k, nh).contiguous(),
                               _expand_kv(v, nh).contiguous(), 0.0, causal, scale=scale)
         return out, lse.float()
+    return explicit_block_forward(q, k, v, q_pos, k_pos, scale)
+
+
+def explicit_block_forward(q, k, v, q_pos, k_pos, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_forward by a masked matmul, any mask and any device."""
     s = _scores(q, k, q_pos, k_pos, scale)
     lse = torch.logsumexp(s, dim=-1)  # -inf on rows whose keys are all later (masked)
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
@@ -161,13 +166,20 @@ def block_backward(q, k, v, out, dout, delta, lse, q_pos, k_pos, scale):
     """Gradients of one block given the merged output, its lse and delta = rowsum(dO·O)
     (FlashAttention-2, Dao 2023, Alg. 2): P = e^(S−lse), dV = Pᵀ·dO, dS = P∘(dO·Vᵀ − delta)."""
     nh, nkv = q.shape[1], k.shape[1]
-    ke, ve = _expand_kv(k, nh), _expand_kv(v, nh)
     causal = _fused_causal(q, q_pos, k_pos)
     if causal is not None:
+        ke, ve = _expand_kv(k, nh), _expand_kv(v, nh)
         dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), ke.contiguous(),
                                          ve.contiguous(), out.contiguous(), lse.contiguous(),
                                          0.0, causal, scale=scale)
         return dq, _fold_kv(dk, nkv), _fold_kv(dv, nkv)
+    return explicit_block_backward(q, k, v, dout, delta, lse, q_pos, k_pos, scale)
+
+
+def explicit_block_backward(q, k, v, dout, delta, lse, q_pos, k_pos, scale):
+    """block_backward by masked matmuls, any mask and any device."""
+    nh, nkv = q.shape[1], k.shape[1]
+    ke, ve = _expand_kv(k, nh), _expand_kv(v, nh)
     p = torch.exp(_scores(q, k, q_pos, k_pos, scale) - lse[..., None])  # (B, nh, Lq, Lk)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta[..., None])
