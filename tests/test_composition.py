@@ -137,6 +137,8 @@ CP_MATRIX: dict[str, Config] = {
     "(1,2,1,4) allgather zero1": _cfg(1, 2, 1, m=2, cp=4, cp_method="allgather", zero_stage=1),
     "(2,1,1,4) hybrid selective": _cfg(2, 1, 1, m=2, cp=4, cp_method="hybrid",
                                        recompute="selective"),
+    # Megatron-SP inside each cp rank: the rank's 8 tokens split again over tp
+    "(1,2,2,2) ring sp": _cfg(1, 2, 2, m=2, cp=2, cp_method="ring", sequence_parallel=True),
     # bf16 (ZeRO's flat buffers, fp32 masters): the ring's blocks in bf16, merged in fp32
     "(1,2,2,2) ring bf16": _cfg(1, 2, 2, m=2, cp=2, cp_method="ring", precision="bf16"),
 }

@@ -37,9 +37,10 @@ def test_ulysses_heads(tiny_data):
 
 
 def test_cp_refuses_what_it_does_not_compose_with(tiny_data):
-    line = _fail(["--data", tiny_data, "--cp", "2", "--tp", "2", "--sequence-parallel"])
-    assert line == ("error: parallel.sequence_parallel=True: is not supported with "
-                    "parallel.cp > 1 in this build")
+    line = _fail(["--data", tiny_data, "--cp", "2", "--tp", "4", "--sequence-parallel",
+                  "--set", "data.seq_len=12"])
+    assert line == ("error: data.seq_len=12: / parallel.cp=2 must be divisible by parallel.tp=4 "
+                    "with sequence parallelism (each cp rank's tokens split over tp)")
     line = _fail(["--data", tiny_data, "--cp", "2", "--dp", "2", "--dp-mode", "ps"])
     assert line.startswith("error: parallel.dp_mode='ps': context parallelism reduces")
 

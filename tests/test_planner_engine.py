@@ -97,11 +97,12 @@ def test_planner_proposes_exactly_what_tessera_runs(preset, precision):
     proposed = planner_proposes(preset, precision)
     accepted = tessera_accepts(preset, precision)
     assert proposed == accepted, (sorted(proposed - accepted)[:5], sorted(accepted - proposed)[:5])
-    # What the sets contain: context parallelism (default cp_method, ring) without sequence
-    # parallelism or the parameter server, the parameter server only with pure data
-    # parallelism in fp32, pp = 1 with several chunks, every schedule.
+    # What the sets contain: context parallelism (default cp_method, ring), with sequence
+    # parallelism too, never with the parameter server; the parameter server only with pure
+    # data parallelism in fp32, pp = 1 with several chunks, every schedule.
     assert any(key[3] > 1 for key in proposed)
-    assert all(not key[7] and key[9] == "allreduce" for key in proposed if key[3] > 1)
+    assert any(key[3] > 1 and key[7] for key in proposed)
+    assert all(key[9] == "allreduce" for key in proposed if key[3] > 1)
     servers = {key for key in proposed if key[9] != "allreduce"}
     assert (len(servers) > 0) == (precision == "fp32")
     assert all(key[1] == key[2] == 1 and key[6] == 0 for key in servers)
@@ -119,8 +120,9 @@ def test_catalog_models_keep_the_planners_rules():
     assert not engine.expressible(gpt.model) and engine.expressible(llama.model)
     estimate(gpt, Layout(dp=4, tp=2, cp=2))
     estimate(llama, Layout(dp=4, tp=2, cp=2))
-    with pytest.raises(PlanError, match="parallel.sequence_parallel=True: is not supported"):
-        estimate(llama, Layout(dp=2, tp=2, cp=4, sequence_parallel=True))
+    estimate(llama, Layout(dp=2, tp=2, cp=4, sequence_parallel=True))
+    with pytest.raises(PlanError, match="dp_mode"):
+        estimate(llama, Layout(dp=8, cp=2, dp_mode="ps"))
     # The planner's own parameter-server rule for them mirrors tessera's.
     gpt32 = Workload(model=gpt.model, hardware=HW, gpus=16, global_batch=64, seq_len=2048,
                      precision="fp32")

@@ -48,8 +48,9 @@ def check_layout(cfg: Config) -> None:
             _require(kv % u == 0 or u % kv == 0, "parallel.cp", p.cp,
                      f"{p.cp_method}: kv heads per tp rank ({kv}) must divide or be a "
                      f"multiple of the Ulysses degree {u}")
-        _require(not p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
-                 "is not supported with parallel.cp > 1 in this build")
+        _require(not p.sequence_parallel or (d.seq_len // p.cp) % p.tp == 0, "data.seq_len",
+                 d.seq_len, f"/ parallel.cp={p.cp} must be divisible by parallel.tp={p.tp} "
+                 "with sequence parallelism (each cp rank's tokens split over tp)")
         _require(p.dp_mode == "allreduce", "parallel.dp_mode", p.dp_mode,
                  "context parallelism reduces gradients over dp×cp with 'allreduce' only")
     # Expert parallelism has no implementation yet.
