@@ -65,9 +65,11 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
   it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
   all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7);
-- context parallelism (ring attention, Liu et al. 2023): each of the c−1 ring steps passes a
-  K/V block of b·(s/c)·kv forward and K/V plus their gradients backward, overlapped with the
-  attention compute of the step;
+- context parallelism (``tessera.parallel.context_parallel``, the bytes of its
+  ``bytes_per_layer``): ring attention (Liu et al. 2023) passes a K/V block of b·(s/c)·kv in
+  each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
+  backward, overlapped with the attention compute of the step; all-gather (Llama 3), Ulysses
+  all-to-alls and the hybrid are priced by their volumes, not overlapped;
 - stragglers: ranks reach a collective after a stretch of compute whose time varies, and the
   collective waits for the slowest; for N ranks with independent normal noise the wait
   beyond a typical rank is the expected maximum of N standard normals (Blom's approximation,
