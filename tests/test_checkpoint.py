@@ -70,11 +70,14 @@ LAYOUTS = {
     "dp=2 tp=2 pp=2 zero-3 bf16 full recompute": {
         "dp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "recompute": "full",
         "train.precision": "bf16"},
+    # Context parallelism: replicas over dp × cp, ZeRO shards over that group.
+    "dp=2 cp=2 ring zero-2": dict(dp=2, cp=2, cp_method="ring", zero_stage=2),
 }
 
 
 def _world(parallel: dict) -> int:
-    return parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+    return (parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+            * parallel.get("cp", 1))
 
 
 def _check_resumed(got: dict, label: str) -> None:

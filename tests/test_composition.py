@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from tessera.config import Config, ConfigError, make_config
+from tessera.data.loader import cp_shard
 from tessera.layout import check_layout
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw
@@ -107,19 +108,41 @@ def _run_layout(cfg: Config) -> dict[str, Any]:
     executor = build_executor(cfg, topo, torch.device("cpu"))
     opt = executor.optimizer(cfg.train)
     dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
+    cp, c = topo.cp, topo.coords()["cp"]
     out: dict[str, Any] = {"losses": [], "norms": []}
     for step in range(STEPS):
         x, y = _batch(step)
         rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
         opt.zero_grad(set_to_none=True)
         out["losses"].append(executor.forward_backward(
-            list(zip(x[rows].chunk(m), y[rows].chunk(m), strict=True))))
+            [cp_shard(mb, c, cp) for mb in zip(x[rows].chunk(m), y[rows].chunk(m), strict=True)]))
         if step == 0:
             out["grads"] = executor.model.full_grads()
         out["norms"].append(executor.clip_grad_norm_(CLIP))
         opt.step()
     out["params"] = executor.full_state_dict()
     return out
+
+
+# Context parallelism (issue 13), (dp, tp, pp, cp): each rank holds the zig-zag half of every
+# sequence (SEQ = 16 = 4·2·cp tokens); same bounds (the cp ranks' losses and gradients are one
+# more level of the same sums, the ring's log-sum-exp merge a few ε per block).
+CP_MATRIX: dict[str, Config] = {
+    "(1,2,2,2) ring": _cfg(1, 2, 2, m=2, cp=2, cp_method="ring"),
+    "(2,1,2,2) allgather": _cfg(2, 1, 2, m=2, cp=2, cp_method="allgather"),
+    "(2,2,1,2) ulysses zero2": _cfg(2, 2, 1, m=2, cp=2, cp_method="ulysses", zero_stage=2),
+    "(1,1,4,2) ring": _cfg(1, 1, 4, m=4, cp=2, cp_method="ring"),
+    # cp = 4: chunks of 2 tokens; Ulysses replicates the 2 kv heads to 4 ranks
+    "(1,1,1,4) ulysses": _cfg(1, 1, 1, m=2, cp=4, cp_method="ulysses"),
+    "(1,2,1,4) allgather zero1": _cfg(1, 2, 1, m=2, cp=4, cp_method="allgather", zero_stage=1),
+    "(2,1,1,4) hybrid selective": _cfg(2, 1, 1, m=2, cp=4, cp_method="hybrid",
+                                       recompute="selective"),
+    # Megatron-SP inside each cp rank: the rank's 8 tokens split again over tp
+    "(1,2,2,2) ring sp": _cfg(1, 2, 2, m=2, cp=2, cp_method="ring", sequence_parallel=True),
+    # bf16 (ZeRO's flat buffers, fp32 masters): the ring's blocks in bf16, merged in fp32
+    "(1,2,2,2) ring bf16": _cfg(1, 2, 2, m=2, cp=2, cp_method="ring", precision="bf16"),
+}
+MATRIX.update(CP_MATRIX)
 
 
 def _matrix_rank(names: list[str]) -> dict[str, dict[str, Any]]:
@@ -155,7 +178,7 @@ def reference_bytes() -> bytes:
     return buffer.getvalue()
 
 
-GROUPS = {8: [n for n, c in MATRIX.items() if c.parallel.world_size == 8],
+GROUPS = {8: [n for n, c in MATRIX.items() if c.parallel.world_size == 8 and n not in CP_MATRIX],
           4: [n for n, c in MATRIX.items() if c.parallel.world_size == 4]}
 
 
@@ -169,6 +192,17 @@ def test_every_layout_matches_the_single_device_model(world, reference_bytes):
     for rank, per_layout in enumerate(results):
         for name, got in per_layout.items():
             _check(name, rank, got, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CP_MATRIX))
+def test_context_parallel_layouts_match_the_single_device_model(name, reference_bytes):
+    ref = torch.load(io.BytesIO(reference_bytes))
+    results = run_ranks(_matrix_rank, CP_MATRIX[name].parallel.world_size, args=([name],),
+                        timeout=600)
+    for rank, per_layout in enumerate(results):
+        _check(name, rank, per_layout[name], ref)
 
 
 def test_parameter_server_with_tensor_parallelism_is_refused():

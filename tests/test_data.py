@@ -170,6 +170,26 @@ def test_dp_shards_partition_the_single_process_batch(tiny_data):
     assert torch.equal(torch.cat([x for shard in shards for x, _ in shard]), whole)
 
 
+def test_cp_ranks_hold_zigzag_chunks_of_the_same_windows(tiny_data):
+    """Each cp rank of a dp rank takes that dp rank's windows and keeps chunks r and 2·cp−1−r
+    (of 2·cp) of inputs and targets; together the cp ranks hold every token once."""
+    from tessera.parallel.context_parallel import unshard_sequence
+
+    ds = TokenDataset(tiny_data)
+    whole = BatchLoader(ds.train, 16, micro_batch_size=2, grad_accum=2, dp_rank=1, dp_size=2,
+                        seed=3).batch(4)
+    parts = [BatchLoader(ds.train, 16, micro_batch_size=2, grad_accum=2, dp_rank=1, dp_size=2,
+                         seed=3, cp_rank=r, cp_size=4).batch(4) for r in range(4)]
+    for m, (x, y) in enumerate(whole):
+        assert parts[0][m][0].shape == (2, 4)
+        assert torch.equal(parts[1][m][0], torch.cat([x[:, 2:4], x[:, 12:14]], 1))
+        assert torch.equal(unshard_sequence([p[m][0] for p in parts], 1), x)
+        assert torch.equal(unshard_sequence([p[m][1] for p in parts], 1), y)
+    val = val_windows(ds.val, 16, 64, 2)
+    val_parts = [val_windows(ds.val, 16, 64, 2, cp_rank=r, cp_size=2) for r in range(2)]
+    assert torch.equal(unshard_sequence([p[0][0] for p in val_parts], 1), val[0][0])
+
+
 def test_val_windows_cover_and_shard(tiny_data):
     ds = TokenDataset(tiny_data)
     one = val_windows(ds.val, 16, 256, batch_size=4)

@@ -70,8 +70,15 @@ def test_train_refuses_bad_pipeline_input_before_launch(tiny_data):
     line = cli_error(base + ["--pp", "2", "--schedule", "interleaved", "--microbatches", "3",
                          "--virtual", "2", "--set", "model.n_layers=4"])
     assert "train.grad_accum=3" in line and "multiple of parallel.pp=2" in line
-    line = cli_error(base + ["--pp", "2", "--cp", "2"])
-    assert line == "error: parallel.cp=2: context parallelism is not in this build yet (must be 1)"
+    line = cli_error(base + ["--pp", "2", "--cp", "3"])
+    assert line == ("error: data.seq_len=32: must split into 2*parallel.cp zig-zag chunks "
+                    "(parallel.cp=3: a multiple of 6)")
+    line = cli_error(base + ["--cp", "4", "--cp-method", "ulysses", "--tp", "2"])
+    assert line == ("error: parallel.cp=4: ulysses: query heads per tp rank (model.n_heads/tp=2) "
+                    "must be divisible by the Ulysses degree 4")
+    line = cli_error(base + ["--cp", "2", "--cp-method", "tree"])
+    assert line == "error: parallel.cp_method='tree': must be one of ring, allgather, ulysses, " \
+                   "hybrid"
     line = cli_error(base + ["--pp", "2", "--schedule", "1f1b", "--virtual", "2"])
     assert "parallel.virtual_stages=2" in line
 

@@ -97,9 +97,12 @@ def test_planner_proposes_exactly_what_tessera_runs(preset, precision):
     proposed = planner_proposes(preset, precision)
     accepted = tessera_accepts(preset, precision)
     assert proposed == accepted, (sorted(proposed - accepted)[:5], sorted(accepted - proposed)[:5])
-    # What the sets contain: no context parallelism (not built yet), the parameter server only
-    # with pure data parallelism in fp32, pp = 1 with several chunks, every schedule.
-    assert all(key[3] == 1 for key in proposed)
+    # What the sets contain: context parallelism (default cp_method, ring), with sequence
+    # parallelism too, never with the parameter server; the parameter server only with pure
+    # data parallelism in fp32, pp = 1 with several chunks, every schedule.
+    assert any(key[3] > 1 for key in proposed)
+    assert any(key[3] > 1 and key[7] for key in proposed)
+    assert all(key[9] == "allreduce" for key in proposed if key[3] > 1)
     servers = {key for key in proposed if key[9] != "allreduce"}
     assert (len(servers) > 0) == (precision == "fp32")
     assert all(key[1] == key[2] == 1 and key[6] == 0 for key in servers)
@@ -112,15 +115,17 @@ def test_planner_proposes_exactly_what_tessera_runs(preset, precision):
 
 def test_catalog_models_keep_the_planners_rules():
     """GPT-form catalog models are not tessera's: their checks are the planner's (and allow
-    context parallelism); Llama 3 is tessera-expressible, so cp > 1 is refused for it."""
+    context parallelism); Llama 3 is tessera-expressible, and tessera runs cp > 1 for it."""
     gpt = Workload(model=load_model("gpt3-1.3b"), hardware=HW, gpus=16, global_batch=64,
                    seq_len=2048)
     llama = Workload(model=load_model("llama3-8b"), hardware=HW, gpus=16, global_batch=64,
                      seq_len=2048)
     assert not engine.expressible(gpt.model) and engine.expressible(llama.model)
     estimate(gpt, Layout(dp=4, tp=2, cp=2))
-    with pytest.raises(PlanError, match="parallel.cp=2: context parallelism is not in this"):
-        estimate(llama, Layout(dp=4, tp=2, cp=2))
+    estimate(llama, Layout(dp=4, tp=2, cp=2))
+    estimate(llama, Layout(dp=2, tp=2, cp=4, sequence_parallel=True))
+    with pytest.raises(PlanError, match="dp_mode"):
+        estimate(llama, Layout(dp=8, cp=2, dp_mode="ps"))
     # The planner's own parameter-server rule for them mirrors tessera's.
     gpt32 = Workload(model=gpt.model, hardware=HW, gpus=16, global_batch=64, seq_len=2048,
                      precision="fp32")
@@ -230,3 +235,35 @@ def test_bytes_per_rank_match_the_planner(measured, case):
         print(f"{case} rank {rank} (pp {got['pp']}): state {sum(got['state'].values())} B "
               f"= predicted; activations measured {got['activations']} B, predicted "
               f"{want.activations:.0f} B")
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses", "hybrid"])
+def test_planner_prices_the_context_parallel_bytes_tessera_sends(method):
+    """The planner's CP traffic per layer is ``context_parallel.bytes_per_layer`` (whose
+    formulas tessera's tests check against the bytes the methods count) over the link: with
+    α = 0 the seconds times the bandwidth are those bytes. And a cp_method survives the
+    planner → tessera config → planner round trip."""
+    from tessera.parallel.context_parallel import bytes_per_layer
+    from tessera.planner.cost import context_parallel_times
+    from tessera.planner.hardware import Link
+
+    spec = load_model("llama3-8b")
+    w = Workload(model=spec, hardware=HW, gpus=16, global_batch=64, seq_len=4096)
+    link = Link(alpha=0.0, bandwidth=1e9)
+    fwd, bwd, _ = context_parallel_times(w, 2, 4, 1, method, link)
+    want = bytes_per_layer(method, 4, 1, spec.heads // 2, spec.kv_heads // 2, 1024,
+                           spec.head_dim, w.bytes[3])
+    assert fwd * 1e9 == pytest.approx(want["forward"])
+    assert bwd * 1e9 == pytest.approx(want["backward"])
+    L = Layout(dp=2, tp=2, cp=4, cp_method=method)
+    assert engine.layout_of(engine.to_config(w, L)) == L
+    assert estimate(w, L).step_time > 0
+
+
+def test_planner_refuses_ulysses_heads_for_catalog_models():
+    """GPT-3 175B: 96 heads, 12 per rank at tp = 8, which 8 Ulysses ranks cannot split."""
+    gpt = Workload(model=load_model("gpt3-175b"), hardware=HW, gpus=64, global_batch=64,
+                   seq_len=2048)
+    with pytest.raises(PlanError, match=r"heads per tp rank \(12\) must be divisible by the "
+                                        "Ulysses degree 8"):
+        estimate(gpt, Layout(dp=1, tp=8, cp=8, cp_method="ulysses"))

@@ -37,6 +37,30 @@ def test_groups_partition_the_world(dp, tp, pp, cp):
             assert all(o == others[0] for o in others)
 
 
+def test_dp_cp_group_holds_every_replica():
+    """'dpcp': the ranks at one (pp, tp) over dp and cp, over which context parallelism
+    averages gradients; with cp = 1 it is the dp group."""
+    topo = Topology(dp=2, tp=2, pp=2, cp=2)
+    assert topo.all_groups("dpcp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14],
+                                       [9, 11, 13, 15]]
+    assert topo.size("dpcp") == 4
+    assert Topology(dp=4, tp=2).all_groups("dpcp") == Topology(dp=4, tp=2).all_groups("dp")
+
+
+def _dpcp_sums():
+    topo = Topology.build(ParallelConfig(dp=2, cp=2, tp=2))
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=topo.group("dpcp"))
+    return t.item()
+
+
+@pytest.mark.multiprocess
+def test_dp_cp_process_group_reduces_over_its_ranks():
+    topo = Topology(dp=2, cp=2, tp=2)
+    for rank, total in enumerate(run_ranks(_dpcp_sums, 8)):
+        assert total == sum(topo.ranks("dpcp", rank))
+
+
 def test_expert_groups_fold_into_dp():
     topo = Topology(dp=4, tp=2, ep=2)
     assert topo.all_groups("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]

@@ -86,6 +86,10 @@ def train(
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
     pp: Annotated[int | None, typer.Option(help="Pipeline-parallel degree.")] = None,
     cp: Annotated[int | None, typer.Option(help="Context-parallel degree.")] = None,
+    cp_method: Annotated[str | None, typer.Option(
+        help="Context-parallel attention: ring, allgather, ulysses, hybrid.")] = None,
+    cp_ulysses: Annotated[int | None, typer.Option(
+        help="cp-method hybrid: Ulysses degree inside the cp group.")] = None,
     zero_stage: Annotated[int | None, typer.Option(help="ZeRO stage 0-3.")] = None,
     dp_mode: Annotated[str | None, typer.Option(help="allreduce, ps or ps-async.")] = None,
     bucket_mb: Annotated[float | None, typer.Option(
@@ -130,7 +134,8 @@ def train(
 ) -> None:
     """Train a model; launches --nproc ranks itself unless already under torchrun."""
     flags = {
-        "parallel": dict(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, dp_mode=dp_mode,
+        "parallel": dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=cp_method,
+                         cp_ulysses=cp_ulysses, zero_stage=zero_stage, dp_mode=dp_mode,
                          bucket_mb=bucket_mb, allreduce_algorithm=allreduce_algorithm,
                          max_staleness=max_staleness,
                          sequence_parallel=sequence_parallel, schedule=schedule,

@@ -94,6 +94,7 @@ class ModelConfig:
 
 DP_MODES = ("allreduce", "ps", "ps-async")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "bfs")
+CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
 ALLREDUCE_ALGORITHMS = ("backend", "auto", "naive", "parallel", "ring", "rabenseifner")
 
 
@@ -108,7 +109,14 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: layers split into pp stages."""
     cp: int = 1
-    """Context-parallel degree: the sequence split across cp ranks inside attention."""
+    """Context-parallel degree: every sequence split across cp ranks (zig-zag chunks); only
+    attention communicates (``tessera.parallel.context_parallel``)."""
+    cp_method: str = "ring"
+    """How attention sees the other cp ranks' tokens: 'ring' (K/V passed around a ring),
+    'allgather' (Llama 3), 'ulysses' (all-to-all to head-sharded), 'hybrid' (Ulysses inside
+    groups of cp_ulysses ranks, ring across them)."""
+    cp_ulysses: int = 2
+    """Ulysses degree inside the cp group for cp_method='hybrid' (must divide cp)."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts); experts spread over blocks of the dp axis."""
     zero_stage: int = 0
@@ -144,6 +152,8 @@ class ParallelConfig:
         _require(self.allreduce_algorithm in ALLREDUCE_ALGORITHMS,
                  "parallel.allreduce_algorithm", self.allreduce_algorithm,
                  f"must be one of {', '.join(ALLREDUCE_ALGORITHMS)}")
+        _require(self.cp_method in CP_METHODS, "parallel.cp_method", self.cp_method,
+                 f"must be one of {', '.join(CP_METHODS)}")
         _require(self.recompute in ("none", "selective", "full"), "parallel.recompute",
                  self.recompute, "must be one of none, selective, full")
         _require(self.dp % self.ep == 0, "parallel.ep", self.ep,

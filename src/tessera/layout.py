@@ -30,11 +30,30 @@ def check_layout(cfg: Config) -> None:
              f"must divide model.ffn_hidden={m.ffn_hidden}")
     _require(not p.sequence_parallel or d.seq_len % p.tp == 0, "data.seq_len", d.seq_len,
              f"must be divisible by parallel.tp={p.tp} with sequence parallelism")
-    _require(d.seq_len % p.cp == 0, "data.seq_len", d.seq_len,
-             f"must be divisible by parallel.cp={p.cp}")
-    # Context and expert parallelism have no implementation yet.
-    _require(p.cp == 1, "parallel.cp", p.cp,
-             "context parallelism is not in this build yet (must be 1)")
+    # Context parallelism: the sequence is cut into 2·cp zig-zag chunks; lengths that do not
+    # divide are refused (padding would change every rank's loss normalization).
+    if p.cp > 1:
+        _require(d.seq_len % (2 * p.cp) == 0, "data.seq_len", d.seq_len,
+                 f"must split into 2*parallel.cp zig-zag chunks (parallel.cp={p.cp}: a "
+                 f"multiple of {2 * p.cp})")
+        heads, kv = m.n_heads // p.tp, max(m.n_kv_heads // p.tp, 1)
+        if p.cp_method in ("ulysses", "hybrid"):
+            u = p.cp if p.cp_method == "ulysses" else p.cp_ulysses
+            if p.cp_method == "hybrid":
+                _require(u >= 2 and p.cp % u == 0, "parallel.cp_ulysses", u,
+                         f"must be >= 2 and divide parallel.cp={p.cp}")
+            _require(heads % u == 0, "parallel.cp", p.cp,
+                     f"{p.cp_method}: query heads per tp rank (model.n_heads/tp={heads}) must "
+                     f"be divisible by the Ulysses degree {u}")
+            _require(kv % u == 0 or u % kv == 0, "parallel.cp", p.cp,
+                     f"{p.cp_method}: kv heads per tp rank ({kv}) must divide or be a "
+                     f"multiple of the Ulysses degree {u}")
+        _require(not p.sequence_parallel or (d.seq_len // p.cp) % p.tp == 0, "data.seq_len",
+                 d.seq_len, f"/ parallel.cp={p.cp} must be divisible by parallel.tp={p.tp} "
+                 "with sequence parallelism (each cp rank's tokens split over tp)")
+        _require(p.dp_mode == "allreduce", "parallel.dp_mode", p.dp_mode,
+                 "context parallelism reduces gradients over dp×cp with 'allreduce' only")
+    # Expert parallelism has no implementation yet.
     _require(p.ep == 1, "parallel.ep", p.ep,
              "expert parallelism is not in this build yet (must be 1)")
     # The parameter server holds one model replica per server rank.

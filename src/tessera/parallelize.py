@@ -11,14 +11,18 @@ the chunks (each mechanism lives in its own module; this one only composes them)
    each chunk's blocks, embedding and head over the tp group; each shard is cut from the
    reference initializer's full value (``init_tensor``), so every layout starts from the
    single-device model's weights. With tp = 1 the chunk is materialized as it is.
-3. **context parallelism**: the cp axis exists in the topology; attention is not split yet and
-   ``check_layout`` refuses cp > 1 (the context-parallel issue plugs in here).
+3. **context parallelism** (``parallel.context_parallel``): every ``AttentionCore`` of the
+   chunk becomes a ``ContextParallelAttention`` over the cp group (ring, all-gather, Ulysses or
+   hybrid), and the chunk reads RoPE at its zig-zag tokens' global positions. Everything else
+   in the chunk runs on the rank's T/cp tokens unchanged. Parameters are replicated over cp,
+   so step 5's data-parallel group becomes dp × cp (``Topology`` axis 'dpcp').
 4. **activation recomputation** (``parallel.recompute``) per block or attention core.
-5. **data parallelism** per chunk over the dp group: DDP buckets (``parallel.ddp``), ZeRO-1/2/3
-   units (``parallel.zero``) or the parameter server (``parallel.parameter_server``). ZeRO-3
-   under a breadth-first schedule (``ScheduleSpec.breadth_first``) is *schedule-driven*: the
-   step's schedule carries UNSHARD / RESHARD / REDUCE_GRAD actions (``sharded_schedule``) and
-   the wrappers have no per-micro-batch hooks; every other ZeRO layout uses the hooks.
+5. **data parallelism** per chunk over the dp (× cp) group: DDP buckets (``parallel.ddp``),
+   ZeRO-1/2/3 units (``parallel.zero``) or the parameter server
+   (``parallel.parameter_server``). ZeRO-3 under a breadth-first schedule
+   (``ScheduleSpec.breadth_first``) is *schedule-driven*: the step's schedule carries UNSHARD /
+   RESHARD / REDUCE_GRAD actions (``sharded_schedule``) and the wrappers have no
+   per-micro-batch hooks; every other ZeRO layout uses the hooks.
 
 Precision policy, every layout: ``fp32`` trains in float32. ``bf16`` keeps parameters and
 gradients in bfloat16 and fp32 master weights and Adam moments in the optimizer (Micikevicius
@@ -46,6 +50,7 @@ from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
 from tessera.optim import adamw
 from tessera.parallel.comm import CommStats, all_reduce
+from tessera.parallel.context_parallel import CPContext, apply_context_parallel, hybrid_groups
 from tessera.parallel.ddp import DataParallel
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
@@ -108,6 +113,8 @@ class ParallelModel:
     """The (first chunk's rank, last chunk's rank) pair when a tied embedding is split."""
     server: object | None = None
     """The parameter server (``dp_mode='ps'|'ps-async'``), else None."""
+    cp: CPContext | None = None
+    """The context-parallel attention context (cp > 1), else None."""
 
     # -- what the rank holds -------------------------------------------------------------------
     @property
@@ -167,7 +174,8 @@ class ParallelModel:
 
     def norm_groups(self) -> list[dist.ProcessGroup]:
         """Groups over which the owned squares are summed (dp only where ZeRO shards)."""
-        axes = ("dp", "tp", "pp") if self.sharded else ("tp", "pp")
+        # cp replicas hold identical reduced gradients: counted once (ZeRO shards over dp × cp)
+        axes = ("dpcp", "tp", "pp") if self.sharded else ("tp", "pp")
         return [self.topo.group(a) for a in axes
                 if self.topo.group(a) is not None and self.topo.size(a) > 1]
 
@@ -398,8 +406,9 @@ def initial_values(cfg: Config) -> Callable[[str, tuple[int, ...]], torch.Tensor
 
 
 def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Schedule,
-                 tp: TPContext) -> dict[int, Chunk]:
-    """Steps 1, 2 and 4 of the module doc: this rank's chunks, TP-split and recomputing."""
+                 tp: TPContext, cp: CPContext | None = None) -> dict[int, Chunk]:
+    """Steps 1 to 4 of the module doc: this rank's chunks, TP-split, context-parallel and
+    recomputing."""
     pp_rank = topo.coords()["pp"]
     seed = cfg.train.seed
     initial = initial_values(cfg)
@@ -429,6 +438,9 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
         else:
             chunk.materialize(seed, device, initial)
         chunk.compute_dtype = dtype
+        if cp is not None:
+            apply_context_parallel(chunk, cp)
+            chunk.context_parallel = (cp.size, cp.rank)
         apply_recompute(chunk, cfg.parallel.recompute)
         chunks[c] = chunk
     return chunks
@@ -436,7 +448,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
 
 def parallelize(cfg: Config, topo: Topology, device: torch.device,
                 schedule: Schedule | None = None, *, regather: bool = True,
-                tp_stats: CommStats | None = None) -> ParallelModel:
+                tp_stats: CommStats | None = None,
+                cp_stats: CommStats | None = None) -> ParallelModel:
     """This rank's part of the model with every mechanism of `cfg.parallel` applied (module
     doc). Every rank calls it (it creates groups and broadcasts initial weights over dp).
 
@@ -456,11 +469,20 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
         cfg.train.grad_accum = schedule.n_microbatches
     tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel,
                    regather=regather, stats=tp_stats)
-    chunks = build_chunks(cfg, topo, device, schedule, tp)
-    specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}
-    model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs)
     p = cfg.parallel
-    dp_group = topo.group("dp")
+    cp = None
+    if topo.cp > 1:
+        ulysses = ring = None
+        if p.cp_method == "hybrid":  # every rank creates every group (dist.new_group's rule)
+            ulysses, ring = hybrid_groups(topo.all_groups("cp"), p.cp_ulysses, topo.rank)
+        cp = CPContext(topo.group("cp"), p.cp_method, ulysses_group=ulysses, ring_group=ring,
+                       stats=cp_stats)
+    chunks = build_chunks(cfg, topo, device, schedule, tp, cp)
+    specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}
+    model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs, cp=cp)
+    # Parameters are replicated over dp and cp; each cp rank's gradient covers its tokens, so
+    # the mean over dp × cp is the gradient of the mean loss over the whole global batch.
+    dp_group = topo.group("dpcp")
     if p.dp_mode != "allreduce":
         from tessera.parallel.parameter_server import ServerSync
 

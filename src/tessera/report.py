@@ -92,6 +92,8 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
     layout += f" zero={p.zero_stage} recompute={p.recompute} precision={t.precision}"
     if p.sequence_parallel:
         layout += " sp"
+    if p.cp > 1:
+        layout += f" cp_method={p.cp_method}"
     lines = ["=" * 72, f"layout      {layout} ({world} ranks)",
              f"throughput  {tokens_per_s:,.0f} tokens/s, {flops_per_s / 1e9:.2f} model "
              f"GFLOP/s" + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")]
@@ -113,6 +115,8 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
     for m in memory:
         c = m["coords"]
         where = f"r{m['rank']} pp{c['pp']} dp{c['dp']} tp{c['tp']}"
+        if p.cp > 1:
+            where += f" cp{c['cp']}"
         lines.append(f"  {where:<18}{m['params'] / MIB:7.2f} {m['grads'] / MIB:7.2f} "
                      f"{m['optimizer'] / MIB:10.2f} {m['activations'] / MIB:12.2f}")
     if timeline is not None:

@@ -19,7 +19,9 @@ runtime. One step:
 3. **model-parallel gradient sums** (``ParallelModel.sync_model_parallel_grads``): partial
    TP gradients over tp, a split tied embedding over its (first, last) rank pair.
 4. **the loss**: the last chunk's rank holds the micro-batches' scaled losses; summed over pp,
-   averaged over dp: the same value on every rank.
+   averaged over dp × cp (context parallelism: each cp rank's loss is the mean over its T/cp
+   tokens, so the mean of the cp ranks' is the mean over the whole sequence): the same value on
+   every rank. Micro-batches arrive already cut to this cp rank's tokens (``BatchLoader``).
 
 ``clip_grad_norm_`` then takes the global norm of the single-device model's gradient, each
 element counted once: each rank sums the squares it owns (``ParallelModel.local_grad_sq``:
@@ -87,7 +89,9 @@ class Executor:
         self.model, self.cfg, self.topo = model, model.cfg, model.topo
         self.device = model.device
         self.pp_rank = self.topo.coords()["pp"]
-        self.pp_group, self.dp_group = self.topo.group("pp"), self.topo.group("dp")
+        # losses are averaged over every replica: dp, and cp (each cp rank's loss is the mean
+        # over its T/cp tokens of each sequence, the same count on every cp rank)
+        self.pp_group, self.dp_group = self.topo.group("pp"), self.topo.group("dpcp")
         self._schedules: dict[int, Schedule] = {
             model.schedule.n_microbatches: model.sharded_schedule(model.schedule)}
         tp = model.tp
@@ -150,7 +154,7 @@ class Executor:
         self.model.sync_model_parallel_grads()
         (loss,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
         (loss,) = all_reduce_sum([loss], self.dp_group, self.device)
-        return loss / self.topo.dp
+        return loss / (self.topo.dp * self.topo.cp)
 
     @torch.no_grad()
     def grad_norm(self) -> float:

@@ -48,7 +48,8 @@ class Topology:
     mesh: Any = None
     """torch DeviceMesh with dims ('pp', 'dp', 'cp', 'tp'); None in a single process."""
     groups: dict[str, Any] = field(default_factory=dict)
-    """ProcessGroup of each axis ('pp', 'dp', 'cp', 'tp', 'ep', and 'mp' = tp×pp) for this rank."""
+    """ProcessGroup of each axis ('pp', 'dp', 'cp', 'tp', 'ep', 'mp' = tp×pp, and 'dpcp' = dp×cp,
+    over which gradients are averaged under context parallelism) for this rank."""
 
     @property
     def world_size(self) -> int:
@@ -65,7 +66,8 @@ class Topology:
         return dict(zip(AXES, where, strict=True))
 
     def ranks(self, axis: str, rank: int | None = None) -> list[int]:
-        """The ranks of `rank`'s group along `axis` ('pp', 'dp', 'cp', 'tp', 'ep' or 'mp')."""
+        """The ranks of `rank`'s group along `axis` ('pp', 'dp', 'cp', 'tp', 'ep', 'mp' or
+        'dpcp')."""
         rank = self.rank if rank is None else rank
         for ranks in self.all_groups(axis):
             if rank in ranks:
@@ -81,6 +83,9 @@ class Topology:
         if axis == "mp":  # model-parallel: everything but dp and cp, i.e. one model replica
             g = self.grid.permute(1, 2, 0, 3).reshape(self.dp * self.cp, -1)
             return [row.tolist() for row in g]
+        if axis == "dpcp":  # every replica of the same parameters: dp × cp at one (pp, tp)
+            g = self.grid.permute(0, 3, 1, 2).reshape(self.pp * self.tp, -1)
+            return [row.tolist() for row in g]
         raise KeyError(f"unknown axis {axis!r}")
 
     def group(self, axis: str) -> Any:
@@ -88,7 +93,8 @@ class Topology:
         return self.groups.get(axis)
 
     def size(self, axis: str) -> int:
-        return {"ep": self.ep, "mp": self.tp * self.pp}.get(axis) or getattr(self, axis)
+        return {"ep": self.ep, "mp": self.tp * self.pp, "dpcp": self.dp * self.cp}.get(axis) \
+            or getattr(self, axis)
 
     def local_rank_in(self, axis: str) -> int:
         return self.ranks(axis).index(self.rank)
@@ -123,9 +129,11 @@ class Topology:
         topo.groups = {axis: topo.mesh.get_group(axis) for axis in AXES}
         # Groups that are not mesh axes; dist.new_group must be called by every rank for every
         # group, in the same order.
-        for axis in ("ep", "mp"):
+        for axis in ("ep", "mp", "dpcp") if cfg.cp > 1 else ("ep", "mp"):
             for ranks in topo.all_groups(axis):
                 group = dist.new_group(ranks)
                 if topo.rank in ranks:
                     topo.groups[axis] = group
+        if cfg.cp == 1:  # dp × 1 is the dp group itself
+            topo.groups["dpcp"] = topo.groups["dp"]
         return topo

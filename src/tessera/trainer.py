@@ -135,7 +135,8 @@ class StepProfiler:
 def evaluate(executor, cfg: Config, dataset: TokenDataset, topo: Topology) -> float:
     """Mean validation loss in nats per token over data.val_tokens held-out tokens."""
     batches = val_windows(dataset.val, cfg.data.seq_len, cfg.data.val_tokens,
-                          cfg.train.micro_batch_size * 4, topo.coords()["dp"], topo.dp)
+                          cfg.train.micro_batch_size * 4, topo.coords()["dp"], topo.dp,
+                          topo.coords()["cp"], topo.cp)
     loss_sum, count = executor.eval_loss(batches)
     return loss_sum / count
 
@@ -161,7 +162,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     optimizer = model.optimizer(cfg.train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
     loader = BatchLoader(dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size,
-                         cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed)
+                         cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed,
+                         cp_rank=topo.coords()["cp"], cp_size=topo.cp)
 
     start = 0
     if resume_from is not None:

@@ -6,6 +6,10 @@ of the data-parallel group takes windows [r·accum·mbs, (r+1)·accum·mbs) and 
 `accum` micro-batches. So N ranks see exactly the windows one process would see with N times
 the accumulation, in the same order: the property every data-parallel parity test relies on.
 The loader's whole position is the step number, saved and restored with the run.
+
+Context parallelism: a cp rank takes the same windows as its dp rank's other cp ranks and keeps
+its zig-zag chunks of each (``context_parallel.shard_sequence``: chunks r and 2·cp−1−r of 2·cp),
+inputs and targets alike; the cp ranks together hold every token once.
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ class BatchLoader:
     dp_size: int = 1
     seed: int = 0
     step: int = 0
+    cp_rank: int = 0
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         if len(self.split) < self.seq_len + 2:
@@ -139,7 +145,8 @@ class BatchLoader:
         mine = self.starts(step)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
         rows = torch.from_numpy(np.stack([self.split.window(int(s), self.seq_len + 1)
                                           for s in mine]))  # (per_rank, T+1)
-        return [(mb[:, :-1], mb[:, 1:]) for mb in rows.split(self.micro_batch_size)]
+        return [cp_shard((mb[:, :-1], mb[:, 1:]), self.cp_rank, self.cp_size)
+                for mb in rows.split(self.micro_batch_size)]
 
     def __iter__(self):
         return self
@@ -158,8 +165,19 @@ class BatchLoader:
         self.step = int(state["step"])
 
 
+def cp_shard(batch: tuple[torch.Tensor, torch.Tensor], cp_rank: int, cp_size: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (B, T) -> this cp rank's zig-zag tokens of both, (B, T/cp)."""
+    if cp_size == 1:
+        return batch
+    from tessera.parallel.context_parallel import shard_sequence
+
+    return tuple(shard_sequence(t, 1, cp_size, cp_rank) for t in batch)
+
+
 def val_windows(split: TokenSplit, seq_len: int, n_tokens: int, batch_size: int, dp_rank: int = 0,
-                dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed non-overlapping validation windows covering >= n_tokens targets, dealt round-robin
     to data-parallel ranks and batched. Raises if the split is too small."""
     n_windows = math.ceil(n_tokens / seq_len)
@@ -169,4 +187,4 @@ def val_windows(split: TokenSplit, seq_len: int, n_tokens: int, batch_size: int,
                         "for validation (data.val_tokens)")
     mine = range(dp_rank, n_windows, dp_size)
     rows = torch.from_numpy(np.stack([split.window(i * seq_len, seq_len + 1) for i in mine]))
-    return [(b[:, :-1], b[:, 1:]) for b in rows.split(batch_size)]
+    return [cp_shard((b[:, :-1], b[:, 1:]), cp_rank, cp_size) for b in rows.split(batch_size)]

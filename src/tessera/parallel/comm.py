@@ -8,6 +8,8 @@ papers use for their volume arguments (Shoeybi et al. 2019, §3; Korthikanti et 
 - all-reduce of n elements: 2·(t−1)/t · n  (a reduce-scatter followed by an all-gather),
 - all-gather producing n elements: (t−1)/t · n,
 - reduce-scatter consuming n elements: (t−1)/t · n,
+- all-to-all of n elements (this rank's input): (t−1)/t · n (the 1/t kept is not sent),
+- a point-to-point send of n elements: n (context parallelism's ring),
 
 each times the element size in bytes, for a group of t ranks. Gloo may run other algorithms;
 these are the bytes-equivalents the papers compare, not a packet capture.
@@ -26,14 +28,15 @@ import torch.distributed as dist
 
 from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
-
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 def ring_bytes_sent(op: str, numel: int, element_size: int, group_size: int) -> float:
     """Bytes one rank sends for `op` over `numel` elements (the full, unsharded tensor)."""
     if op not in OPS:
         raise ValueError(f"op={op!r}: must be one of {', '.join(OPS)}")
+    if op == "send":
+        return float(numel * element_size)
     if group_size <= 1:
         return 0.0
     share = (group_size - 1) / group_size * numel * element_size
@@ -45,7 +48,7 @@ class CommRecord:
     tag: str
     """Where the collective was called, e.g. 'layers.0.attention:exit'."""
     op: str
-    """all_reduce, all_gather or reduce_scatter."""
+    """all_reduce, all_gather, reduce_scatter, all_to_all or send."""
     phase: str
     """'forward', 'backward', or 'step' for once-per-step gradient syncs."""
     numel: int

@@ -65,6 +65,8 @@ class Chunk(nn.Module):
 
     - ``seq_scale``: under sequence parallelism a chunk past the embedding receives (B, T/t, h)
       and its blocks still need the RoPE tables of the whole sequence, T = seq_scale·T_local;
+    - ``context_parallel``: (cp, cp rank) when the chunk holds this cp rank's zig-zag tokens of
+      each sequence: RoPE reads the tables at their global positions;
     - ``compute_dtype``: activations entering the chunk are cast to it (bf16 parameters need
       bf16 inputs; activations may arrive in another dtype from another rank);
     - the head is ``self.output`` (a plain or column-parallel linear), or the embedding of
@@ -81,6 +83,7 @@ class Chunk(nn.Module):
         self.cfg, self.spec = cfg, spec
         self.tied_copy = False
         self.seq_scale = 1
+        self.context_parallel: tuple[int, int] | None = None
         self.compute_dtype: torch.dtype | None = None
         if spec.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -153,7 +156,14 @@ class Chunk(nn.Module):
             T = x.shape[1] * self.seq_scale
             if self.compute_dtype is not None:
                 x = x.to(self.compute_dtype)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if self.context_parallel is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        else:  # this cp rank's tokens sit at their zig-zag global positions
+            from tessera.parallel.context_parallel import sequence_positions
+
+            cp, cp_rank = self.context_parallel
+            pos = sequence_positions(T * cp, cp, cp_rank).to(self.rope_cos.device)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.spec.has_head:

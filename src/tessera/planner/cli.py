@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from tessera.config import DP_MODES, ConfigError
+from tessera.config import CP_METHODS, DP_MODES, ConfigError
 
 plan_app = typer.Typer(add_completion=False, invoke_without_command=True,
                        pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -49,6 +49,14 @@ def _modes(text: str) -> tuple[str, ...]:
         if mode not in DP_MODES:
             raise ConfigError("--dp-mode", mode, f"must be one of {', '.join(DP_MODES)}")
     return modes
+
+
+def _cp_methods(text: str) -> tuple[str, ...]:
+    methods = tuple(x.strip() for x in text.split(","))
+    for method in methods:
+        if method not in CP_METHODS:
+            raise ConfigError("--cp-method", method, f"must be one of {', '.join(CP_METHODS)}")
+    return methods
 
 
 @plan_app.callback()
@@ -83,6 +91,9 @@ def plan(
     pp: Annotated[str | None, typer.Option(help="Only these PP degrees.")] = None,
     dp: Annotated[str | None, typer.Option(help="Only these DP degrees.")] = None,
     cp: Annotated[str, typer.Option(help="Context-parallel degrees to consider.")] = "1",
+    cp_method: Annotated[str, typer.Option(
+        help="Context-parallel attention methods to consider where cp > 1: ring, allgather, "
+             "ulysses, hybrid (comma-separated).")] = "ring",
     dp_mode: Annotated[str, typer.Option(
         help="Data-parallel modes to consider: allreduce, ps, ps-async (comma-separated; the "
              "parameter server needs fp32 and pure data parallelism).")] = "allreduce",
@@ -113,7 +124,8 @@ def plan(
                      seq_len=seq or spec.max_seq_len, precision=precision,
                      flash_attention=flash_attention, reserve_gb=reserve_gb)
         space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"), dp=_degrees(dp, "dp"),
-                            cp=_degrees(cp, "cp"), dp_mode=_modes(dp_mode))
+                            cp=_degrees(cp, "cp"), dp_mode=_modes(dp_mode),
+                            cp_method=_cp_methods(cp_method))
         result = search(w, space, top=max(top, 30) if plot else top)
     except (ConfigError, PlanError) as e:
         raise _fail(str(e)) from None

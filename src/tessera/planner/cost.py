@@ -65,9 +65,11 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
   it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
   all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7);
-- context parallelism (ring attention, Liu et al. 2023): each of the c−1 ring steps passes a
-  K/V block of b·(s/c)·kv forward and K/V plus their gradients backward, overlapped with the
-  attention compute of the step;
+- context parallelism (``tessera.parallel.context_parallel``, the bytes of its
+  ``bytes_per_layer``): ring attention (Liu et al. 2023) passes a K/V block of b·(s/c)·kv in
+  each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
+  backward, overlapped with the attention compute of the step; all-gather (Llama 3), Ulysses
+  all-to-alls and the hybrid are priced by their volumes, not overlapped;
 - stragglers: ranks reach a collective after a stretch of compute whose time varies, and the
   collective waits for the slowest; for N ranks with independent normal noise the wait
   beyond a typical rank is the expected maximum of N standard normals (Blom's approximation,
@@ -243,6 +245,9 @@ class Layout:
     dp_mode: str = "allreduce"
     """How replicas agree: 'allreduce' (DDP or ZeRO), or a parameter server ('ps' synchronous,
     'ps-async' with bounded staleness; tessera.parallel.parameter_server)."""
+    cp_method: str = "ring"
+    """Context-parallel attention (tessera.parallel.context_parallel): ring, allgather,
+    ulysses or hybrid (Ulysses over 2 ranks, ring across)."""
 
     @property
     def gpus(self) -> int:
@@ -261,11 +266,14 @@ class Layout:
             text += " sp"
         if self.dp_mode != "allreduce":
             text += f" {self.dp_mode}"
+        if self.cp > 1 and self.cp_method != "ring":
+            text += f" cp_method={self.cp_method}"
         return text
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
-                self.recompute, self.schedule, self.sequence_parallel, self.dp_mode)
+                self.recompute, self.schedule, self.sequence_parallel, self.dp_mode,
+                self.cp_method)
 
 
 def check_layout(w: Workload, L: Layout) -> str | None:
@@ -300,6 +308,16 @@ def check_layout(w: Workload, L: Layout) -> str | None:
         return f"seq_len={w.seq_len} must be divisible by cp (and by tp with sequence parallel)"
     if L.sequence_parallel and L.tp == 1:
         return "sequence parallelism needs tp > 1"
+    if L.cp > 1 and L.cp_method in ("ulysses", "hybrid"):
+        from tessera.parallel.context_parallel import ulysses_kv_repeat
+
+        u = L.cp if L.cp_method == "ulysses" else 2
+        try:
+            if L.cp % u:
+                raise ValueError(f"hybrid: the Ulysses degree 2 must divide cp={L.cp}")
+            ulysses_kv_repeat(spec.heads // L.tp, max(spec.kv_heads // L.tp, 1), u)
+        except ValueError as e:
+            return str(e)
     if spec.layers % (L.pp * L.virtual):
         return f"pp*virtual={L.pp * L.virtual} must divide layers={spec.layers}"
     if L.pp == 1 and (L.virtual != 1 or L.schedule != "1f1b"):
@@ -463,8 +481,30 @@ def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
     return ranks * pipeline_work / L.pp / hw.cores
 
 
+def context_parallel_times(w: Workload, t: int, cp: int, b: int, method: str, link: Link
+                           ) -> tuple[float, float, bool]:
+    """(forward, backward seconds, whether they hide behind attention) of one layer's
+    context-parallel traffic: the bytes of ``context_parallel.bytes_per_layer`` (heads per tp
+    rank; bf16/fp32 activations, the ring's dK/dV in fp32) over `link`, one α per message step.
+    The ring's hops overlap the block products; all-gather and all-to-all wait for their data."""
+    if cp == 1:
+        return 0.0, 0.0, True
+    from tessera.parallel.context_parallel import bytes_per_layer
+
+    spec, e = w.model, w.bytes[3]
+    heads, kv = spec.heads // t, max(spec.kv_heads // t, 1)
+    vol = bytes_per_layer(method, cp, b, heads, kv, w.seq_len // cp, spec.head_dim, e)
+    steps = {"ring": (cp - 1, 2 * cp - 1), "allgather": (cp - 1, 2 * (cp - 1)),
+             "ulysses": (4 * (cp - 1), 4 * (cp - 1)),
+             "hybrid": (4 + cp // 2 - 1, 4 + 2 * (cp // 2) - 1)}[method]
+    fwd = steps[0] * link.alpha + vol["forward"] * link.beta
+    bwd = steps[1] * link.alpha + vol["backward"] * link.beta
+    return fwd, bwd, method == "ring"
+
+
 @lru_cache(maxsize=8192)
-def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) -> BlockCosts:
+def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
+                cp_method: str = "ring") -> BlockCosts:
     """Forward/backward seconds of one block and its activation bytes (module docstring)."""
     spec, hw = w.model, w.hardware
     e = w.bytes[3]
@@ -498,19 +538,17 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str) 
     bwd = 2 * fwd + redo
     tp_fwd += syncs * straggler_time(hw, t, fwd / syncs)
     tp_bwd += syncs * straggler_time(hw, t, bwd / syncs)
-    # Context parallel ring: c−1 steps passing K and V forward; K, V, dK, dV backward, each
-    # hidden behind the attention of the block it overlaps.
-    kv_block = 2 * e * b * (s // cp) * spec.kv_dim / min(t, spec.kv_heads)
-    cp_fwd = (cp - 1) * (cp_link.alpha + kv_block * cp_link.beta) if cp > 1 else 0.0
-    cp_bwd = 2 * cp_fwd
+    cp_fwd, cp_bwd, cp_hidden_ok = context_parallel_times(w, t, cp, b, cp_method, cp_link)
     act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
     work = full_bytes
     if engine.expressible(spec) and cp == 1:  # what tessera's block saves (engine module)
         act = engine.block_saved_bytes(spec, b, s, t, sp, recompute, e)
         work = engine.block_saved_bytes(spec, b, s, t, sp, "none", e)
     return BlockCosts(forward=fwd, backward=2 * fwd, recompute=redo, tp_forward=tp_fwd,
-                      tp_backward=tp_bwd, cp_forward=max(0.0, cp_fwd - attn_time),
-                      cp_backward=max(0.0, cp_bwd - 2 * attn_time), cp_total=cp_fwd + cp_bwd,
+                      tp_backward=tp_bwd,
+                      cp_forward=max(0.0, cp_fwd - attn_time) if cp_hidden_ok else cp_fwd,
+                      cp_backward=max(0.0, cp_bwd - 2 * attn_time) if cp_hidden_ok else cp_bwd,
+                      cp_total=cp_fwd + cp_bwd,
                       act_bytes=act, work_bytes=work if recompute == "full" else 0.0)
 
 
@@ -604,7 +642,7 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
-        L.sequence_parallel, L.zero, L.dp_mode)
+        L.sequence_parallel, L.zero, L.dp_mode, L.cp_method)
     n_chunks = L.pp * L.virtual
     wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if _uniform_middle(chunks) else range(L.pp)
     ranks: dict[int, RankState] = {}
@@ -646,8 +684,8 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
 
 @lru_cache(maxsize=65536)
 def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
-                 recompute: str, sp: bool, zero: int, dp_mode: str = "allreduce"
-                 ) -> tuple[list[ChunkCosts], float, float, float]:
+                 recompute: str, sp: bool, zero: int, dp_mode: str = "allreduce",
+                 cp_method: str = "ring") -> tuple[list[ChunkCosts], float, float, float]:
     """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
     asks for the same chunks under many layouts; the returned chunks are read-only)."""
     spec, hw = w.model, w.hardware
@@ -658,7 +696,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     tessera = engine.expressible(spec) and cp == 1
     sizes = (engine.blocks_per_chunk(spec, n_chunks, s) if tessera
              else (spec.layers // n_chunks,) * n_chunks)
-    blk = block_costs(w, t, cp, b, sp, recompute)
+    blk = block_costs(w, t, cp, b, sp, recompute, cp_method)
     keep = 1.0 - w.tp_overlap
 
     def blocks_only(nl: int) -> ChunkCosts:

@@ -76,7 +76,8 @@ def to_config(w: Workload, L: Layout) -> Config:
         raise ValueError(f"{w.model.name} is not a tessera model")
     parallel = ParallelConfig(dp=L.dp, tp=L.tp, pp=L.pp, cp=L.cp, virtual_stages=L.virtual,
                               schedule=L.schedule, zero_stage=L.zero, dp_mode=L.dp_mode,
-                              sequence_parallel=L.sequence_parallel, recompute=L.recompute)
+                              sequence_parallel=L.sequence_parallel, recompute=L.recompute,
+                              cp_method=L.cp_method)
     train = TrainConfig(micro_batch_size=L.micro_batch, grad_accum=L.microbatches(w.global_batch),
                         precision=w.precision)
     return Config(model=model, parallel=parallel, train=train, data=DataConfig(seq_len=w.seq_len))
@@ -90,7 +91,8 @@ def layout_of(cfg: Config) -> Layout:
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
                   micro_batch=cfg.train.micro_batch_size, zero=p.zero_stage,
                   recompute=p.recompute, schedule=p.schedule,
-                  sequence_parallel=p.sequence_parallel, dp_mode=p.dp_mode)
+                  sequence_parallel=p.sequence_parallel, dp_mode=p.dp_mode,
+                  cp_method=p.cp_method)
 
 
 @lru_cache(maxsize=65536)

@@ -336,8 +336,10 @@ class SearchSpace:
     tp: Sequence[int] | None = None
     pp: Sequence[int] | None = None
     cp: Sequence[int] | None = (1,)
-    """Context parallelism is off unless asked for (it pays only for long sequences; tessera
-    has none yet, so its models never get cp > 1)."""
+    """Context parallelism is off unless asked for (it pays only for long sequences)."""
+    cp_method: Sequence[str] = ("ring",)
+    """Context-parallel attention methods tried where cp > 1 (ring, allgather, ulysses,
+    hybrid)."""
     virtual: Sequence[int] = (1, 2, 4, 8)
     micro_batch: Sequence[int] = (1, 2, 4, 8, 16)
     zero: Sequence[int] = (0, 1, 2, 3)
@@ -383,13 +385,13 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
                     schedules = (_every_schedule(pp, space) if tessera
                                  else _schedules(pp, m, spec.layers, space))
                     for sched, v in schedules:
-                        for zero, rc, sp, mode in itertools.product(
+                        for zero, rc, sp, mode, method in itertools.product(
                                 space.zero if tessera or dp * cp > 1 else (0,), space.recompute,
                                 space.sequence_parallel if tp > 1 else (False,),
-                                space.dp_mode):
+                                space.dp_mode, space.cp_method if cp > 1 else ("ring",)):
                             L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=v, micro_batch=b,
                                        zero=zero, recompute=rc, schedule=sched,
-                                       sequence_parallel=sp, dp_mode=mode)
+                                       sequence_parallel=sp, dp_mode=mode, cp_method=method)
                             if check_layout(w, L) is None:
                                 yield L
 
