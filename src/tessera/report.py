@@ -99,10 +99,10 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
              f"GFLOP/s" + (f", MFU {100 * mfu:.1f}%" if mfu is not None else "")]
     predicted, source = planner_prediction(cfg, world, device)
     if predicted is None:
-        lines.append(f"step time   measured {1e3 * median_step_s:.0f} ms; planner: {source}")
+        lines.append(f"step time   measured {1e3 * median_step_s:.3g} ms; planner: {source}")
     else:
-        lines.append(f"step time   measured {1e3 * median_step_s:.0f} ms, planner predicted "
-                     f"{1e3 * predicted:.0f} ms ({predicted / median_step_s:.2f}x; {source})")
+        lines.append(f"step time   measured {1e3 * median_step_s:.3g} ms, planner predicted "
+                     f"{1e3 * predicted:.3g} ms ({predicted / median_step_s:.2f}x; {source})")
     if timeline is not None:
         from tessera.pipeline.schedules import closed_form_bubble
 

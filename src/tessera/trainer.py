@@ -45,15 +45,17 @@ def pick_device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(backend: str) -> None:
-    """Join the launcher's group (torchrun's env://), or make a group of one."""
+def init_distributed(backend: str, device: torch.device | None = None) -> None:
+    """Join the launcher's group (torchrun's env://), or make a group of one. On a GPU the
+    group is bound to this rank's device (NCCL would otherwise guess it from the rank)."""
     if dist.is_initialized():
         return
+    bind = {"device_id": device} if device is not None and device.type == "cuda" else {}
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=timedelta(minutes=10), **bind)
     else:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, **bind)
 
 
 def check_data(cfg: Config) -> TokenDataset:
@@ -152,7 +154,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     if resume_from is not None:
         checkpoint.verify(resume_from, cfg, world)
 
-    init_distributed(backend)
+    init_distributed(backend, device)
     topo = Topology.build(cfg.parallel, device.type)
     rank0 = topo.rank == 0
     torch.manual_seed(cfg.train.seed)
