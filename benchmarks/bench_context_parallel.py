@@ -53,11 +53,23 @@ def inputs(T: int):
             torch.randn(B, KV_HEADS, T, HD, generator=g), torch.randn(B, HEADS, T, HD, generator=g))
 
 
-def fwd_bwd(core, q, k, v, dout) -> float:
+def fwd_bwd(core, q, k, v, dout) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, bytes autograd saved for backward) of one
+    forward + backward. The saved bytes are the distinct storages attention keeps for its
+    backward (inputs included): its activation memory on this rank."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    t0 = time.perf_counter()
-    (core(q, k, v) * dout).sum().backward()
-    return time.perf_counter() - t0
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = core(q, k, v)
+    (y * dout).sum().backward()
+    return time.perf_counter() - t0, time.process_time() - c0, sum(saved.values())
 
 
 def _rank(T: int, reps: int) -> dict:
@@ -72,14 +84,19 @@ def _rank(T: int, reps: int) -> dict:
         fwd_bwd(core, *local)  # warm-up
         ctx.stats.reset()
         ctx.work.products = 0
-        times = []
+        times, cpus, memory = [], [], 0
         for _ in range(reps):
             dist.barrier()
-            t = torch.tensor(fwd_bwd(core, *local))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times.append(float(t))
-        out[method] = {"time": statistics.median(times),
-                       "bytes": ctx.stats.bytes_sent() / reps,
+            wall, cpu, saved = fwd_bwd(core, *local)
+            t = torch.tensor([wall, float(saved)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank, the fullest rank
+            c = torch.tensor(cpu, dtype=torch.float64)
+            dist.all_reduce(c)  # CPU time summed over the ranks
+            times.append(float(t[0]))
+            cpus.append(float(c))
+            memory = max(memory, int(t[1]))
+        out[method] = {"time": statistics.median(times), "cpu": statistics.median(cpus),
+                       "memory": memory, "bytes": ctx.stats.bytes_sent() / reps,
                        "products": ctx.work.products // reps}
     out["torch"] = torch_context_parallel(T, cp)
     return out
@@ -112,14 +129,21 @@ def main() -> None:
     T = args.seq
     core = AttentionCore()
     fwd_bwd(core, *inputs(T))
-    single = statistics.median(fwd_bwd(core, *inputs(T)) for _ in range(args.reps))
+    runs = [fwd_bwd(core, *inputs(T)) for _ in range(args.reps)]
+    single = statistics.median(r[0] for r in runs)
+    single_cpu = statistics.median(r[1] for r in runs)
+    single_mem = max(r[2] for r in runs)
     lines = [f"# bench_context_parallel {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}Z, "
              f"torch {torch.__version__}, {platform.machine()}, "
              f"{__import__('os').cpu_count()} cores",
              f"# causal attention fwd+bwd, fp32, B={B} heads={HEADS} kv_heads={KV_HEADS} "
              f"head_dim={HD} T={T}; median of {args.reps}",
-             f"single process (SDPA, 1 thread): {single * 1e3:8.1f} ms",
-             f"{'cp':>3} {'method':>10} {'ms':>9} {'vs single':>10} {'MiB sent/rank':>14} "
+             f"single process (SDPA, 1 thread): {single * 1e3:8.1f} ms wall, "
+             f"{single_cpu * 1e3:8.1f} ms CPU, {single_mem / 2**20:6.2f} MiB saved for backward",
+             "# ms: slowest rank's wall time; CPU ms: summed over the ranks; attn MiB: the fullest "
+             "rank's bytes saved for backward",
+             f"{'cp':>3} {'method':>10} {'ms':>9} {'vs single':>10} {'CPU ms':>9} "
+             f"{'CPU vs 1':>9} {'attn MiB':>9} {'vs 1':>6} {'MiB sent/rank':>14} "
              f"{'products/rank':>14}"]
     for cp in args.cp:
         per_rank = run_ranks(_rank, cp, args=(T, args.reps), timeout=900)
@@ -127,7 +151,9 @@ def main() -> None:
             r = per_rank[0][method]
             products = [p[method]["products"] for p in per_rank]
             lines.append(f"{cp:>3} {method:>10} {r['time'] * 1e3:9.1f} "
-                         f"{r['time'] / single:9.2f}x {r['bytes'] / 2**20:14.2f} "
+                         f"{r['time'] / single:9.2f}x {r['cpu'] * 1e3:9.1f} "
+                         f"{r['cpu'] / single_cpu:8.2f}x {r['memory'] / 2**20:9.2f} "
+                         f"{r['memory'] / single_mem:5.2f}x {r['bytes'] / 2**20:14.2f} "
                          f"{str(products):>14}")
         lines.append(f"    torch context_parallel on CPU/gloo, cp={cp}: {per_rank[0]['torch']}")
     print("\n".join(lines))
