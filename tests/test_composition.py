@@ -23,9 +23,16 @@ Tolerances (fp32; ε = 2⁻²⁴ ≈ 6e-8, unit round-off):
   1e-2 this learnable data makes Adam amplify rounding chaotically, 4e-4 in every layout, DDP
   included.) Adam is invariant to gradient scale, which is why the gradients and norms above
   are checked directly.
-- bf16 (parameters and gradients in bf16, fp32 masters): a bf16 rounding (2⁻⁸ relative) of
-  every weight and activation; compared with the fp32 reference at 2% of max|g| for
-  gradients (a few bf16 ulps of the largest) and 1% for the loss, and the loss must fall.
+- bf16 (parameters and gradients in bf16, fp32 masters): every weight and every activation
+  between operations is rounded to bf16 (unit round-off u = 2⁻⁸), so each gradient carries
+  errors of a few u times the magnitudes that flow into it. A norm gain's gradient is a sum
+  over tokens that cancels to far less than those magnitudes, so a per-tensor bound scaled by
+  the tensor's own max is the wrong yardstick (it failed under ATEN_CPU_CAPABILITY=default at
+  2.8% while avx512 gave 1.5%). The bounds are model-wide instead: ‖g − g_ref‖ ≤ 4u·‖g_ref‖
+  over all parameters (measured 1.8u on default and avx512 kernels) and every element within
+  6u of the model's largest gradient (measured 2.3u); the loss within 1% and falling. These
+  check the bf16 policy (masters, casts, fp32 reductions); the mechanisms' own bugs are caught
+  by the fp32 entries of the same layouts, with the tight bounds above.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ EPS32 = 2.0 ** -24
 N_TOKENS = GLOBAL_BATCH * SEQ
 GRAD_BOUND = 4 * N_TOKENS * EPS32  # relative to max|g_ref|, see the module doc
 LOSS_RTOL = 1e-5
+BF16_U = 2.0 ** -8  # bf16 unit round-off
 PARAM_ATOL = 5e-5
 
 
@@ -152,13 +160,24 @@ def _matrix_rank(names: list[str]) -> dict[str, dict[str, Any]]:
 def _check(name: str, rank: int, got: dict[str, Any], ref: dict[str, Any]) -> None:
     bf16 = MATRIX[name].train.precision == "bf16"
     name = f"{name} rank {rank}"
-    grad_bound = 0.02 if bf16 else GRAD_BOUND
     assert got["grads"].keys() == ref["grads"].keys(), name
-    for k, want in ref["grads"].items():
-        err = float((got["grads"][k].float() - want).abs().max())
-        scale = float(want.abs().max())
-        assert err <= grad_bound * scale, f"{name} step-1 grad {k}: {err:.3g} > " \
-                                          f"{grad_bound:.2g}·{scale:.3g}"
+    if bf16:
+        diff = {k: got["grads"][k].float() - want for k, want in ref["grads"].items()}
+        norm_err = sum(float(d.pow(2).sum()) for d in diff.values()) ** 0.5
+        norm_ref = sum(float(w.pow(2).sum()) for w in ref["grads"].values()) ** 0.5
+        assert norm_err <= 4 * BF16_U * norm_ref, f"{name} step-1 grads: ‖Δg‖ {norm_err:.3g}" \
+                                                  f" > 4u·‖g‖ {4 * BF16_U * norm_ref:.3g}"
+        largest = max(float(w.abs().max()) for w in ref["grads"].values())
+        for k, d in diff.items():
+            err = float(d.abs().max())
+            assert err <= 6 * BF16_U * largest, f"{name} step-1 grad {k}: {err:.3g} > " \
+                                                f"6u·{largest:.3g}"
+    else:
+        for k, want in ref["grads"].items():
+            err = float((got["grads"][k].float() - want).abs().max())
+            scale = float(want.abs().max())
+            assert err <= GRAD_BOUND * scale, f"{name} step-1 grad {k}: {err:.3g} > " \
+                                              f"{GRAD_BOUND:.2g}·{scale:.3g}"
     if bf16:
         assert got["losses"] == pytest.approx(ref["losses"], rel=0.01), name
         assert got["losses"][-1] < got["losses"][0], name
