@@ -282,7 +282,7 @@ class ParallelModel:
             z, out[c] = self.wrappers[c], {}
             for u in z.units:
                 if grads:
-                    flat = u.grad if u.stage < 2 else gather_owned_grad(z, u)
+                    flat = u.grad if u.stage < 2 else gather_owned(z, u, u.grad)
                     tensors = unflatten(u, flat.float())
                 else:
                     tensors = unflatten(u, gather_owned(z, u, u.master))
@@ -355,16 +355,6 @@ class ParallelModel:
                 "grads": storage_bytes([*(p.grad for p in params), *(u.grad for u in units),
                                         *buckets], seen),
                 "optimizer": storage_bytes(opt, seen)}
-
-
-@torch.no_grad()
-def gather_owned_grad(z: ZeroModel, u: FlatUnit) -> torch.Tensor:
-    """The whole (padded,) reduced gradient of unit u from the dp shards (stages 2-3)."""
-    out = torch.empty(u.padded, dtype=u.grad.dtype, device=u.grad.device)
-    from tessera.collectives.algorithms import all_gather_single
-
-    all_gather_single(out, u.grad.contiguous(), group=z.group)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
