@@ -1,56 +1,96 @@
-"""Save a training run and resume it exactly: the same layout continues bit for bit.
+"""Layout-free checkpoints: every rank saves what it holds, a run resumes in any layout.
 
-A checkpoint is a directory ``<checkpoint_dir>/step-0000100/``:
+A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
+``torch.distributed.checkpoint`` (DCP):
 
-- ``rank-00000.pt`` … one file per rank with what that rank alone holds: the tensors its
-  optimizer steps (``engine.parameters()``: whole tensors, tensor-parallel shards, pipeline
-  chunks' weights or ZeRO's fp32 master shards), the optimizer's and the learning-rate
-  scheduler's state, and the data loader's position;
-- ``model.pt``: the full model in the reference model's names (``engine.full_state_dict()``,
-  gathered), for inference or for starting a run with another layout;
-- ``meta.json``, written last: the step, the world size, the model, the layout
-  (:data:`LAYOUT_FIELDS`), the batch shape and data seed, and the SHA-256 and size of every
-  file.
+- ``__<rank>_0.distcp`` … one file per rank with the boxes of global tensors that rank holds
+  and writes, in reference names (``tessera.sharded_state``: ``model.<ref>``, ``master.<ref>``
+  under bf16, ``optim.exp_avg.<ref>``, ``optim.exp_avg_sq.<ref>``, ``optim.step.<ref>``, and
+  ``rng.rank-NNNNN``); a replicated box is written once, by one replica;
+- ``.metadata``: DCP's index, every tensor's global shape and which file holds which box;
+- ``extra.json``: the step, the learning-rate schedule's position, and the data loader's
+  position in global samples;
+- ``meta.json``, written last: format, step, the model, the layout that wrote it, the batch
+  shape and data seed, and the SHA-256 and size of every other file.
 
-Writing goes to ``step-0000100.tmp`` and is renamed into place after every rank has written
-and rank 0 has written the manifest, so a crash never leaves a directory that looks complete.
+Saving gathers nothing: each rank hands DCP views of its own tensors (parameters, TP shards,
+pipeline chunks, ZeRO flat ranges cut into boxes), so a save's extra memory on a rank is at
+most the size of one of its boxes. Writing goes to ``step-0000100.tmp``, renamed into place
+after every rank has written and rank 0 has written the manifest: a crash never leaves a
+directory that looks complete.
+
+Resuming works from any layout to any other (dp, tp, pp, v, cp, ZeRO stage, the parameter
+server, fp32 or bf16 training): each rank asks DCP for the boxes it holds in the new layout and
+DCP reads the overlapping saved boxes (reshard on load; no rank ever holds the whole model).
+The master weights come from ``master.<ref>`` when the checkpoint has them, else from
+``model.<ref>`` (an fp32 run's weights are its masters). The loader continues at the same
+global sample, so a changed dp degree sees exactly the next unseen samples; a changed global
+batch (dp × micro-batches × micro-batch size) is refused, since the sampler draws each step's
+windows as one batch of that size. RNG states are per rank and belong to a layout: they are
+restored only into the same layout and world size; otherwise every rank keeps the state its
+seed gave it (training itself draws no random numbers: no dropout, the sampler has its own
+generator).
 
 Loading checks everything before anything is read into the run, on every rank and before any
-collective: the manifest parses, the model, layout and batches match this run's (a mismatch
-names the field and both values), and every rank's file has the recorded size and checksum. A bad
-checkpoint is refused with its path (:class:`CheckpointError`), never half-read. Resuming with
-another layout is refused; ``model.pt`` is the way to carry weights across layouts.
+collective (:func:`verify`): the manifest parses, the model, batches and data seed match this
+run's (a mismatch names the field and both values), and every file has the recorded size and
+checksum. A bad checkpoint is refused with its path (:class:`CheckpointError`), never half-read.
+DCP reads its ``.metadata`` with pickle: only after its checksum matched the manifest.
+
+Offline (no process group): :func:`load_model` consolidates the weights in reference names
+(``tessera eval``, ``generate``, ``export-hf``, ``train.init_from``), :func:`describe` lists a
+checkpoint (``tessera checkpoint inspect``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from tessera.config import Config, ModelConfig
+from tessera.sharded_state import Piece, model_pieces
 
-FORMAT = 1
+FORMAT = 2
 META = "meta.json"
+EXTRA = "extra.json"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, corrupt or from another layout. Names the path."""
+    """A checkpoint is missing, malformed, corrupt or from another model. Names the path."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:07d}"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
 
 
 def _sha256(path: Path) -> str:
@@ -63,18 +103,25 @@ def _sha256(path: Path) -> str:
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "dp_mode", "schedule",
                  "virtual_stages")
-"""The parallel fields that decide what each rank holds. The others (bucket size, all-reduce
-algorithm, recomputation, sequence parallelism) change how a step runs, not its state, and may
-differ on resume."""
+"""The parallel fields that decide what each rank holds: recorded in the manifest (shown by
+``tessera checkpoint inspect``; RNG states are restored only when they and the world size are
+unchanged). A resumed run may change any of them."""
+
+
+def global_batch(cfg: Config) -> int:
+    """Sequences per optimizer step over all data-parallel ranks."""
+    return cfg.parallel.dp * cfg.train.grad_accum * cfg.train.micro_batch_size
 
 
 def _identity(cfg: Config) -> dict[str, Any]:
-    """What must be equal to resume: the model, the layout, and what the loader's position
-    means (batch shape, accumulation, data order)."""
-    return {"model": asdict(cfg.model),
-            "parallel": {k: getattr(cfg.parallel, k) for k in LAYOUT_FIELDS},
-            "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": cfg.train.grad_accum,
+    """What must be equal to resume: the model, and what the loader's position means."""
+    return {"model": asdict(cfg.model), "global_batch": global_batch(cfg),
             "seq_len": cfg.data.seq_len, "data_seed": cfg.data.seed}
+
+
+def _layout(cfg: Config, world: int) -> dict[str, Any]:
+    return {"world_size": world, "precision": cfg.train.precision,
+            **{k: getattr(cfg.parallel, k) for k in LAYOUT_FIELDS}}
 
 
 def latest(root: str | Path) -> Path | None:
@@ -100,52 +147,154 @@ def prune(root: str | Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# DCP planners over pieces
+
+
+def _size(t: tuple[int, ...]) -> torch.Size:
+    return torch.Size(t)
+
+
+class _PieceSavePlanner(DefaultSavePlanner):
+    """Writes the pieces this rank writes (``Piece.write``), each a box of a global tensor;
+    DCP's global plan then checks that the boxes of every tensor tile it exactly."""
+
+    def __init__(self, pieces: list[Piece]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces: dict[tuple[str, tuple[int, ...]], Piece] = {}
+        for p in pieces:
+            if p.write:
+                if (p.key, p.offsets) in self.pieces:
+                    raise ValueError(f"two pieces of {p.key} at {p.offsets} on one rank")
+                self.pieces[(p.key, p.offsets)] = p
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False):
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(p.key, _size(p.offsets)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(_size(p.offsets), _size(p.sizes)),
+                               properties=TensorProperties.create_from_tensor(p.tensor),
+                               size=_size(p.global_shape)))
+                 for p in self.pieces.values()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return all_plans  # every box has exactly one writer already
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
+
+
+class _PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads into each requested piece, ``(checkpoint key, piece)``, the overlapping parts of
+    the saved boxes of that key (DCP's resharding)."""
+
+    def __init__(self, path: Path, requests: list[tuple[str, Piece]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.path, self.requests = path, requests
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items: list[ReadItem] = []
+        saved = self.metadata.state_dict_metadata
+        for i, (key, piece) in enumerate(self.requests):
+            md = saved.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {self.path}: holds no tensor {key}")
+            if tuple(md.size) != piece.global_shape:
+                raise CheckpointError(f"checkpoint {self.path}: {key} has shape "
+                                      f"{tuple(md.size)}, this run's is {piece.global_shape}")
+            chunk = ChunkStorageMetadata(_size(piece.offsets), _size(piece.sizes))
+            found = create_read_items_for_chunk_list(key, md, [chunk])
+            if sum(math.prod(r.lengths) for r in found) != math.prod(piece.sizes):
+                raise CheckpointError(f"checkpoint {self.path}: {key} does not cover the box "
+                                      f"at {piece.offsets} of size {piece.sizes}")
+            # The destination names the request, so equal boxes of one key never collide.
+            items += [dataclasses.replace(r, dest_index=MetadataIndex(str(i), r.dest_index.offset))
+                      for r in found]
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        piece = self.requests[int(read_item.dest_index.fqn)][1]
+        return narrow_tensor_by_index(piece.tensor, read_item.dest_offsets, read_item.lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _rng_piece(rank: int) -> Piece:
+    state = torch.get_rng_state()
+    return Piece(f"rng.rank-{rank:05d}", tuple(state.shape), (0,), state, True,
+                 on_load=torch.set_rng_state)
+
+
+def _engine_model(engine):
+    """The ParallelModel behind an Executor (or the model itself)."""
+    return getattr(engine, "model", engine)
+
+
 def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler, loader,
-         rank: int, world: int) -> Path:
-    """Write this step's checkpoint (every rank calls; collectives: one gather of the full
-    model and two barriers). Returns the final directory."""
+         rank: int, world: int, group: dist.ProcessGroup | None = None) -> Path:
+    """Write this step's checkpoint; every rank of `group` (None: the default group) calls.
+    Collectives: DCP's plan gather and result gather, and three barriers. Returns the final
+    directory."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    full = engine.full_state_dict()  # gathers: every rank takes part
-    _barrier(world)
-    state = {"format": FORMAT, "step": step, "rank": rank,
-             "tensors": [t.detach().cpu().clone() for t in engine.parameters()],
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "loader": loader.state_dict()}
-    torch.save(state, tmp / rank_file(rank))
+    _barrier(world, group)
+    pieces = [*model_pieces(_engine_model(engine), optimizer), _rng_piece(rank)]
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
+             planner=_PieceSavePlanner(pieces), process_group=group)
     if rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in full.items()}, tmp / "model.pt")
-    _barrier(world)
-    if rank == 0:
-        files = [rank_file(r) for r in range(world)] + ["model.pt"]
-        meta = {"format": FORMAT, "step": step, "world_size": world, **_identity(cfg),
+        extra = {"step": step, "samples": loader.step * loader.global_batch_size,
+                 "global_batch": loader.global_batch_size, "data_seed": loader.seed,
+                 "scheduler": {"last_epoch": scheduler.last_epoch,
+                               "lr": scheduler.get_last_lr()}}
+        (tmp / EXTRA).write_text(json.dumps(extra, indent=1))
+        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        meta = {"format": FORMAT, "step": step, **_identity(cfg),
+                "layout": _layout(cfg, world),
                 "files": {name: {"sha256": _sha256(tmp / name),
                                  "bytes": (tmp / name).stat().st_size} for name in files}}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    _barrier(world)
+    _barrier(world, group)
     return final
 
 
-def _barrier(world: int) -> None:
+def _barrier(world: int, group: dist.ProcessGroup | None) -> None:
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking
 
 
 def _mismatch(path: Path, field: str, saved: Any, ours: Any) -> CheckpointError:
+    rule = ("the global batch (dp x grad_accum x micro_batch_size) fixes which windows each "
+            "step samples; keep it, in any layout" if field == "global_batch" else
+            "resuming needs the same model and data order (train.init_from starts another "
+            "model from its weights)")
     return CheckpointError(f"checkpoint {path}: {field}={saved!r} there, {ours!r} in this run: "
-                           "resuming needs the same model, layout and batches (model.pt "
-                           "carries the weights to another layout)")
+                           f"{rule}")
 
 
-def verify(path: str | Path, cfg: Config, world: int) -> dict[str, Any]:
-    """Check a checkpoint completely without loading it (see the module docstring); returns
-    its manifest. Raises CheckpointError naming the path."""
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path`, checked for format; every file's size and
+    checksum verified. Raises CheckpointError naming the path."""
     path = Path(path)
     meta_path = path / META
     if not meta_path.is_file():
@@ -153,29 +302,14 @@ def verify(path: str | Path, cfg: Config, world: int) -> dict[str, Any]:
                               "did not finish)")
     try:
         meta = json.loads(meta_path.read_text())
-        files, step = meta["files"], int(meta["step"])
+        files = meta["files"]
+        int(meta["step"])
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {meta_path}: unreadable manifest ({e})") from e
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {meta_path}: format {meta.get('format')!r}, this "
                               f"tessera reads format {FORMAT}")
-    if meta.get("world_size") != world:
-        raise _mismatch(path, "world_size", meta.get("world_size"), world)
-    ours = _identity(cfg)
-    for section, values in ours.items():
-        saved = meta.get(section)
-        if isinstance(values, dict):
-            for key, value in values.items():
-                if not isinstance(saved, dict) or saved.get(key) != value:
-                    raise _mismatch(path, f"{section}.{key}",
-                                    saved.get(key) if isinstance(saved, dict) else None, value)
-        elif saved != values:
-            raise _mismatch(path, section, saved, values)
-    if step < 0 or step > cfg.train.steps:
-        raise CheckpointError(f"checkpoint {path}: step {step} is outside this run's "
-                              f"train.steps={cfg.train.steps}")
-    for r in range(world):
-        name = rank_file(r)
+    for name in (".metadata", EXTRA):
         if name not in files:
             raise CheckpointError(f"checkpoint {meta_path}: no entry for {name}")
     for name, want in files.items():
@@ -185,6 +319,27 @@ def verify(path: str | Path, cfg: Config, world: int) -> dict[str, Any]:
         if f.stat().st_size != want.get("bytes") or _sha256(f) != want.get("sha256"):
             raise CheckpointError(f"checkpoint {f}: size or SHA-256 differs from {META} "
                                   "(corrupt or partly written)")
+    return meta
+
+
+def verify(path: str | Path, cfg: Config, world: int | None = None) -> dict[str, Any]:
+    """Check a checkpoint completely without loading it (see the module docstring); returns
+    its manifest. Any layout and world size may resume it. Raises CheckpointError."""
+    path = Path(path)
+    meta = read_manifest(path)
+    for section, values in _identity(cfg).items():
+        saved = meta.get(section)
+        if isinstance(values, dict):
+            for key, value in values.items():
+                if not isinstance(saved, dict) or saved.get(key) != value:
+                    raise _mismatch(path, f"{section}.{key}",
+                                    saved.get(key) if isinstance(saved, dict) else None, value)
+        elif saved != values:
+            raise _mismatch(path, section, saved, values)
+    step = int(meta["step"])
+    if step < 0 or step > cfg.train.steps:
+        raise CheckpointError(f"checkpoint {path}: step {step} is outside this run's "
+                              f"train.steps={cfg.train.steps}")
     return meta
 
 
@@ -201,52 +356,158 @@ def find(path: str | Path) -> Path:
     return found
 
 
-def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
-    """The full model a checkpoint holds (``model.pt``, in the reference model's names), its
-    config, and the checkpoint directory; `path` as :func:`find` reads it. The file's size and
-    SHA-256 are checked against the manifest first."""
-    path = find(path)
-    try:
-        meta = json.loads((path / META).read_text())
-        model_cfg = ModelConfig(**meta["model"])
-        want = meta["files"]["model.pt"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path / META}: unreadable manifest ({e})") from e
-    f = path / "model.pt"
-    if not f.is_file() or f.stat().st_size != want.get("bytes") or _sha256(f) != want.get(
-            "sha256"):
-        raise CheckpointError(f"checkpoint {f}: missing, or size or SHA-256 differs from {META}")
-    return model_cfg, torch.load(f, map_location="cpu", weights_only=True), path
+# ---------------------------------------------------------------------------------------------
+# Resuming
 
 
-def load(path: str | Path, rank: int) -> dict[str, Any]:
-    """This rank's state from a verified checkpoint (tensors on the CPU)."""
-    f = Path(path) / rank_file(rank)
-    try:
-        state = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"checkpoint {f}: unreadable ({e})") from e
-    if state.get("rank") != rank or state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {f}: holds rank {state.get('rank')!r}, format "
-                              f"{state.get('format')!r}")
-    return state
+def _weight_source(key: str, saved: set[str], run_mixed: bool) -> str | None:
+    """The checkpoint key a requested weight piece reads, or None to skip it: fp32 weights
+    (an fp32 run's parameters, a bf16 run's masters) come from ``master.*`` when the checkpoint
+    has masters, else from ``model.*``; a bf16 run's bf16 weights are re-published from its
+    masters after loading."""
+    prefix, _, ref = key.partition(".")
+    if prefix == "model" and run_mixed:
+        return None
+    if prefix in ("model", "master"):
+        return f"master.{ref}" if f"master.{ref}" in saved else f"model.{ref}"
+    return key
 
 
-def restore(state: dict[str, Any], path: str | Path, engine, optimizer, scheduler,
-            loader) -> int:
-    """Put a loaded rank state into the run; returns the step to continue from."""
-    params = engine.parameters()
-    tensors = state["tensors"]
-    if len(tensors) != len(params) or any(
-            (t.shape, t.dtype) != (p.shape, p.dtype) for t, p in zip(tensors, params,
-                                                                     strict=True)):
-        raise CheckpointError(f"checkpoint {path}: this rank's tensors do not have the shapes "
-                              "and dtypes of the run's parameters")
-    with torch.no_grad():
-        for p, t in zip(params, tensors, strict=True):
-            p.copy_(t)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["loader"])
+def restore(path: str | Path, cfg: Config, engine, optimizer, scheduler, loader,
+            group: dist.ProcessGroup | None = None) -> int:
+    """Load a verified checkpoint into this run, whatever layout wrote it; every rank of
+    `group` calls (DCP's plan exchange). Returns the step to continue from."""
+    path = Path(path)
+    meta = json.loads((path / META).read_text())
+    extra = json.loads((path / EXTRA).read_text())
+    model = _engine_model(engine)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    reader = dcp.FileSystemReader(path)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    mixed = cfg.train.precision != "fp32"
+    requests = []
+    for piece in model_pieces(model, optimizer):
+        source = _weight_source(piece.key, saved, mixed)
+        if source is not None:
+            requests.append((source, piece))
+    same_layout = meta.get("layout") == _layout(cfg, world)
+    if same_layout:
+        requests.append((f"rng.rank-{rank:05d}", _rng_piece(rank)))
+    dcp.load({}, storage_reader=reader, planner=_PieceLoadPlanner(path, requests),
+             process_group=group)
+    for _, piece in requests:
+        if piece.on_load is not None:
+            piece.on_load(piece.tensor)
+    _restore_schedule(extra["scheduler"]["last_epoch"], optimizer, scheduler)
+    _restore_loader(path, extra, loader)
     engine.after_parameters_loaded()
-    return int(state["step"])
+    return int(extra["step"])
+
+
+def _restore_schedule(last_epoch: int, optimizer, scheduler) -> None:
+    """The LR schedule at `last_epoch`, for however many param groups this layout's optimizer
+    has: each group's lr from the closed form, as LambdaLR.step() sets it."""
+    scheduler.last_epoch = last_epoch
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs,
+                                   scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _restore_loader(path: Path, extra: dict[str, Any], loader) -> None:
+    samples, batch = int(extra["samples"]), loader.global_batch_size
+    if int(extra["global_batch"]) != batch or samples % batch:
+        raise CheckpointError(f"checkpoint {path}: loader at sample {samples} of global "
+                              f"batches of {extra['global_batch']}, this run's are {batch}")
+    loader.load_state_dict({"step": samples // batch, "seed": int(extra["data_seed"])})
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: consolidated weights, inspection
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """DCP's index of a checkpoint (call after :func:`read_manifest` checked the files)."""
+    return dcp.FileSystemReader(Path(path)).read_metadata()
+
+
+def load_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Whole tensors by checkpoint key, read from every rank's boxes in one process (no process
+    group). The files must have been checked (:func:`read_manifest`)."""
+    path = Path(path)
+    metadata = read_metadata(path)
+    out: dict[str, torch.Tensor] = {}
+    requests = []
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        out[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        requests.append((key, Piece(key, tuple(md.size), (0,) * len(md.size), out[key], False)))
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore")
+        dcp.load({}, storage_reader=dcp.FileSystemReader(path),
+                 planner=_PieceLoadPlanner(path, requests), no_dist=True)
+    return out
+
+
+def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """The full model a checkpoint holds, in the reference model's names and fp32 (its masters
+    when it trained in bf16), its config, and the checkpoint directory; `path` as :func:`find`
+    reads it. Every file's size and SHA-256 are checked against the manifest first."""
+    path = find(path)
+    meta = read_manifest(path)
+    try:
+        model_cfg = ModelConfig(**meta["model"])
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path / META}: unreadable manifest ({e})") from e
+    saved = set(read_metadata(path).state_dict_metadata)
+    refs = sorted(k.removeprefix("model.") for k in saved if k.startswith("model."))
+    keys = [_weight_source(f"model.{ref}", saved, False) for ref in refs]
+    tensors = load_tensors(path, keys)
+    state = {ref: tensors[key].float() for ref, key in zip(refs, keys, strict=True)}
+    if model_cfg.tie_embeddings and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    from tessera.model import Transformer
+
+    with torch.device("meta"):
+        order = list(Transformer(model_cfg).state_dict())
+    missing = [k for k in order if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: no weights for {', '.join(missing)}")
+    return model_cfg, {k: state[k] for k in order}, path
+
+
+def describe(path: str | Path) -> list[str]:
+    """`tessera checkpoint inspect`: step, layout, model, and every tensor with its global
+    shape, dtype, number of saved boxes and bytes; files checked first."""
+    path = find(path)
+    meta = read_manifest(path)
+    extra = json.loads((path / EXTRA).read_text())
+    metadata = read_metadata(path)
+    layout = meta.get("layout", {})
+    lines = [f"checkpoint {path}",
+             f"step {meta['step']}, {extra['samples']} samples seen (global batch "
+             f"{extra['global_batch']}), lr {extra['scheduler']['lr'][0]:.3g}",
+             "written by: " + " ".join(f"{k}={v}" for k, v in layout.items()),
+             "model: " + " ".join(f"{k}={v}" for k, v in meta["model"].items()),
+             f"files: {len(meta['files'])}, "
+             f"{sum(f['bytes'] for f in meta['files'].values()):,} bytes"]
+    totals: dict[str, int] = {}
+    rows = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
+        group = key.split(".")[0] if not key.startswith("optim.") else ".".join(
+            key.split(".")[:2])
+        totals[group] = totals.get(group, 0) + nbytes
+        dtype = str(md.properties.dtype).removeprefix("torch.")
+        rows.append(f"  {key:<48} {str(tuple(md.size)):<14} {dtype:<8} "
+                    f"{len(md.chunks):>3} boxes {nbytes:>10,} B")
+    lines.append("totals: " + ", ".join(f"{k} {v:,} B" for k, v in sorted(totals.items())))
+    lines.append("tensors (global shape, dtype, boxes saved, bytes):")
+    return lines + rows
+
+
+__all__ = ["CheckpointError", "save", "restore", "verify", "read_manifest", "latest", "prune",
+           "find", "load_model", "load_tensors", "describe", "step_dir", "global_batch"]

@@ -168,10 +168,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
                          cp_rank=topo.coords()["cp"], cp_size=topo.cp)
 
     start = 0
-    if resume_from is not None:
-        state = checkpoint.load(resume_from, topo.rank)
-        start = checkpoint.restore(state, resume_from, executor, optimizer, scheduler, loader)
-        del state
+    if resume_from is not None:  # from any layout: each rank reads the boxes it holds
+        start = checkpoint.restore(resume_from, cfg, executor, optimizer, scheduler, loader)
 
     out = Path(cfg.train.out_dir)
     logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None, append=start > 0)

@@ -1,0 +1,166 @@
+"""Layout-free checkpoints: train in layout A, save, resume in layout B.
+
+Two checks per pair (A → B), both against the run that never stopped:
+
+1. **The state moves exactly.** Layout B loads A's step-4 checkpoint (each rank reading only the
+   boxes it holds) and saves it again at once; consolidated offline, every tensor of the two
+   checkpoints (weights, fp32 masters, both Adam moments, step counts) is equal bit for bit.
+   Resharding copies numbers, it computes nothing: tolerance 0.
+2. **Training continues.** The resumed run's losses and gradient norms at steps 5-8 equal the
+   uninterrupted run's in A within ``assert_curves_close``: step k after the resume within the
+   summation bound of k global batches of tokens (G·T = 8·16 = 128 per step). The runs start
+   step 5 from bit-identical state (check 1) and differ only in how layout B orders the sums of
+   each step (other ranks, shards, micro-batches), whose round-off moves the weights a little
+   more every step (tessera.testing explains why k·terms).
+
+The global batch (dp × micro-batches × micro-batch size = 8 sequences) is the same in every
+layout, so B continues on exactly the samples A would have seen next. Runs: one 2-rank job
+(A for dp2, dp2 ZeRO-3, pp2 interleaved and cp2; B for the two 2-rank targets), one process
+(A, and B from dp2), one 4-rank job (A for tp2×pp2; B for the three 4-rank targets).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.checkpoint import find, load_tensors, read_manifest, read_metadata, step_dir
+from tessera.config import Config, make_config
+from tessera.testing import assert_curves_close, run_ranks
+
+STEPS, SAVED = 8, 4
+GLOBAL_BATCH, SEQ, MBS = 8, 16, 2
+TOKENS = GLOBAL_BATCH * SEQ
+
+LAYOUTS: dict[str, dict] = {
+    "1 process": {},
+    "dp2": dict(dp=2),
+    "dp2 zero3": dict(dp=2, zero_stage=3),
+    "tp2 pp2": dict(tp=2, pp=2, schedule="1f1b"),
+    "dp2 tp2": dict(dp=2, tp=2),
+    "dp4 zero1": dict(dp=4, zero_stage=1),
+    "pp2 interleaved v2": dict(pp=2, schedule="interleaved", virtual_stages=2),
+    "pp2 1f1b": dict(pp=2, schedule="1f1b"),
+    "cp2": dict(cp=2, cp_method="ring"),
+}
+
+PAIRS = [("dp2", "1 process"), ("1 process", "dp2 tp2"), ("dp2 zero3", "tp2 pp2"),
+         ("tp2 pp2", "dp4 zero1"), ("pp2 interleaved v2", "pp2 1f1b"), ("cp2", "dp2")]
+
+
+def _world(layout: str) -> int:
+    p = LAYOUTS[layout]
+    return p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
+
+
+def _cfg(data: str, out: Path, layout: str, **train) -> Config:
+    parallel = LAYOUTS[layout]
+    dp = parallel.get("dp", 1)
+    overrides = [f"data.path={data}", f"data.seq_len={SEQ}", "data.val_tokens=64",
+                 "model.d_model=32", "model.n_layers=4", f"model.max_seq_len={SEQ}",
+                 f"train.steps={STEPS}", f"train.checkpoint_interval={SAVED}",
+                 "train.keep_checkpoints=0", "train.sample_tokens=0", "train.eval_interval=0",
+                 "train.warmup_steps=2", f"train.micro_batch_size={MBS}",
+                 f"train.grad_accum={GLOBAL_BATCH // (dp * MBS)}", f"train.out_dir={out}"]
+    overrides += [f"parallel.{k}={v}" for k, v in {"dp": dp, **parallel}.items()]
+    overrides += [f"train.{k}={v}" for k, v in train.items()]
+    return make_config("tiny", overrides=overrides)
+
+
+def _dir(root: str, layout: str) -> Path:
+    return Path(root) / layout.replace(" ", "_")
+
+
+def _train_a(data: str, root: str, layout: str) -> None:
+    from tessera.trainer import train
+
+    train(_cfg(data, _dir(root, layout), layout), progress=False)
+
+
+def _resume_b(data: str, root: str, a: str, b: str) -> None:
+    """Layout B: resume A's step-4 checkpoint and train on; and load it and save it again at
+    once (under <B dir>/moved), for the exact comparison."""
+    from tessera.trainer import train
+
+    ckpt = step_dir(_dir(root, a) / "checkpoints", SAVED)
+    out = _dir(root, a) / f"to_{b.replace(' ', '_')}"
+    train(_cfg(data, out, b, resume=str(ckpt)), progress=False)
+    _load_and_save(_cfg(data, out / "moved", b), ckpt, out / "moved")
+
+
+def _load_and_save(cfg: Config, ckpt: Path, out: Path) -> None:
+    """What the trainer does up to its first step (parallelize, optimizer, scheduler, loader,
+    restore), then a save: the checkpoint as layout B holds it."""
+    import torch.distributed as dist
+
+    from tessera import checkpoint
+    from tessera.data.loader import BatchLoader, TokenDataset
+    from tessera.optim import lr_lambda
+    from tessera.parallelize import parallelize
+    from tessera.step import Executor
+    from tessera.topology import Topology
+
+    topo = Topology.build(cfg.parallel)
+    torch.manual_seed(cfg.train.seed)
+    executor = Executor(parallelize(cfg, topo, torch.device("cpu")))
+    optimizer = executor.optimizer(cfg.train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    loader = BatchLoader(TokenDataset(cfg.data.path).train, cfg.data.seq_len,
+                         cfg.train.micro_batch_size, cfg.train.grad_accum, topo.coords()["dp"],
+                         topo.dp, cfg.data.seed)
+    checkpoint.verify(ckpt, cfg, topo.world_size)
+    step = checkpoint.restore(ckpt, cfg, executor, optimizer, scheduler, loader)
+    checkpoint.save(out, step, cfg, executor, optimizer, scheduler, loader, topo.rank,
+                    topo.world_size)
+    dist.barrier()
+
+
+def _job(data: str, root: str, trains: list[str], resumes: list[tuple[str, str]]) -> None:
+    for layout in trains:
+        _train_a(data, root, layout)
+    for a, b in resumes:
+        _resume_b(data, root, a, b)
+
+
+def _records(out: Path) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
+
+
+def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    read_manifest(path)
+    keys = [k for k in read_metadata(path).state_dict_metadata if not k.startswith("rng.")]
+    return load_tensors(path, keys)
+
+
+def _check_pair(root: Path, a: str, b: str) -> None:
+    label = f"{a} -> {b}"
+    out = _dir(str(root), a) / f"to_{b.replace(' ', '_')}"
+    saved = _all_tensors(step_dir(_dir(str(root), a) / "checkpoints", SAVED))
+    moved = _all_tensors(find(out / "moved"))
+    assert saved.keys() == moved.keys(), label
+    for key, value in saved.items():
+        torch.testing.assert_close(moved[key], value, rtol=0, atol=0, msg=f"{label}: {key}")
+    ra, rb = _records(_dir(str(root), a)), _records(out)
+    assert sorted(rb) == list(range(SAVED + 1, STEPS + 1)), label
+    for what, i in (("loss", 0), ("grad norm", 1)):
+        assert_curves_close([rb[s][i] for s in sorted(rb)],
+                            [ra[s][i] for s in sorted(rb)], terms_per_step=TOKENS,
+                            msg=f"{label} {what}")
+    meta = json.loads((step_dir(out / "checkpoints", STEPS) / "meta.json").read_text())
+    assert meta["layout"]["world_size"] == _world(b), label
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_resume_in_another_layout(tiny_data, tmp_path):
+    # Ordered so every A exists before a B resumes it: 2 ranks, then 1, then 4.
+    for world in (2, 1, 4):
+        trains = [a for a in dict(PAIRS) if _world(a) == world]
+        resumes = [(a, b) for a, b in PAIRS if _world(b) == world]
+        run_ranks(_job, world, args=(tiny_data, str(tmp_path), trains, resumes), timeout=600)
+    for a, b in PAIRS:
+        _check_pair(tmp_path, a, b)
