@@ -1,8 +1,9 @@
 """Checkpoints: a resumed run continues bit for bit; a bad checkpoint is refused with its path.
 
-Exactness: a run of 6 steps that saved at step 3, and a second run resumed from that step-3
-checkpoint, must log the same loss and gradient norm at steps 4-6 and end with the same full
-model (tolerance 0: the same kernels run on the same numbers in the same order). Shown for
+Same layout (another layout: tests/test_checkpoint_reshard.py). Exactness: a run of 6 steps
+that saved at step 3, and a second run resumed from that step-3 checkpoint, must log the same
+loss and gradient norm at steps 4-6 and end with the same full model (tolerance 0: the same
+kernels run on the same numbers in the same order). Shown for
 one process, dp=2 (DDP), dp=2 with ZeRO-3 (fp32 shards) and ZeRO-2 in bf16 (fp32 masters
 apart from the bf16 weights), the synchronous parameter server, tp=2 and pp=2 (1F1B). The
 asynchronous parameter server is refused: its in-flight gradients are not saved.
@@ -18,7 +19,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli_errors import cli_error
-from tessera.checkpoint import CheckpointError, latest, step_dir, verify
+from tessera.checkpoint import CheckpointError, latest, load_model, step_dir
 from tessera.cli import app
 from tessera.config import make_config
 from tessera.testing import run_ranks
@@ -51,8 +52,7 @@ def _resume_rank(data: str, root: str, parallel: dict) -> dict | None:
     train(_cfg(data, str(b), parallel, resume=str(resume)), progress=False)
     if torch.distributed.get_rank() != 0:
         return None
-    model = {run: torch.load(step_dir(run / "checkpoints", STEPS) / "model.pt")
-             for run in (a, b)}
+    model = {run: load_model(step_dir(run / "checkpoints", STEPS))[1] for run in (a, b)}
     return dict(a=_records(a), b=_records(b), model_a=model[a], model_b=model[b])
 
 
@@ -101,8 +101,9 @@ def test_resumed_run_continues_exactly(tiny_data, tmp_path, name):
     _check_resumed(got, name)
     meta = json.loads((step_dir(tmp_path / "a" / "checkpoints", EVERY) / "meta.json")
                       .read_text())
-    assert meta["world_size"] == world and sorted(meta["files"]) == [
-        "model.pt", *(f"rank-{r:05d}.pt" for r in range(world))]
+    # One DCP file per rank that holds something to write, DCP's index, the replicated extra.
+    assert meta["layout"]["world_size"] == world
+    assert {".metadata", "extra.json", "__0_0.distcp"} <= set(meta["files"])
 
 
 def test_one_process_resume_and_latest(tiny_data, tmp_path):
@@ -113,8 +114,7 @@ def test_one_process_resume_and_latest(tiny_data, tmp_path):
                                                               STEPS)
     run(_cfg(tiny_data, str(tmp_path / "b"),
              resume=str(step_dir(tmp_path / "a" / "checkpoints", EVERY))), progress=False)
-    models = [torch.load(step_dir(tmp_path / r / "checkpoints", STEPS) / "model.pt")
-              for r in ("a", "b")]
+    models = [load_model(step_dir(tmp_path / r / "checkpoints", STEPS))[1] for r in ("a", "b")]
     _check_resumed(dict(a=_records(tmp_path / "a"), b=_records(tmp_path / "b"),
                         model_a=models[0], model_b=models[1]), "one process")
 
@@ -154,18 +154,19 @@ def test_latest_resumes_the_newest_and_starts_fresh_without_one(tiny_data, saved
 
 def test_corrupt_missing_and_mismatched_checkpoints_are_refused(tiny_data, saved, tmp_path):
     good = step_dir(saved, EVERY)
-    # A flipped byte in a rank file.
+    # A flipped bit in a rank's shard file.
     bad = _copy(good, tmp_path / "flipped")
-    data = bytearray((bad / "rank-00000.pt").read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    (bad / "rank-00000.pt").write_bytes(bytes(data))
+    data = bytearray((bad / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (bad / "__0_0.distcp").write_bytes(bytes(data))
     line = cli_error(_train_cli(tiny_data, tmp_path / "r1", "--resume", str(bad)))
-    assert f"checkpoint {bad / 'rank-00000.pt'}: size or SHA-256 differs" in line
-    # A truncated model file.
-    cut = _copy(good, tmp_path / "cut")
-    (cut / "model.pt").write_bytes((cut / "model.pt").read_bytes()[:100])
-    assert "model.pt: size or SHA-256 differs" in cli_error(
-        _train_cli(tiny_data, tmp_path / "r2", "--resume", str(cut)))
+    assert f"checkpoint {bad / '__0_0.distcp'}: size or SHA-256 differs" in line
+    # A truncated shard file and a truncated DCP index.
+    for name in ("__0_0.distcp", ".metadata"):
+        cut = _copy(good, tmp_path / f"cut{name}")
+        (cut / name).write_bytes((cut / name).read_bytes()[:100])
+        assert f"checkpoint {cut / name}: size or SHA-256 differs" in cli_error(
+            _train_cli(tiny_data, tmp_path / "r2", "--resume", str(cut)))
     # No manifest: an unfinished write, or not a checkpoint at all.
     bare = _copy(good, tmp_path / "bare")
     (bare / "meta.json").unlink()
@@ -176,13 +177,13 @@ def test_corrupt_missing_and_mismatched_checkpoints_are_refused(tiny_data, saved
     (junk / "meta.json").write_text("{not json")
     assert "unreadable manifest" in cli_error(
         _train_cli(tiny_data, tmp_path / "r4", "--resume", str(junk)))
-    # Another model or layout names the field and both values.
+    # Another model or global batch names the field and both values.
     line = cli_error(_train_cli(tiny_data, tmp_path / "r5", "--resume", str(good),
                                 "--set", "model.n_layers=3"))
     assert f"checkpoint {good}: model.n_layers=2 there, 3 in this run" in line
     line = cli_error(_train_cli(tiny_data, tmp_path / "r6", "--resume", str(good),
                                 "--microbatches", "2"))
-    assert "grad_accum=1 there, 2 in this run" in line
+    assert "global_batch=8 there, 16 in this run" in line
     line = cli_error(_train_cli(tiny_data, tmp_path / "r7", "--resume", str(good),
                                 "--set", "data.seed=7"))
     assert "data_seed=1234 there, 7 in this run" in line
@@ -214,18 +215,16 @@ def _refuse_rank(data: str, bad: str) -> str:
 
 @pytest.mark.multiprocess
 def test_every_rank_refuses_before_any_collective(tiny_data, tmp_path):
-    """A checkpoint whose rank-1 file is corrupt: both ranks refuse (rank 0 too, though its own
-    file is fine), so no rank is left waiting in a collective."""
+    """A checkpoint whose rank-1 file is corrupt: both ranks refuse (rank 0 too, though it
+    would read rank 0's file first), so no rank is left waiting in a collective."""
     out = tmp_path / "two"
     run_ranks(_save_two_ranks, 2, args=(tiny_data, str(out)))
     bad = step_dir(out / "checkpoints", EVERY)
-    raw = bytearray((bad / "rank-00001.pt").read_bytes())
+    raw = bytearray((bad / "__1_0.distcp").read_bytes())
     raw[-10] ^= 0xFF
-    (bad / "rank-00001.pt").write_bytes(bytes(raw))
+    (bad / "__1_0.distcp").write_bytes(bytes(raw))
     messages = run_ranks(_refuse_rank, 2, args=(tiny_data, str(bad)))
-    assert all(f"checkpoint {bad / 'rank-00001.pt'}: size or SHA-256" in m for m in messages)
-    with pytest.raises(CheckpointError, match="world_size=2 there, 1 in this run"):
-        verify(bad, _cfg(tiny_data, str(tmp_path / "x")), 1)
+    assert all(f"checkpoint {bad / '__1_0.distcp'}: size or SHA-256" in m for m in messages)
 
 
 def _save_two_ranks(data: str, out: str) -> None:
@@ -241,3 +240,32 @@ def test_asynchronous_parameter_server_cannot_checkpoint():
                       train=dict(checkpoint_interval=2))
     with pytest.raises(ConfigError, match="parallel.dp_mode='ps-async': cannot checkpoint"):
         cfg.validate(2)
+
+
+def test_inspect_and_export(saved, tmp_path):
+    """`tessera checkpoint inspect` names the step, the layout and every tensor; `export`
+    writes the consolidated weights (torch: model.pt in reference names; hf: a Llama dir)."""
+    ckpt = step_dir(saved, EVERY)
+    result = CliRunner().invoke(app, ["checkpoint", "inspect", str(saved)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert f"checkpoint {step_dir(saved, STEPS)}" in out and "step 6," in out
+    assert "world_size=1" in out and "dp=1 tp=1 pp=1" in out
+    assert "model.tok_embeddings.weight" in out and "optim.exp_avg_sq.norm.weight" in out
+    result = CliRunner().invoke(app, ["checkpoint", "export", str(ckpt), "--to",
+                                      str(tmp_path / "pt"), "--format", "torch"])
+    assert result.exit_code == 0, result.output
+    exported = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
+    _, state, _ = load_model(ckpt)
+    assert exported.keys() == state.keys()
+    assert all(torch.equal(exported[k], state[k]) for k in state)
+    pytest.importorskip("safetensors")
+    result = CliRunner().invoke(app, ["checkpoint", "export", str(ckpt), "--to",
+                                      str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # A bad checkpoint is refused by the tools too, with its path.
+    bad = _copy(ckpt, tmp_path / "bad")
+    (bad / "__0_0.distcp").write_bytes((bad / "__0_0.distcp").read_bytes()[:-1])
+    assert f"checkpoint {bad / '__0_0.distcp'}: size or SHA-256 differs" in cli_error(
+        ["checkpoint", "inspect", str(bad)])

@@ -22,12 +22,20 @@ layout, so B continues on exactly the samples A would have seen next. Runs: one 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from tessera.checkpoint import find, load_tensors, read_manifest, read_metadata, step_dir
+from tessera.checkpoint import (
+    find,
+    load_model,
+    load_tensors,
+    read_manifest,
+    read_metadata,
+    step_dir,
+)
 from tessera.config import Config, make_config
 from tessera.testing import assert_curves_close, run_ranks
 
@@ -80,20 +88,22 @@ def _train_a(data: str, root: str, layout: str) -> None:
     train(_cfg(data, _dir(root, layout), layout), progress=False)
 
 
-def _resume_b(data: str, root: str, a: str, b: str) -> None:
+def _resume_b(data: str, root: str, a: str, b: str) -> dict[str, torch.Tensor]:
     """Layout B: resume A's step-4 checkpoint and train on; and load it and save it again at
-    once (under <B dir>/moved), for the exact comparison."""
+    once (under <B dir>/moved), for the exact comparison. Returns the loaded weights as
+    ``full_state_dict`` gathers them in layout B."""
     from tessera.trainer import train
 
     ckpt = step_dir(_dir(root, a) / "checkpoints", SAVED)
     out = _dir(root, a) / f"to_{b.replace(' ', '_')}"
     train(_cfg(data, out, b, resume=str(ckpt)), progress=False)
-    _load_and_save(_cfg(data, out / "moved", b), ckpt, out / "moved")
+    return _load_and_save(_cfg(data, out / "moved", b), ckpt, out / "moved")
 
 
-def _load_and_save(cfg: Config, ckpt: Path, out: Path) -> None:
+def _load_and_save(cfg: Config, ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
     """What the trainer does up to its first step (parallelize, optimizer, scheduler, loader,
-    restore), then a save: the checkpoint as layout B holds it."""
+    restore), then a save: the checkpoint as layout B holds it. Returns the weights gathered
+    by ``full_state_dict`` (an independent path: all-gathers over tp, dp shards and pp)."""
     import torch.distributed as dist
 
     from tessera import checkpoint
@@ -115,14 +125,16 @@ def _load_and_save(cfg: Config, ckpt: Path, out: Path) -> None:
     step = checkpoint.restore(ckpt, cfg, executor, optimizer, scheduler, loader)
     checkpoint.save(out, step, cfg, executor, optimizer, scheduler, loader, topo.rank,
                     topo.world_size)
+    gathered = executor.full_state_dict()
     dist.barrier()
+    return gathered
 
 
-def _job(data: str, root: str, trains: list[str], resumes: list[tuple[str, str]]) -> None:
+def _job(data: str, root: str, trains: list[str], resumes: list[tuple[str, str]]
+         ) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     for layout in trains:
         _train_a(data, root, layout)
-    for a, b in resumes:
-        _resume_b(data, root, a, b)
+    return {(a, b): _resume_b(data, root, a, b) for a, b in resumes}
 
 
 def _records(out: Path) -> dict[int, tuple[float, float]]:
@@ -136,8 +148,14 @@ def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_tensors(path, keys)
 
 
-def _check_pair(root: Path, a: str, b: str) -> None:
+def _check_pair(root: Path, a: str, b: str, gathered: dict[str, torch.Tensor]) -> None:
     label = f"{a} -> {b}"
+    # The offline consolidation (tessera eval / generate / checkpoint export) of A's checkpoint
+    # equals what layout B holds after loading it, gathered the old way.
+    _, consolidated, _ = load_model(step_dir(_dir(str(root), a) / "checkpoints", SAVED))
+    assert consolidated.keys() == gathered.keys(), label
+    for key, value in consolidated.items():
+        torch.testing.assert_close(gathered[key], value, rtol=0, atol=0, msg=f"{label}: {key}")
     out = _dir(str(root), a) / f"to_{b.replace(' ', '_')}"
     saved = _all_tensors(step_dir(_dir(str(root), a) / "checkpoints", SAVED))
     moved = _all_tensors(find(out / "moved"))
@@ -158,9 +176,30 @@ def _check_pair(root: Path, a: str, b: str) -> None:
 @pytest.mark.slow
 def test_resume_in_another_layout(tiny_data, tmp_path):
     # Ordered so every A exists before a B resumes it: 2 ranks, then 1, then 4.
+    gathered = {}
     for world in (2, 1, 4):
         trains = [a for a in dict(PAIRS) if _world(a) == world]
         resumes = [(a, b) for a, b in PAIRS if _world(b) == world]
-        run_ranks(_job, world, args=(tiny_data, str(tmp_path), trains, resumes), timeout=600)
+        gathered |= run_ranks(_job, world, args=(tiny_data, str(tmp_path), trains, resumes),
+                              timeout=600)[0]
     for a, b in PAIRS:
-        _check_pair(tmp_path, a, b)
+        _check_pair(tmp_path, a, b, gathered[(a, b)])
+
+
+def test_flat_ranges_cut_into_boxes():
+    """Every flat range of a row-major tensor becomes boxes that hold exactly its elements, in
+    order, each a contiguous run (ZeRO shards cut parameters anywhere, mid-row included)."""
+    from tessera.sharded_state import flat_range_boxes
+
+    for shape in [(7,), (3, 5), (4, 3, 2), (2, 3, 4, 2)]:
+        n = math.prod(shape)
+        flat = torch.arange(n)
+        full = flat.view(shape)
+        for lo in range(n):
+            for hi in range(lo + 1, n + 1):
+                boxes = flat_range_boxes(shape, lo, hi)
+                assert len(boxes) <= 2 * (len(shape) - 1) + 1, (shape, lo, hi)
+                got = torch.cat([full[tuple(slice(o, o + s) for o, s in zip(off, size,
+                                                                            strict=True))]
+                                 .flatten() for off, size in boxes])
+                assert torch.equal(got, flat[lo:hi]), (shape, lo, hi, boxes)

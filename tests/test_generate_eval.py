@@ -1,5 +1,6 @@
-"""`tessera generate` and `tessera eval` read a checkpoint's model.pt: eval reproduces the
-trainer's own validation loss, generate continues a prompt with top-k / top-p / greedy."""
+"""`tessera generate` and `tessera eval` read a checkpoint's consolidated weights: eval
+reproduces the trainer's own validation loss, generate continues a prompt with top-k / top-p /
+greedy."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli_errors import cli_error
+from tessera.checkpoint import load_model
 from tessera.cli import app
 from tessera.hf import from_hf_rows, load_hf, to_hf_rows
 from tessera.model import Transformer
@@ -67,8 +68,7 @@ def test_export_reads_back_into_transformers(tmp_path, tiny_data):
                                       str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    state = torch.load(next((out / "checkpoints").glob("step-*")) / "model.pt",
-                       weights_only=True)
+    _, state, _ = load_model(out)
     cfg, _ = load_hf(tmp_path / "hf")
     ours = Transformer(cfg)
     ours.load_state_dict(state)

@@ -8,6 +8,8 @@
     tessera generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] ...
     tessera eval --checkpoint DIR --data DIR [--seq-len N] [--tokens N]
     tessera export-hf --checkpoint DIR --out DIR          (a Hugging Face Llama directory)
+    tessera checkpoint inspect PATH                        (step, layout, tensors, sizes)
+    tessera checkpoint export PATH --to DIR [--format hf|torch]   (consolidated weights)
 
 Bad input (a config rule, a missing data path, an unknown preset) prints one line,
 ``error: <field>=<value>: <rule>``, and exits with code 2, on every rank, before any collective.
@@ -29,6 +31,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   rich_markup_mode=None, help="tessera: train transformers across devices.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
 app.add_typer(data_app, name="data")
+checkpoint_app = typer.Typer(no_args_is_help=True, help="Look into and convert checkpoints.")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 from tessera.planner.cli import plan_app  # noqa: E402  (the planner's commands, tessera plan)
 
@@ -294,8 +298,8 @@ Checkpoint = Annotated[str, typer.Option(
 
 
 def load_checkpoint_model(checkpoint: str, device: str):
-    """The reference model with the weights at `checkpoint` loaded (a checkpoint's model.pt or
-    a Hugging Face Llama directory), and the directory read."""
+    """The reference model with the weights at `checkpoint` loaded (a checkpoint's, consolidated
+    from its shards, or a Hugging Face Llama directory's), and the directory read."""
     from pathlib import Path
 
     from tessera.checkpoint import find
@@ -335,7 +339,7 @@ def generate_cmd(
     ] = "byte",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
 ) -> None:
-    """Continue a prompt with a checkpoint's model (its model.pt), printed to stdout."""
+    """Continue a prompt with a checkpoint's model, printed to stdout."""
     from tessera.checkpoint import CheckpointError
     from tessera.data.loader import DataError
     from tessera.generate import generate
@@ -376,6 +380,60 @@ def export_hf_cmd(
     except (CheckpointError, HFError) as e:
         raise fail(str(e)) from None
     print(f"{path} -> {written} (config.json, model.safetensors)")
+
+
+@checkpoint_app.command("inspect")
+def checkpoint_inspect_cmd(
+    path: Annotated[str, typer.Argument(help="A checkpoint step directory, a checkpoint root "
+                                              "or a run's --out (its newest).")],
+) -> None:
+    """Step, the layout that wrote it, the model, and every tensor (global shape, dtype, boxes
+    saved, bytes). Reads no tensor data; checks every file's checksum first."""
+    from tessera.checkpoint import CheckpointError, describe
+
+    try:
+        lines = describe(path)
+    except CheckpointError as e:
+        raise fail(str(e)) from None
+    print("\n".join(lines))
+
+
+@checkpoint_app.command("export")
+def checkpoint_export_cmd(
+    path: Annotated[str, typer.Argument(help="A checkpoint step directory, a checkpoint root "
+                                              "or a run's --out (its newest).")],
+    to: Annotated[str, typer.Option("--to", help="Directory to write.")],
+    format_: Annotated[str, typer.Option(
+        "--format", help="hf: config.json + model.safetensors (LlamaForCausalLM reads it); "
+                         "torch: model.pt (reference names, fp32) + model.json.")] = "hf",
+) -> None:
+    """Consolidated fp32 weights in reference names from every rank's shards, in one process
+    (any training layout)."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import torch
+
+    from tessera.checkpoint import CheckpointError, load_model
+    from tessera.hf import HFError, save_hf
+
+    try:
+        if format_ not in ("hf", "torch"):
+            raise ConfigError("--format", format_, "must be hf or torch")
+        model_cfg, state, found = load_model(path)
+        if format_ == "hf":
+            written = save_hf(model_cfg, state, to)
+            what = "config.json, model.safetensors"
+        else:
+            written = Path(to)
+            written.mkdir(parents=True, exist_ok=True)
+            torch.save(state, written / "model.pt")
+            (written / "model.json").write_text(json.dumps(asdict(model_cfg), indent=1))
+            what = "model.pt, model.json"
+    except (ConfigError, CheckpointError, HFError) as e:
+        raise fail(str(e)) from None
+    print(f"{found} -> {written} ({what})")
 
 
 @app.command("eval")

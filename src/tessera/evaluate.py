@@ -1,6 +1,6 @@
 """`tessera eval`: a checkpoint's validation loss and perplexity on a prepared data set.
 
-One process, the reference model with the checkpoint's ``model.pt`` (the gathered full model, so
+One process, the reference model with the checkpoint's weights (consolidated from its shards, so
 any training layout reads back the same), scored on the same fixed validation windows the
 trainer scores (``val_windows``): non-overlapping, every target counted once.
 """

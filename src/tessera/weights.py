@@ -1,5 +1,6 @@
 """Whole-model weights from what a user points at, in the reference model's names: a tessera
-checkpoint (its ``model.pt``, checked against its manifest) or a Hugging Face Llama directory.
+checkpoint (its weights consolidated from every rank's shards, after its manifest's checksums)
+or a Hugging Face Llama directory.
 `tessera eval`, `tessera generate` and `train.init_from` read weights through here."""
 
 from __future__ import annotations
