@@ -269,3 +269,88 @@ def test_inspect_and_export(saved, tmp_path):
     (bad / "__0_0.distcp").write_bytes((bad / "__0_0.distcp").read_bytes()[:-1])
     assert f"checkpoint {bad / '__0_0.distcp'}: size or SHA-256 differs" in cli_error(
         ["checkpoint", "inspect", str(bad)])
+
+
+def _sync_and_async(data: str, root: str) -> None:
+    from tessera.trainer import train
+
+    for name, background in (("sync", "false"), ("async", "true")):
+        train(_cfg(data, str(Path(root) / name), dict(dp=2, zero_stage=1), checkpoint_interval=2,
+                   keep_checkpoints=2, async_checkpoint=background), progress=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_background_save_writes_what_a_blocking_one_writes(tiny_data, tmp_path):
+    """train.async_checkpoint: training mutates the weights and moments while the previous
+    step's files are written, so each rank must write the copies it took at the save: every
+    tensor of both kept checkpoints equals the blocking run's, bit for bit; pruning and the
+    manifest still happen (in the saver's thread), and nothing unfinished is left behind."""
+    from tessera.checkpoint import load_tensors, read_manifest, read_metadata
+
+    run_ranks(_sync_and_async, 2, args=(tiny_data, str(tmp_path)))
+    assert _records(tmp_path / "sync") == _records(tmp_path / "async")
+    for run in ("sync", "async"):
+        names = sorted(p.name for p in (tmp_path / run / "checkpoints").iterdir())
+        assert names == ["step-0000004", "step-0000006"], (run, names)
+    for step in (4, 6):
+        got = {}
+        for run in ("sync", "async"):
+            path = step_dir(tmp_path / run / "checkpoints", step)
+            read_manifest(path)
+            keys = list(read_metadata(path).state_dict_metadata)
+            got[run] = load_tensors(path, sorted(keys))
+        assert got["sync"].keys() == got["async"].keys()
+        for key, value in got["sync"].items():
+            assert torch.equal(got["async"][key], value), (step, key)
+
+
+def _save_then_mutate(data: str, root: str) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from tessera import checkpoint
+    from tessera.data.loader import BatchLoader, TokenDataset
+    from tessera.optim import lr_lambda
+    from tessera.parallelize import parallelize
+    from tessera.step import Executor
+    from tessera.topology import Topology
+
+    cfg = _cfg(data, root, dict(dp=2, zero_stage=1))
+    topo = Topology.build(cfg.parallel)
+    executor = Executor(parallelize(cfg, topo, torch.device("cpu")))
+    optimizer = executor.optimizer(cfg.train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    loader = BatchLoader(TokenDataset(data).train, 16, 8, 2, topo.coords()["dp"], topo.dp)
+    args = (cfg, executor, optimizer, scheduler, loader, topo.rank, topo.world_size)
+    checkpoint.save(Path(root) / "blocking", 1, *args)
+    saver = checkpoint.AsyncSaver(dist.new_group(backend="gloo"))
+    gate = threading.Event()
+    saver._pool.submit(gate.wait)  # the write queues behind this until the tensors changed
+    checkpoint.save(Path(root) / "background", 1, *args, saver=saver)
+    with torch.no_grad():  # what the next steps do to the live state
+        for u in optimizer.units:
+            for t in (u.master, optimizer.state[u.master]["exp_avg"],
+                      optimizer.state[u.master]["exp_avg_sq"]):
+                t.add_(1.0)
+    gate.set()
+    saver.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_background_save_writes_the_state_at_the_save(tiny_data, tmp_path):
+    """The writing thread starts only after every live weight and moment has changed: what it
+    writes must still be the state at the save (each rank's copy), bit for bit."""
+    from tessera.checkpoint import load_tensors, read_manifest, read_metadata
+
+    run_ranks(_save_then_mutate, 2, args=(tiny_data, str(tmp_path)))
+    got = {}
+    for run in ("blocking", "background"):
+        path = step_dir(tmp_path / run, 1)
+        read_manifest(path)
+        got[run] = load_tensors(path, list(read_metadata(path).state_dict_metadata))
+    assert got["blocking"].keys() == got["background"].keys()
+    for key, value in got["blocking"].items():
+        assert torch.equal(got["background"][key], value), key

@@ -51,6 +51,7 @@ import math
 import os
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -241,35 +242,83 @@ def _engine_model(engine):
     return getattr(engine, "model", engine)
 
 
+class AsyncSaver:
+    """Writes checkpoints in a background thread (``train.async_checkpoint``).
+
+    `group`: a process group of every rank that nothing else uses (the thread's collectives
+    must not interleave with training's on another group); on the CPU a gloo group. One save
+    is in flight at a time: :func:`save` waits for the previous one, and :meth:`close` for the
+    last."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-checkpoint")
+        self._pending: Future[Path] | None = None
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight is complete (renamed into place); its directory."""
+        if self._pending is None:
+            return None
+        done, self._pending = self._pending, None
+        return done.result()
+
+    def close(self) -> Path | None:
+        path = self.wait()
+        self._pool.shutdown()
+        return path
+
+
 def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler, loader,
-         rank: int, world: int, group: dist.ProcessGroup | None = None) -> Path:
-    """Write this step's checkpoint; every rank of `group` (None: the default group) calls.
-    Collectives: DCP's plan gather and result gather, and three barriers. Returns the final
-    directory."""
+         rank: int, world: int, group: dist.ProcessGroup | None = None, *, keep: int = 0,
+         saver: AsyncSaver | None = None) -> Path:
+    """Write this step's checkpoint and prune all but the newest `keep` (0 keeps all); every
+    rank of `group` (None: the default group; the saver's group with a saver) calls.
+    Collectives: DCP's plan gather and result gather, and two barriers. With `saver`, each
+    rank copies the boxes it writes, and the writing, manifest, rename and pruning go on in the
+    saver's thread after this returns. Returns the final directory (complete on return
+    without a saver)."""
+    if saver is not None:
+        saver.wait()
+        group = saver.group
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(world, group)
-    pieces = [*model_pieces(_engine_model(engine), optimizer), _rng_piece(rank)]
+    pieces = [p for p in (*model_pieces(_engine_model(engine), optimizer), _rng_piece(rank))
+              if p.write]
+    extra = {"step": step, "samples": loader.step * loader.global_batch_size,
+             "global_batch": loader.global_batch_size, "data_seed": loader.seed,
+             "scheduler": {"last_epoch": scheduler.last_epoch, "lr": scheduler.get_last_lr()}}
+    meta = {"format": FORMAT, "step": step, **_identity(cfg), "layout": _layout(cfg, world)}
+    if saver is None:
+        return _write(tmp, final, pieces, extra, meta, rank, world, group, keep)
+    # The copies the thread writes: training changes the live tensors from the next step on.
+    staged = [dataclasses.replace(p, tensor=p.tensor.clone()) for p in pieces]
+    saver._pending = saver._pool.submit(_write, tmp, final, staged, extra, meta, rank, world,
+                                        group, keep)
+    return final
+
+
+def _write(tmp: Path, final: Path, pieces: list[Piece], extra: dict[str, Any],
+           meta: dict[str, Any], rank: int, world: int, group: dist.ProcessGroup | None,
+           keep: int) -> Path:
+    """Every rank writes its pieces into `tmp`; rank 0 then adds the extra state and the
+    manifest, renames `tmp` to `final` and prunes; a barrier ends it on every rank."""
     dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
              planner=_PieceSavePlanner(pieces), process_group=group)
-    if rank == 0:
-        extra = {"step": step, "samples": loader.step * loader.global_batch_size,
-                 "global_batch": loader.global_batch_size, "data_seed": loader.seed,
-                 "scheduler": {"last_epoch": scheduler.last_epoch,
-                               "lr": scheduler.get_last_lr()}}
+    if rank == 0:  # DCP returned: every rank's file and DCP's index are written
         (tmp / EXTRA).write_text(json.dumps(extra, indent=1))
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-        meta = {"format": FORMAT, "step": step, **_identity(cfg),
-                "layout": _layout(cfg, world),
-                "files": {name: {"sha256": _sha256(tmp / name),
-                                 "bytes": (tmp / name).stat().st_size} for name in files}}
+        meta = {**meta, "files": {name: {"sha256": _sha256(tmp / name),
+                                         "bytes": (tmp / name).stat().st_size}
+                                  for name in files}}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        prune(final.parent, keep)
     _barrier(world, group)
     return final
 
@@ -509,5 +558,6 @@ def describe(path: str | Path) -> list[str]:
     return lines + rows
 
 
-__all__ = ["CheckpointError", "save", "restore", "verify", "read_manifest", "latest", "prune",
-           "find", "load_model", "load_tensors", "describe", "step_dir", "global_batch"]
+__all__ = ["CheckpointError", "AsyncSaver", "save", "restore", "verify", "read_manifest",
+           "latest", "prune", "find", "load_model", "load_tensors", "describe", "step_dir",
+           "global_batch"]

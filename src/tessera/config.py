@@ -235,6 +235,10 @@ class TrainConfig:
     """Where checkpoints go (step-NNNNNNN/ directories); empty: <out_dir>/checkpoints."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep; 0 keeps them all."""
+    async_checkpoint: bool = False
+    """Write checkpoints in a background thread: each rank copies what it writes and training
+    goes on while the files are written; a save is finished (manifest, rename, pruning) before
+    the next one starts and before training ends."""
     resume: str = ""
     """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
     there is one (else start fresh, so a restarted job picks up where it stopped)."""

@@ -167,6 +167,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
                          cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed,
                          cp_rank=topo.coords()["cp"], cp_size=topo.cp)
 
+    # Background saves run their collectives on a gloo group of their own (every rank makes it).
+    saver = (checkpoint.AsyncSaver(dist.new_group(backend="gloo"))
+             if cfg.train.async_checkpoint and cfg.train.checkpoint_interval else None)
     start = 0
     if resume_from is not None:  # from any layout: each rank reads the boxes it holds
         start = checkpoint.restore(resume_from, cfg, executor, optimizer, scheduler, loader)
@@ -247,10 +250,13 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         every = cfg.train.checkpoint_interval
         if every and ((step + 1) % every == 0 or last):
             saved = checkpoint.save(cfg.train.checkpoint_root, step + 1, cfg, executor, optimizer,
-                                    scheduler, loader, topo.rank, topo.world_size)
+                                    scheduler, loader, topo.rank, topo.world_size,
+                                    keep=cfg.train.keep_checkpoints, saver=saver)
             if rank0:
-                checkpoint.prune(cfg.train.checkpoint_root, cfg.train.keep_checkpoints)
-                bar.write(f"step {step + 1:5d} | checkpoint {saved}")
+                bar.write(f"step {step + 1:5d} | checkpoint {saved}"
+                          + (" (writing in the background)" if saver else ""))
+    if saver is not None:
+        saver.close()  # the last checkpoint is complete before the run reports
 
     if not step_times:  # resumed at the last step: nothing left to run
         step_times.append(float("nan"))
