@@ -53,10 +53,20 @@ LAYOUTS: dict[str, dict] = {
     "pp2 interleaved v2": dict(pp=2, schedule="interleaved", virtual_stages=2),
     "pp2 1f1b": dict(pp=2, schedule="1f1b"),
     "cp2": dict(cp=2, cp_method="ring"),
+    # A tied head on the last pipeline rank is a copy of the embedding: loaded, never written.
+    "pp2 tied": {"pp": 2, "schedule": "1f1b", "model.tie_embeddings": True},
+    "dp2 zero3 tied": {"dp": 2, "zero_stage": 3, "model.tie_embeddings": True},
+    "dp2 zero2 bf16": {"dp": 2, "zero_stage": 2, "train.precision": "bf16"},
+    "dp4 zero3 bf16": {"dp": 4, "zero_stage": 3, "train.precision": "bf16"},
 }
 
 PAIRS = [("dp2", "1 process"), ("1 process", "dp2 tp2"), ("dp2 zero3", "tp2 pp2"),
-         ("tp2 pp2", "dp4 zero1"), ("pp2 interleaved v2", "pp2 1f1b"), ("cp2", "dp2")]
+         ("tp2 pp2", "dp4 zero1"), ("pp2 interleaved v2", "pp2 1f1b"), ("cp2", "dp2"),
+         ("pp2 tied", "dp2 zero3 tied")]
+
+PRECISION_PAIRS = [("dp2 zero2 bf16", "1 process"), ("dp2", "dp4 zero3 bf16")]
+"""Another training precision keeps the fp32 masters: state moved only (a bf16 run's losses
+are not an fp32 run's within fp32 round-off)."""
 
 
 def _world(layout: str) -> int:
@@ -73,7 +83,8 @@ def _cfg(data: str, out: Path, layout: str, **train) -> Config:
                  "train.keep_checkpoints=0", "train.sample_tokens=0", "train.eval_interval=0",
                  "train.warmup_steps=2", f"train.micro_batch_size={MBS}",
                  f"train.grad_accum={GLOBAL_BATCH // (dp * MBS)}", f"train.out_dir={out}"]
-    overrides += [f"parallel.{k}={v}" for k, v in {"dp": dp, **parallel}.items()]
+    overrides += [f"{k}={v}" if "." in k else f"parallel.{k}={v}"
+                  for k, v in {"dp": dp, **parallel}.items()]
     overrides += [f"train.{k}={v}" for k, v in train.items()]
     return make_config("tiny", overrides=overrides)
 
@@ -130,11 +141,15 @@ def _load_and_save(cfg: Config, ckpt: Path, out: Path) -> dict[str, torch.Tensor
     return gathered
 
 
-def _job(data: str, root: str, trains: list[str], resumes: list[tuple[str, str]]
-         ) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+def _job(data: str, root: str, trains: list[str], resumes: list[tuple[str, str]],
+         moves: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
     for layout in trains:
         _train_a(data, root, layout)
-    return {(a, b): _resume_b(data, root, a, b) for a, b in resumes}
+    gathered = {(a, b): _resume_b(data, root, a, b) for a, b in resumes}
+    for a, b in moves:
+        out = _dir(root, a) / f"to_{b.replace(' ', '_')}" / "moved"
+        _load_and_save(_cfg(data, out, b), step_dir(_dir(root, a) / "checkpoints", SAVED), out)
+    return gathered
 
 
 def _records(out: Path) -> dict[int, tuple[float, float]]:
@@ -177,13 +192,38 @@ def _check_pair(root: Path, a: str, b: str, gathered: dict[str, torch.Tensor]) -
 def test_resume_in_another_layout(tiny_data, tmp_path):
     # Ordered so every A exists before a B resumes it: 2 ranks, then 1, then 4.
     gathered = {}
+    sources = {a for a, _ in PAIRS + PRECISION_PAIRS}
     for world in (2, 1, 4):
-        trains = [a for a in dict(PAIRS) if _world(a) == world]
+        trains = [a for a in LAYOUTS if a in sources and _world(a) == world]
         resumes = [(a, b) for a, b in PAIRS if _world(b) == world]
-        gathered |= run_ranks(_job, world, args=(tiny_data, str(tmp_path), trains, resumes),
-                              timeout=600)[0]
+        moves = [(a, b) for a, b in PRECISION_PAIRS if _world(b) == world]
+        gathered |= run_ranks(_job, world, args=(tiny_data, str(tmp_path), trains, resumes,
+                                                 moves), timeout=600)[0]
     for a, b in PAIRS:
         _check_pair(tmp_path, a, b, gathered[(a, b)])
+    for a, b in PRECISION_PAIRS:
+        _check_precision_move(tmp_path, a, b)
+
+
+def _check_precision_move(root: Path, a: str, b: str) -> None:
+    """fp32 masters survive a change of training precision bit for bit: bf16 -> fp32 makes
+    the masters the weights, fp32 -> bf16 makes the weights the masters (and the bf16 weights
+    their rounding); Adam's moments and steps move unchanged."""
+    label = f"{a} -> {b}"
+    saved = _all_tensors(step_dir(_dir(str(root), a) / "checkpoints", SAVED))
+    moved = _all_tensors(find(_dir(str(root), a) / f"to_{b.replace(' ', '_')}" / "moved"))
+    refs = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+    for ref in refs:
+        fp32_a = saved.get(f"master.{ref}", saved[f"model.{ref}"])
+        fp32_b = moved.get(f"master.{ref}", moved[f"model.{ref}"])
+        assert fp32_a.dtype == fp32_b.dtype == torch.float32, (label, ref)
+        assert torch.equal(fp32_b, fp32_a), (label, ref)
+        assert torch.equal(moved[f"model.{ref}"],
+                           fp32_a.to(moved[f"model.{ref}"].dtype)), (label, ref)
+    optim = [k for k in saved if k.startswith("optim.")]
+    assert optim and sorted(optim) == sorted(k for k in moved if k.startswith("optim.")), label
+    for key in optim:
+        assert torch.equal(moved[key], saved[key]), (label, key)
 
 
 def test_flat_ranges_cut_into_boxes():
