@@ -185,8 +185,6 @@ def model_pieces(model, optimizer) -> list[Piece]:
 def _replicated_pieces(model, optimizer) -> Iterator[Piece]:
     """DDP, one process or the parameter server: each parameter (or TP shard) whole, fp32."""
     with_state = isinstance(optimizer, torch.optim.AdamW)
-    server = model.server is not None
-    coords, cp = model.topo.coords(), model.topo.cp
     for c, name, param in model.named_chunk_parameters():
         p = _param(model, c, name, tuple(param.shape))
         box = _place(((0,) * param.dim(), tuple(param.shape)), p.origin, p.global_shape)
@@ -204,17 +202,23 @@ def _replicated_pieces(model, optimizer) -> Iterator[Piece]:
                          exp_avg_sq=torch.zeros_like(param.data))
         for moment in ("exp_avg", "exp_avg_sq"):
             key = f"optim.{moment}.{p.ref}"
-            # Under the parameter server only the servers (dp rank 0, one per cp rank) hold it.
-            write = (_writes(model, key, p, False) and coords["dp"] == 0
-                     and chosen(key, cp) == coords["cp"]) if server else \
-                _writes(model, key, p, True)
-            yield Piece(key, p.global_shape, offsets, _narrow(state[moment], sizes), write)
+            yield Piece(key, p.global_shape, offsets, _narrow(state[moment], sizes),
+                        _writes_optimizer_state(model, key, p))
         key = f"optim.step.{p.ref}"
-        write = (_writes(model, key, p, False) and coords["dp"] == 0
-                 and chosen(key, cp) == coords["cp"]) if server else _writes(model, key, p, True)
         # One count per parameter, not per TP shard: tp rank 0 holds a piece of every one.
-        yield _step_piece(key, int(state["step"]), write and model.tp.rank == 0,
+        yield _step_piece(key, int(state["step"]),
+                          _writes_optimizer_state(model, key, p) and model.tp.rank == 0,
                           lambda t, state=state: state.update(step=torch.tensor(float(t))))
+
+
+def _writes_optimizer_state(model, key: str, p: _Param) -> bool:
+    """Replicated AdamW state: held by every dp × cp replica, or under the parameter server by
+    the servers only (dp rank 0, one per cp rank)."""
+    if model.server is None:
+        return _writes(model, key, p, True)
+    coords = model.topo.coords()
+    return (_writes(model, key, p, False) and coords["dp"] == 0
+            and chosen(key, model.topo.cp) == coords["cp"])
 
 
 def _step_piece(key: str, step: int, write: bool, on_load: Callable[[torch.Tensor], None]
