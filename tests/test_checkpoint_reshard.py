@@ -13,7 +13,9 @@ Two checks per pair (A → B), both against the run that never stopped:
    each step (other ranks, shards, micro-batches), whose round-off moves the weights a little
    more every step (tessera.testing explains why k·terms).
 
-The global batch (dp × micro-batches × micro-batch size = 8 sequences) is the same in every
+The vocabulary (257) is padded to 258 under tp 2, so TP boxes are clipped to the reference
+shape and ZeRO ranges cut the embedding at odd rows. The global batch (dp × micro-batches ×
+micro-batch size = 8 sequences) is the same in every
 layout, so B continues on exactly the samples A would have seen next. Runs: one 2-rank job
 (A for dp2, dp2 ZeRO-3, pp2 interleaved and cp2; B for the two 2-rank targets), one process
 (A, and B from dp2), one 4-rank job (A for tp2×pp2; B for the three 4-rank targets).
@@ -79,6 +81,8 @@ def _cfg(data: str, out: Path, layout: str, **train) -> Config:
     dp = parallel.get("dp", 1)
     overrides = [f"data.path={data}", f"data.seq_len={SEQ}", "data.val_tokens=64",
                  "model.d_model=32", "model.n_layers=4", f"model.max_seq_len={SEQ}",
+                 # 257 rows: tp 2 pads the vocabulary to 258, a padding row saves must clip
+                 "model.vocab_size=257",
                  f"train.steps={STEPS}", f"train.checkpoint_interval={SAVED}",
                  "train.keep_checkpoints=0", "train.sample_tokens=0", "train.eval_interval=0",
                  "train.warmup_steps=2", f"train.micro_batch_size={MBS}",
