@@ -423,6 +423,11 @@ def checkpoint_export_cmd(
             raise ConfigError("--format", format_, "must be hf or torch")
         model_cfg, state, found = load_model(path)
         if format_ == "hf":
+            try:
+                import safetensors  # noqa: F401
+            except ImportError:
+                raise ConfigError("--format", format_, "needs safetensors: pip install -c "
+                                  "constraints.txt -e '.[hf]' (or use --format torch)") from None
             written = save_hf(model_cfg, state, to)
             what = "config.json, model.safetensors"
         else:
