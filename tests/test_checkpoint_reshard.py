@@ -1,24 +1,27 @@
 """Layout-free checkpoints: train in layout A, save, resume in layout B.
 
-Two checks per pair (A → B), both against the run that never stopped:
+Checks per pair (A → B), against the run that never stopped and against independent code:
 
 1. **The state moves exactly.** Layout B loads A's step-4 checkpoint (each rank reading only the
    boxes it holds) and saves it again at once; consolidated offline, every tensor of the two
    checkpoints (weights, fp32 masters, both Adam moments, step counts) is equal bit for bit.
-   Resharding copies numbers, it computes nothing: tolerance 0.
+   Resharding copies numbers, it computes nothing: tolerance 0. And the weights layout B holds
+   after loading, gathered by ``full_state_dict`` (all-gathers over tp, dp shards and pp),
+   equal the offline consolidation of A's checkpoint (``load_model``: eval, generate, export).
 2. **Training continues.** The resumed run's losses and gradient norms at steps 5-8 equal the
    uninterrupted run's in A within ``assert_curves_close``: step k after the resume within the
    summation bound of k global batches of tokens (G·T = 8·16 = 128 per step). The runs start
    step 5 from bit-identical state (check 1) and differ only in how layout B orders the sums of
    each step (other ranks, shards, micro-batches), whose round-off moves the weights a little
-   more every step (tessera.testing explains why k·terms).
+   more every step (tessera.testing explains why k·terms). Measured: at most 0.15% of the
+   bound on AVX-512, default and AVX2 kernels; a swapped TP shard uses 1490x.
 
 The vocabulary (257) is padded to 258 under tp 2, so TP boxes are clipped to the reference
 shape and ZeRO ranges cut the embedding at odd rows. The global batch (dp × micro-batches ×
-micro-batch size = 8 sequences) is the same in every
-layout, so B continues on exactly the samples A would have seen next. Runs: one 2-rank job
-(A for dp2, dp2 ZeRO-3, pp2 interleaved and cp2; B for the two 2-rank targets), one process
-(A, and B from dp2), one 4-rank job (A for tp2×pp2; B for the three 4-rank targets).
+micro-batch size = 8 sequences) is the same in every layout, so B continues on exactly the
+samples A would have seen next. Runs: one 2-rank job (the 2-rank A's, then the B's resuming
+them), one process (A, and B from dp2), one 4-rank job (the 4-rank A's, then the B's).
+Precision changes (state only) and a tied head on another pipeline rank are covered too.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ LAYOUTS: dict[str, dict] = {
     "tp2 pp2": dict(tp=2, pp=2, schedule="1f1b"),
     "dp2 tp2": dict(dp=2, tp=2),
     "dp4 zero1": dict(dp=4, zero_stage=1),
+    # ZeRO ranges over TP shards: boxes cut on the TP-local shape, then offset into the global.
+    "dp2 tp2 zero3": dict(dp=2, tp=2, zero_stage=3),
     "pp2 interleaved v2": dict(pp=2, schedule="interleaved", virtual_stages=2),
     "pp2 1f1b": dict(pp=2, schedule="1f1b"),
     "cp2": dict(cp=2, cp_method="ring"),
@@ -64,7 +69,7 @@ LAYOUTS: dict[str, dict] = {
 
 PAIRS = [("dp2", "1 process"), ("1 process", "dp2 tp2"), ("dp2 zero3", "tp2 pp2"),
          ("tp2 pp2", "dp4 zero1"), ("pp2 interleaved v2", "pp2 1f1b"), ("cp2", "dp2"),
-         ("pp2 tied", "dp2 zero3 tied")]
+         ("pp2 tied", "dp2 zero3 tied"), ("dp2 tp2 zero3", "dp4 zero1")]
 
 PRECISION_PAIRS = [("dp2 zero2 bf16", "1 process"), ("dp2", "dp4 zero3 bf16")]
 """Another training precision keeps the fp32 masters: state moved only (a bf16 run's losses
