@@ -119,7 +119,8 @@ def train(
         help="Save a checkpoint every N steps and at the end (under <out>/checkpoints).")
     ] = None,
     resume: Annotated[str | None, typer.Option(
-        help="Continue from a checkpoint directory, or 'latest' (the newest, if any).")] = None,
+        help="Continue from a checkpoint directory (written by any layout), or 'latest' (the "
+             "newest, if any).")] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")
                                 ] = None,
     precision: Annotated[str | None, typer.Option(help="fp32 or bf16.")] = None,

@@ -241,7 +241,9 @@ class TrainConfig:
     the next one starts and before training ends."""
     resume: str = ""
     """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
-    there is one (else start fresh, so a restarted job picks up where it stopped)."""
+    there is one (else start fresh, so a restarted job picks up where it stopped). Any layout
+    may resume any checkpoint of the same model and global batch (dp x grad_accum x
+    micro_batch_size)."""
 
     init_from: str = ""
     """Start from these weights instead of the random initialization: a checkpoint (step
