@@ -432,6 +432,8 @@ def data_prepare(
     ] = "text",
     if_missing: Annotated[bool, typer.Option(
         "--if-missing", help="Do nothing if OUT already holds a valid prepared set.")] = False,
+    workers: Annotated[int, typer.Option(
+        help="Tokenizing processes; the output is the same for any number.")] = 1,
 ) -> None:
     """Tokenize text into memory-mapped shards with a train/val split by tokens."""
     from tessera.data.prepare import prepare
@@ -442,9 +444,12 @@ def data_prepare(
         return
     if not 0 < val_percent < 100:
         raise fail(f"--val-percent={val_percent}: must be in (0, 100)")
+    if workers < 1:
+        raise fail(f"--workers={workers}: must be >= 1")
     try:
         tok = load_tokenizer(tokenizer)
-        manifest = prepare(source or ["stdlib"], out, tok, val_percent, text_field=text_field)
+        manifest = prepare(source or ["stdlib"], out, tok, val_percent, text_field=text_field,
+                           workers=workers)
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
     counts = {k: sum(s["tokens"] for s in v) for k, v in manifest["splits"].items()}
@@ -456,7 +461,7 @@ def is_prepared(path: str) -> bool:
     from tessera.data.loader import DataError, TokenDataset
 
     try:
-        TokenDataset(path)
+        TokenDataset(path).verify()
     except DataError:
         return False
     return True
