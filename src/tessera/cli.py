@@ -127,6 +127,13 @@ def train(
     profile_steps: Annotated[str | None, typer.Option(
         help="A:B: torch.profiler trace of steps A to B, per rank, under <out>/profile/.")
     ] = None,
+    tensorboard: Annotated[bool | None, typer.Option(
+        "--tensorboard/--no-tensorboard",
+        help="Also write the metrics as TensorBoard scalars under <out>/tensorboard.")] = None,
+    memory_snapshot: Annotated[bool | None, typer.Option(
+        "--memory-snapshot/--no-memory-snapshot",
+        help="CUDA: the allocator's history, <out>/memory/rank-N.pickle, for memory_viz.")
+    ] = None,
     data: Annotated[str | None, typer.Option(help="Prepared data directory.")] = None,
     out: Annotated[str | None, typer.Option(help="Output directory for metrics and sample.")
                    ] = None,
@@ -143,12 +150,13 @@ def train(
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,
-                      profile_steps=profile_steps, init_from=init_from),
+                      profile_steps=profile_steps, init_from=init_from,
+                      tensorboard=tensorboard, memory_snapshot=memory_snapshot),
         "data": dict(path=data),
     }
     from tessera.checkpoint import CheckpointError, verify
     from tessera.data.loader import DataError
-    from tessera.trainer import check_data, resume_path
+    from tessera.trainer import check_data, check_options, resume_path
 
     under_launcher = "RANK" in os.environ
     try:
@@ -161,6 +169,7 @@ def train(
             nproc or cfg.parallel.world_size)
         cfg.validate(world)
         check_data(cfg)
+        check_options(cfg, "cuda" if torch_cuda_available() else "cpu")
         resume_from = resume_path(cfg)
         if resume_from is not None:
             verify(resume_from, cfg, world)
@@ -186,6 +195,13 @@ def train(
         run(cfg, progress=not no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+
+
+def torch_cuda_available() -> bool:
+    """Whether the ranks will train on GPUs (trainer.pick_device's rule)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def model_from_weights(cfg: Config) -> Config:

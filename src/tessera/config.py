@@ -284,6 +284,13 @@ class TrainConfig:
     """'A:B': record steps A to B (1-based, both included) with torch.profiler and write one
     Chrome/Perfetto trace per rank to <out_dir>/profile/; empty: no profiling. Profiled steps
     run slower; their metrics records say "profiled": true."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars under <out_dir>/tensorboard (rank 0;
+    needs the tensorboard package: pip install 'tessera[tensorboard]')."""
+    memory_snapshot: bool = False
+    """CUDA only: record the caching allocator's history from the first step and write
+    <out_dir>/memory/rank-NNNNN.pickle after the last (its newest 100,000 events), for
+    https://pytorch.org/memory_viz."""
 
     @property
     def profile_range(self) -> tuple[int, int] | None:
