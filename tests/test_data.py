@@ -378,3 +378,25 @@ def test_prepare_memory_stays_bounded(tmp_path):
     assert total > 150 * chunk
     assert peak < 24 * chunk, f"peak {peak} bytes = {peak / chunk:.1f} x chunk_chars"
     assert not (tmp_path / "out" / "stream.tmp").exists()
+
+
+def test_hugging_face_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [f"row {i}" for i in range(30)]
+    datasets.Dataset.from_dict({"id": list(range(30)), "body": rows}).save_to_disk(
+        str(tmp_path / "one"))
+    m = prepare([str(tmp_path / "one")], tmp_path / "out", ByteTokenizer(), text_field="body")
+    stream = bytes(np.concatenate([_tokens(tmp_path / "out", "train"),
+                                   _tokens(tmp_path / "out", "val")]).tolist())
+    assert sum(e["tokens"] for v in m["splits"].values() for e in v) == len(stream)
+    assert sorted(stream) == sorted("".join(r + "\n\n" for r in rows).encode())
+    # A DatasetDict: every split, in sorted order (test before train).
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["b" * 10] * 5}),
+                          "test": datasets.Dataset.from_dict({"text": ["a" * 10] * 5})}
+                         ).save_to_disk(str(tmp_path / "dict"))
+    prepare([str(tmp_path / "dict")], tmp_path / "out2", ByteTokenizer(), val_percent=10)
+    ds = TokenDataset(tmp_path / "out2")
+    # 120 tokens in 120 one-token blocks, the 12 held out at 5, 15, ...: 0-4 are train.
+    assert ds.train.window(0, 5).tolist() == [ord("a")] * 5
+    with pytest.raises(ValueError, match=r"one: no column 'text' .*columns: id, body"):
+        prepare([str(tmp_path / "one")], tmp_path / "out3", ByteTokenizer())

@@ -12,8 +12,10 @@ shard is refused with its path before anything is read from it.
 
 Sources are plain text files (`.txt`, `.md`, `.py`, ...; each file one document), JSON Lines
 (`.jsonl`; each line one document, its text under `text_field`) and Parquet (`.parquet`, the
-`text_field` column; needs pyarrow), given as files or directories. Documents are joined by the
-tokenizer's end-of-text token, or by a blank line for bytes, which have no special tokens.
+`text_field` column; needs pyarrow), given as files or directories, and a directory that
+Hugging Face `datasets`' ``save_to_disk`` wrote, given as a source itself (each row of its
+`text_field` column one document; needs datasets). Documents are joined by the tokenizer's
+end-of-text token, or by a blank line for bytes, which have no special tokens.
 
 The split is by tokens, not by file, so one file is enough: the token stream is cut into equal
 blocks and `val_percent` of them, spread evenly through the stream, are held out. Files are
@@ -80,7 +82,7 @@ def collect_files(sources: list[str]) -> list[tuple[str, Path]]:
             found += [(str(p.relative_to(root)), p) for p in stdlib_files()]
             continue
         path = Path(src)
-        if path.is_file():
+        if path.is_file() or is_hf_dataset(path):
             found.append((path.name, path))
         elif path.is_dir():
             found += [(str(p.relative_to(path)), p) for p in sorted(path.rglob("*"))
@@ -90,6 +92,32 @@ def collect_files(sources: list[str]) -> list[tuple[str, Path]]:
     if not found:
         raise FileNotFoundError(f"no text, .jsonl or .parquet files under {', '.join(sources)}")
     return found
+
+
+def is_hf_dataset(path: Path) -> bool:
+    """A directory `datasets.Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk`
+    (dataset_dict.json) wrote."""
+    return path.is_dir() and ((path / "state.json").is_file()
+                              or (path / "dataset_dict.json").is_file())
+
+
+def _hf_dataset_documents(path: Path, text_field: str) -> Iterator[str]:
+    """The `text_field` column of a saved Hugging Face dataset, row by row in batches (Arrow
+    files are memory-mapped, never loaded whole); a DatasetDict's splits in sorted order."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{path}: reading a Hugging Face datasets directory needs datasets "
+                         "(pip install 'tessera[datasets]')") from None
+    loaded = datasets.load_from_disk(str(path))
+    parts = ([loaded[name] for name in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict)
+             else [loaded])
+    for part in parts:
+        if text_field not in part.column_names:
+            raise ValueError(f"{path}: no column {text_field!r} (choose it with --text-field); "
+                             f"columns: {', '.join(part.column_names)}")
+        for batch in part.select_columns([text_field]).iter(batch_size=PARQUET_ROWS):
+            yield from (t for t in batch[text_field] if t is not None)
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
@@ -140,7 +168,7 @@ def document_pieces(path: Path, text_field: str = "text",
                     chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[str, bool]]:
     """(text, ends a document) of one file, in reading order: a text file is one document read
     in pieces, a .jsonl line or a .parquet row one document each."""
-    if path.suffix in RECORD_SUFFIXES:
+    if path.suffix in RECORD_SUFFIXES or path.is_dir():
         for text in documents(path, text_field):
             yield text, True
         return
@@ -154,7 +182,9 @@ def document_pieces(path: Path, text_field: str = "text",
 
 def documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one file: the whole file for text, one per record for .jsonl/.parquet."""
-    if path.suffix == ".jsonl":
+    if path.is_dir():
+        yield from _hf_dataset_documents(path, text_field)
+    elif path.suffix == ".jsonl":
         yield from _jsonl_documents(path, text_field)
     elif path.suffix == ".parquet":
         yield from _parquet_documents(path, text_field)
