@@ -237,6 +237,9 @@ def test_altered_shard_refused_with_path(tiny_data, tmp_path):
         val_windows(ds.val, 16, 64, 4)
     with pytest.raises(DataError, match=f"{shard}: checksum mismatch"):
         TokenDataset(d).verify()
+    from tessera.cli import is_prepared  # `data prepare --if-missing` hashes everything
+
+    assert is_prepared(tiny_data) and not is_prepared(str(d))
 
 
 def test_a_rank_hashes_only_the_shards_it_reads(tmp_path, monkeypatch):

@@ -69,6 +69,14 @@ def test_prepare_train_20_steps_and_generate(tmp_path, kind):
     assert out.startswith("def add") and len(out) > len("def add\n")
 
 
+def test_prepare_workers_must_be_positive(tmp_path):
+    from cli_errors import cli_error
+
+    corpus = _text_file(tmp_path / "corpus.txt", 10)
+    assert cli_error(["data", "prepare", "--source", str(corpus), "--out", str(tmp_path / "o"),
+                      "--workers", "0"]) == "error: --workers=0: must be >= 1"
+
+
 def _readme_commands() -> list[list[str]]:
     text = README.read_text()
     section = text[text.index("## Your own data and weights"):]
