@@ -110,6 +110,10 @@ def test_jsonl_records_are_documents(tmp_path):
     assert sum(s["tokens"] for v in m["splits"].values() for s in v) == 10 * 32
     with pytest.raises(ValueError, match=r"one.jsonl:1: no string field 'text'"):
         prepare([str(one)], tmp_path / "out3", ByteTokenizer())
+    # A source that fails leaves an earlier prepared set in the same directory as it was.
+    with pytest.raises(ValueError, match="no string field"):
+        prepare([str(one)], tmp_path / "out2", ByteTokenizer())
+    assert TokenDataset(tmp_path / "out2").verify().manifest == m
 
 
 def test_parquet_text_column(tmp_path):

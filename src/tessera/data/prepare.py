@@ -341,8 +341,6 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: Tokenizer,
     separator = np.asarray([eot] if eot is not None else tokenizer.encode(EOT_TEXT), dtype=dtype)
     tasks = tokenization_tasks(collect_files(sources), text_field, chunk_chars)
     out.mkdir(parents=True, exist_ok=True)
-    # No manifest while the shards are rewritten: a directory without one is never half-ready.
-    (out / "manifest.json").unlink(missing_ok=True)
     stream, n_tokens = out / STREAM, 0
     try:
         with stream.open("wb") as f:
@@ -352,6 +350,9 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: Tokenizer,
         if n_tokens < 2:
             raise ValueError(f"{', '.join(sources)}: {n_tokens} tokens; need at least 2 to "
                              "split into train and val")
+        # Only now, with every source read, are an earlier set's shards overwritten; no
+        # manifest meanwhile: a directory without one is never half-ready.
+        (out / "manifest.json").unlink(missing_ok=True)
         splits = split_stream(stream, n_tokens, out, dtype, val_percent, shard_tokens,
                               chunk_chars)
     finally:
