@@ -32,7 +32,9 @@ hashing as it writes. With `workers` > 1, tasks are tokenized by that many proce
 2·workers tasks in flight, and written in task order: the output is byte-identical for any
 worker count. A text file is cut only before a line that starts with a non-space character,
 where neither bytes nor GPT-2- or Llama-3-style pre-tokenizers join tokens, so a piecewise
-text file tokenizes as the whole file would.
+text file tokenizes as the whole file would. (A tokenizer that prepends a space to every input,
+SentencePiece's Metaspace, would mark each piece's start: a text file larger than
+`chunk_chars` then differs there from whole-file tokenization.)
 """
 
 from __future__ import annotations
