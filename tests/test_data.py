@@ -110,6 +110,10 @@ def test_jsonl_records_are_documents(tmp_path):
     assert sum(s["tokens"] for v in m["splits"].values() for s in v) == 10 * 32
     with pytest.raises(ValueError, match=r"one.jsonl:1: no string field 'text'"):
         prepare([str(one)], tmp_path / "out3", ByteTokenizer())
+    # A source that fails leaves an earlier prepared set in the same directory as it was.
+    with pytest.raises(ValueError, match="no string field"):
+        prepare([str(one)], tmp_path / "out2", ByteTokenizer())
+    assert TokenDataset(tmp_path / "out2").verify().manifest == m
 
 
 def test_parquet_text_column(tmp_path):
@@ -222,14 +226,59 @@ def test_truncated_shard_refused_with_path(tiny_data, tmp_path):
         TokenDataset(d)
 
 
+def _flip_first_byte(path):
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_altered_shard_refused_with_path(tiny_data, tmp_path):
     d = _copy(tiny_data, tmp_path)
     shard = d / "val_000.bin"
-    data = bytearray(shard.read_bytes())
-    data[0] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    _flip_first_byte(shard)
+    ds = TokenDataset(d)  # sizes are right: the checksum is checked on first read
     with pytest.raises(DataError, match=f"{shard}: checksum mismatch"):
-        TokenDataset(d)
+        val_windows(ds.val, 16, 64, 4)
+    with pytest.raises(DataError, match=f"{shard}: checksum mismatch"):
+        TokenDataset(d).verify()
+    from tessera.cli import is_prepared  # `data prepare --if-missing` hashes everything
+
+    assert is_prepared(tiny_data) and not is_prepared(str(d))
+
+
+def test_a_rank_hashes_only_the_shards_it_reads(tmp_path, monkeypatch):
+    """Every start opens the data; a rank hashes a shard when it first reads from it, not the
+    whole corpus: a corrupt shard it never reads costs it nothing, one it reads is refused
+    with its path before any of its tokens is used."""
+    import tessera.data.loader as loader
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}.txt").write_text(f"file {i} " * 100)
+    prepare([str(src)], tmp_path / "out", ByteTokenizer(), val_percent=10, shard_tokens=1000)
+    hashed = []
+    monkeypatch.setattr(loader, "shard_digest",
+                        lambda path, real=loader.shard_digest: hashed.append(path.name)
+                        or real(path))
+    ds = TokenDataset(tmp_path / "out")
+    assert len(ds.train.shards) >= 4 and hashed == []  # opening hashes nothing
+    _flip_first_byte(tmp_path / "out" / "train_002.bin")  # a shard this rank will not read
+    for start in (0, 500, 1990):  # windows in shards 0 and 1 only
+        ds.train.window(start, 10)
+    assert hashed == ["train_000.bin", "train_001.bin"]  # each once
+    with pytest.raises(DataError, match=f"{tmp_path / 'out' / 'train_002.bin'}: checksum"):
+        ds.train.window(2500, 10)
+    # What the trainer's loader reads: only the shards its windows fall in.
+    _flip_first_byte(tmp_path / "out" / "train_002.bin")  # repaired
+    hashed.clear()
+    ds = TokenDataset(tmp_path / "out")
+    loader_ = BatchLoader(ds.train, 8, micro_batch_size=2, seed=0)
+    touched = {int(np.searchsorted(ds.train.offsets, p, side="right")) - 1
+               for s in loader_.starts(0).tolist() for p in (s, s + 8)}
+    loader_.batch(0)
+    assert sorted(hashed) == [f"train_{i:03d}.bin" for i in sorted(touched)]
+    assert len(touched) < len(ds.train.shards)
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -262,3 +311,99 @@ def test_window_across_shards(tmp_path):
 def test_missing_source_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="data source not found"):
         prepare([str(tmp_path / "nope")], tmp_path / "out", ByteTokenizer())
+    assert not (tmp_path / "out").exists()
+
+
+def _bpe(tmp_path, text: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text] * 5, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["[UNK]", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return load_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def test_prepare_output_is_the_same_for_any_worker_count(tmp_path):
+    """Tokenized by one process in one piece per file, or by 3 worker processes in tasks of
+    ~300 characters (text files cut into pieces): byte-identical shards and manifests, and both
+    the tokens of whole documents joined by the end-of-text token."""
+    src = tmp_path / "src"
+    src.mkdir()
+    text = "def f(x):\n    return x  + 1\n\n\nclass A:\n    pass\n" * 40
+    for i in range(3):
+        (src / f"m{i}.py").write_text(text.replace("f(", f"f{i}("))
+    (src / "r.jsonl").write_text("\n".join(json.dumps({"text": f"record {j}\n  indented"})
+                                           for j in range(50)))
+    tok = _bpe(tmp_path, text)
+    one = prepare([str(src)], tmp_path / "one", tok, val_percent=10, shard_tokens=500)
+    many = prepare([str(src)], tmp_path / "many", tok, val_percent=10, shard_tokens=500,
+                   workers=3, chunk_chars=300)
+    assert one == many and len(one["splits"]["train"]) > 2
+    for entry in one["splits"]["train"] + one["splits"]["val"]:
+        name = entry["file"]
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "many" / name).read_bytes()
+    whole = []
+    for _, path in collect_files([str(src)]):
+        docs = ([json.loads(ln)["text"] for ln in path.read_text().splitlines()]
+                if path.suffix == ".jsonl" else [path.read_text()])
+        for doc in docs:
+            whole += tok.encode(doc) + [tok.eot_id]
+    stream = np.concatenate([_tokens(tmp_path / "many", "train"),
+                             _tokens(tmp_path / "many", "val")])
+    assert sorted(stream.tolist()) == sorted(whole) and len(stream) == len(whole)
+    _, block = val_block_mask(len(whole), 10)
+    assert stream[:block].tolist() == whole[:block]  # the first block is train
+
+
+def test_prepare_memory_stays_bounded(tmp_path):
+    """A corpus of ~160 chunks is prepared holding about one chunk's worth of Python objects:
+    one task's text (its lines while they are joined: about 3x its characters with str
+    overheads), the tokenizer's list of ints (8 bytes a token), its array and the concatenation
+    (3 bytes a token): under 24 x chunk_chars. The whole token stream as uint8 alone would be
+    ~160 x; as the tokenizer's lists, ~1400 x."""
+    import tracemalloc
+
+    src = tmp_path / "src"
+    src.mkdir()
+    line = "def f(x):\n    return x * 2  # a line of text\n"
+    for i in range(4):
+        (src / f"big{i}.txt").write_text(line * 12000)  # one document of ~550 KB each
+    (src / "records.jsonl").write_text(
+        "\n".join(json.dumps({"text": line * 20}) for _ in range(500)))
+    chunk = 1 << 14
+    tracemalloc.start()
+    try:
+        m = prepare([str(src)], tmp_path / "out", ByteTokenizer(), chunk_chars=chunk,
+                    shard_tokens=1 << 18)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    total = sum(e["tokens"] for v in m["splits"].values() for e in v)
+    assert total > 150 * chunk
+    assert peak < 24 * chunk, f"peak {peak} bytes = {peak / chunk:.1f} x chunk_chars"
+    assert not (tmp_path / "out" / "stream.tmp").exists()
+
+
+def test_hugging_face_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [f"row {i}" for i in range(30)]
+    datasets.Dataset.from_dict({"id": list(range(30)), "body": rows}).save_to_disk(
+        str(tmp_path / "one"))
+    m = prepare([str(tmp_path / "one")], tmp_path / "out", ByteTokenizer(), text_field="body")
+    stream = bytes(np.concatenate([_tokens(tmp_path / "out", "train"),
+                                   _tokens(tmp_path / "out", "val")]).tolist())
+    assert sum(e["tokens"] for v in m["splits"].values() for e in v) == len(stream)
+    assert sorted(stream) == sorted("".join(r + "\n\n" for r in rows).encode())
+    # A DatasetDict: every split, in sorted order (test before train).
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["b" * 10] * 5}),
+                          "test": datasets.Dataset.from_dict({"text": ["a" * 10] * 5})}
+                         ).save_to_disk(str(tmp_path / "dict"))
+    prepare([str(tmp_path / "dict")], tmp_path / "out2", ByteTokenizer(), val_percent=10)
+    ds = TokenDataset(tmp_path / "out2")
+    # 120 tokens in 120 one-token blocks, the 12 held out at 5, 15, ...: 0-4 are train.
+    assert ds.train.window(0, 5).tolist() == [ord("a")] * 5
+    with pytest.raises(ValueError, match=r"one: no column 'text' .*columns: id, body"):
+        prepare([str(tmp_path / "one")], tmp_path / "out3", ByteTokenizer())

@@ -145,3 +145,36 @@ def test_loss_of_bf16_logits_is_computed_in_fp32():
     assert loss.dtype == torch.float32
     assert torch.equal(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
                                                                targets.flatten()))
+
+
+def test_llama3_rope_scaling_bands():
+    """Llama 3's frequency scaling: wavelengths under L/high kept, over L/low divided by the
+    factor, a continuous blend between (L = the original context); None leaves plain RoPE."""
+    import math
+
+    from tessera.config import ConfigError, RopeScaling
+    from tessera.model import rope_frequencies
+
+    plain = rope_frequencies(128, 500000.0)
+    scaling = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_seq_len=8192)
+    scaled = rope_frequencies(128, 500000.0, scaling)
+    wavelength = 2 * math.pi / plain
+    short, long = wavelength < 8192 / 4, wavelength > 8192 / 1
+    assert short.any() and long.any() and (~short & ~long).any()
+    assert torch.equal(scaled[short], plain[short])
+    assert torch.equal(scaled[long], plain[long] / 32)
+    mid = ~short & ~long
+    assert ((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 32)).all()
+    # The blend joins the bands continuously, so frequencies still fall with the dimension
+    # (blending the wrong way round jumps at both edges).
+    assert (scaled[1:] < scaled[:-1]).all()
+    assert torch.equal(rope_tables(16, 8, 10000.0)[0],
+                       rope_tables(16, 8, 10000.0, None)[0])
+    cfg = ModelConfig(rope_scaling_factor=8.0)
+    assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    assert ModelConfig().rope_scaling is None
+    with pytest.raises(ConfigError, match=r"model.rope_scaling_factor=0.5: must be >= 1"):
+        ModelConfig(rope_scaling_factor=0.5)
+    with pytest.raises(ConfigError, match=r"model.rope_high_freq_factor=1.0: must be > "):
+        ModelConfig(rope_scaling_factor=8.0, rope_high_freq_factor=1.0)

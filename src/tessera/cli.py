@@ -132,6 +132,13 @@ def train(
     profile_steps: Annotated[str | None, typer.Option(
         help="A:B: torch.profiler trace of steps A to B, per rank, under <out>/profile/.")
     ] = None,
+    tensorboard: Annotated[bool | None, typer.Option(
+        "--tensorboard/--no-tensorboard",
+        help="Also write the metrics as TensorBoard scalars under <out>/tensorboard.")] = None,
+    memory_snapshot: Annotated[bool | None, typer.Option(
+        "--memory-snapshot/--no-memory-snapshot",
+        help="CUDA: the allocator's history, <out>/memory/rank-N.pickle, for memory_viz.")
+    ] = None,
     data: Annotated[str | None, typer.Option(help="Prepared data directory.")] = None,
     out: Annotated[str | None, typer.Option(help="Output directory for metrics and sample.")
                    ] = None,
@@ -148,12 +155,13 @@ def train(
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,
-                      profile_steps=profile_steps, init_from=init_from),
+                      profile_steps=profile_steps, init_from=init_from,
+                      tensorboard=tensorboard, memory_snapshot=memory_snapshot),
         "data": dict(path=data),
     }
     from tessera.checkpoint import CheckpointError, verify
     from tessera.data.loader import DataError
-    from tessera.trainer import check_data, resume_path
+    from tessera.trainer import check_data, check_options, resume_path
 
     under_launcher = "RANK" in os.environ
     try:
@@ -166,6 +174,7 @@ def train(
             nproc or cfg.parallel.world_size)
         cfg.validate(world)
         check_data(cfg)
+        check_options(cfg, "cuda" if torch_cuda_available() else "cpu")
         resume_from = resume_path(cfg)
         if resume_from is not None:
             verify(resume_from, cfg, world)
@@ -191,6 +200,13 @@ def train(
         run(cfg, progress=not no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+
+
+def torch_cuda_available() -> bool:
+    """Whether the ranks will train on GPUs (trainer.pick_device's rule)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def model_from_weights(cfg: Config) -> Config:
@@ -496,6 +512,8 @@ def data_prepare(
     ] = "text",
     if_missing: Annotated[bool, typer.Option(
         "--if-missing", help="Do nothing if OUT already holds a valid prepared set.")] = False,
+    workers: Annotated[int, typer.Option(
+        help="Tokenizing processes; the output is the same for any number.")] = 1,
 ) -> None:
     """Tokenize text into memory-mapped shards with a train/val split by tokens."""
     from tessera.data.prepare import prepare
@@ -506,9 +524,12 @@ def data_prepare(
         return
     if not 0 < val_percent < 100:
         raise fail(f"--val-percent={val_percent}: must be in (0, 100)")
+    if workers < 1:
+        raise fail(f"--workers={workers}: must be >= 1")
     try:
         tok = load_tokenizer(tokenizer)
-        manifest = prepare(source or ["stdlib"], out, tok, val_percent, text_field=text_field)
+        manifest = prepare(source or ["stdlib"], out, tok, val_percent, text_field=text_field,
+                           workers=workers)
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
     counts = {k: sum(s["tokens"] for s in v) for k, v in manifest["splits"].items()}
@@ -520,7 +541,7 @@ def is_prepared(path: str) -> bool:
     from tessera.data.loader import DataError, TokenDataset
 
     try:
-        TokenDataset(path)
+        TokenDataset(path).verify()
     except DataError:
         return False
     return True

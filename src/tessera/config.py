@@ -62,6 +62,17 @@ class ModelConfig:
     """Longest sequence the RoPE tables cover."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling_factor: float | None = None
+    """Llama 3 RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``): low frequencies
+    are divided by this factor, high ones kept, the band between interpolated (see
+    ``model.rope_frequencies``). None: plain RoPE. Llama 3.1 and 3.2 use 8 and 32."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3 scaling: wavelengths above original_max_seq_len / this are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3 scaling: wavelengths below original_max_seq_len / this are kept as they are."""
+    rope_original_max_seq_len: int = 8192
+    """Llama 3 scaling: the context length the model was pre-trained at (Hugging Face's
+    ``original_max_position_embeddings``)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -84,12 +95,38 @@ class ModelConfig:
             self.ffn_hidden = 32 * math.ceil(int(2 * 4 * self.d_model / 3) / 32)
         _positive("model", self, "ffn_hidden")
         _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0")
+        _require(self.rope_scaling_factor is None or self.rope_scaling_factor >= 1,
+                 "model.rope_scaling_factor", self.rope_scaling_factor, "must be >= 1 or null")
+        _require(self.rope_low_freq_factor > 0, "model.rope_low_freq_factor",
+                 self.rope_low_freq_factor, "must be > 0")
+        _require(self.rope_high_freq_factor > self.rope_low_freq_factor,
+                 "model.rope_high_freq_factor", self.rope_high_freq_factor,
+                 f"must be > model.rope_low_freq_factor={self.rope_low_freq_factor}")
+        _positive("model", self, "rope_original_max_seq_len")
         _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
         _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def rope_scaling(self) -> RopeScaling | None:
+        """The Llama 3 frequency scaling, or None for plain RoPE."""
+        if self.rope_scaling_factor is None:
+            return None
+        return RopeScaling(self.rope_scaling_factor, self.rope_low_freq_factor,
+                           self.rope_high_freq_factor, self.rope_original_max_seq_len)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (Meta's ``apply_scaling``; Hugging Face "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
 
 
 DP_MODES = ("allreduce", "ps", "ps-async")
@@ -253,6 +290,13 @@ class TrainConfig:
     """'A:B': record steps A to B (1-based, both included) with torch.profiler and write one
     Chrome/Perfetto trace per rank to <out_dir>/profile/; empty: no profiling. Profiled steps
     run slower; their metrics records say "profiled": true."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars under <out_dir>/tensorboard (rank 0;
+    needs the tensorboard package: pip install 'tessera[tensorboard]')."""
+    memory_snapshot: bool = False
+    """CUDA only: record the caching allocator's history from the first step and write
+    <out_dir>/memory/rank-NNNNN.pickle after the last (its newest 100,000 events), for
+    https://pytorch.org/memory_viz."""
 
     @property
     def profile_range(self) -> tuple[int, int] | None:
@@ -376,6 +420,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "llama-1b": {
         "model": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                       ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0,
+                      rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
+                      rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
                       tie_embeddings=True),
         "data": dict(seq_len=2048),
         "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),

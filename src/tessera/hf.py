@@ -6,9 +6,9 @@ tessera, rotate (even, odd) pairs of each head's dimensions (``apply_rope``); Hu
 ``rotate_half`` rotates (i, i + d/2) pairs, so its conversion script permutes the rows of wq and
 wk within each head. :func:`to_hf_rows` is that permutation, :func:`from_hf_rows` its inverse.
 
-Only plain Llama is read: no biases, SiLU, head size d_model / n_heads, no RoPE scaling (Llama
-3.1's "llama3" scaling is refused with a one-line error rather than computed wrong). No network:
-the directory must be on disk.
+Only plain Llama is read: no biases, SiLU, head size d_model / n_heads, and RoPE plain or with
+Llama 3.1/3.2's "llama3" frequency scaling (any other rope_type is refused with a one-line error
+rather than computed wrong). No network: the directory must be on disk.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 
 
 class HFError(ValueError):
@@ -54,14 +54,47 @@ def from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _rope_theta(raw: dict[str, Any], where: Path) -> float:
-    rope = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling")
-    kind = rope.get("rope_type", "default") if rope else (scaling or {}).get(
-        "rope_type", (scaling or {}).get("type", "default"))
-    if kind != "default":
-        raise HFError(f"{where}: rope_type={kind!r}: only plain RoPE is supported")
-    return float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_seq_len"}
+"""Hugging Face's "llama3" RoPE parameters -> tessera's ModelConfig fields."""
+
+
+def _rope_fields(raw: dict[str, Any], where: Path) -> dict[str, Any]:
+    """ModelConfig's RoPE fields from config.json: `rope_parameters` (transformers >= 4.56) or
+    the older `rope_scaling` + `rope_theta`. Plain RoPE and Llama 3's scaling are read; any
+    other rope_type is refused rather than computed wrong."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind != "llama3":
+        raise HFError(f"{where}: rope_type={kind!r}: only plain RoPE and 'llama3' are supported")
+    missing = [k for k in LLAMA3_KEYS if k not in rope]
+    if missing:
+        raise HFError(f"{where}: rope_type='llama3' without {', '.join(missing)}")
+    try:
+        return {"rope_theta": theta, **{ours: (int if ours == "rope_original_max_seq_len"
+                                                else float)(rope[theirs])
+                                         for theirs, ours in LLAMA3_KEYS.items()}}
+    except (TypeError, ValueError):
+        raise HFError(f"{where}: rope_type='llama3' with a non-numeric parameter: {rope}") \
+            from None
+
+
+def _rope_json(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's RoPE entries for `cfg`, in both spellings transformers has read."""
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    params = {"rope_type": "llama3", "factor": scaling.factor,
+              "low_freq_factor": scaling.low_freq_factor,
+              "high_freq_factor": scaling.high_freq_factor,
+              "original_max_position_embeddings": scaling.original_max_seq_len}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": params,
+            "rope_parameters": {**params, "rope_theta": cfg.rope_theta}}
 
 
 def model_config_from_hf(raw: dict[str, Any], where: Path) -> ModelConfig:
@@ -77,10 +110,12 @@ def model_config_from_hf(raw: dict[str, Any], where: Path) -> ModelConfig:
             n_layers=raw["num_hidden_layers"], n_heads=raw["num_attention_heads"],
             n_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
             ffn_hidden=raw["intermediate_size"], max_seq_len=raw["max_position_embeddings"],
-            rope_theta=_rope_theta(raw, where), norm_eps=raw.get("rms_norm_eps", 1e-6),
+            norm_eps=raw.get("rms_norm_eps", 1e-6), **_rope_fields(raw, where),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
     except KeyError as e:
         raise HFError(f"{where}: field {e.args[0]!r} missing") from None
+    except ConfigError as e:  # a value tessera's model cannot take, e.g. factor < 1
+        raise HFError(f"{where}: {e}") from None
     head_dim = raw.get("head_dim") or cfg.head_dim
     if head_dim != cfg.head_dim:
         raise HFError(f"{where}: head_dim={head_dim}: tessera needs hidden_size / "
@@ -95,9 +130,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
-            "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+            **_rope_json(cfg), "rms_norm_eps": cfg.norm_eps,
+            "tie_word_embeddings": cfg.tie_embeddings,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "torch_dtype": "float32"}
 

@@ -12,12 +12,13 @@ grouped-query attention (Ainslie et al., 2023) through ``scaled_dot_product_atte
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.config import ModelConfig
+from tessera.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -33,10 +34,34 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each (max_seq_len, head_dim/2), for rotating query/key pairs."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | None = None) -> torch.Tensor:
+    """The head_dim/2 rotation frequencies θ^(-2i/d), float64; with `scaling`, Llama 3's.
+
+    Llama 3 (Meta's ``apply_scaling``, Hugging Face rope_type "llama3"): with L the original
+    context, a frequency whose wavelength 2π/f exceeds L / low_freq_factor is divided by
+    `factor`, one whose wavelength is below L / high_freq_factor is kept, and between the two
+    f ↦ (1 − s)·f/factor + s·f with s = (L/wavelength − low) / (high − low), which joins them
+    continuously.
+    """
+    freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is None:
+        return freq
+    wavelength = 2 * math.pi / freq
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (scaling.original_max_seq_len / wavelength - low) / (high - low)
+    blended = (1 - smooth) * freq / scaling.factor + smooth * freq
+    return torch.where(wavelength < scaling.original_max_seq_len / high, freq,
+                       torch.where(wavelength > scaling.original_max_seq_len / low,
+                                   freq / scaling.factor, blended))
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (max_seq_len, head_dim/2), for rotating query/key pairs;
+    `scaling` is the model's Llama 3 frequency scaling (``ModelConfig.rope_scaling``)."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64),
+                         rope_frequencies(head_dim, theta, scaling))
     return angles.cos().float(), angles.sin().float()
 
 
@@ -116,7 +141,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

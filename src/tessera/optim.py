@@ -11,6 +11,15 @@ from torch import nn
 from tessera.config import TrainConfig
 
 
+def adamw_implementation(device_types: set[str]) -> dict[str, bool]:
+    """AdamW's kernel for parameters on these device types: ``fused=True`` (one kernel for
+    every parameter's whole update) when they all live on CUDA; elsewhere the per-parameter
+    loop (``foreach=False``), the update every CPU parity test's reference computes."""
+    if device_types == {"cuda"}:
+        return {"fused": True}
+    return {"foreach": False}
+
+
 def adamw(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
     params = list(params)
@@ -19,7 +28,8 @@ def adamw(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), foreach=False)
+                             betas=(cfg.beta1, cfg.beta2),
+                             **adamw_implementation({p.device.type for p in params}))
 
 
 def lr_lambda(cfg: TrainConfig):

@@ -421,7 +421,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
                               device="meta"), tp, full, tied_to=emb)
             chunk.rope_cos, chunk.rope_sin = rope_tables(cfg.model.head_dim,
                                                          cfg.model.max_seq_len,
-                                                         cfg.model.rope_theta)
+                                                         cfg.model.rope_theta,
+                                                         cfg.model.rope_scaling)
             chunk.to(device)
             if tp.sequence_parallel:
                 chunk.seq_scale = tp.size

@@ -27,7 +27,15 @@ from tessera.config import Config, ConfigError
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
 from tessera.data.tokenizer import load_tokenizer
 from tessera.generate import generate
-from tessera.metrics import JsonlLogger, device_peak_tflops, mfu, peak_memory_bytes
+from tessera.metrics import (
+    JsonlLogger,
+    MemorySnapshot,
+    device_peak_tflops,
+    memory_snapshot_refusal,
+    mfu,
+    peak_memory_bytes,
+    tensorboard_missing,
+)
 from tessera.model import Transformer, flops_per_token
 from tessera.optim import lr_lambda
 from tessera.parallelize import parallelize
@@ -76,6 +84,15 @@ def check_data(cfg: Config) -> TokenDataset:
                           f"fewer than the validation windows need ({windows * seq + 1}); lower "
                           "it or prepare with a larger --val-percent")
     return dataset
+
+
+def check_options(cfg: Config, device_type: str) -> None:
+    """The observability options this machine can serve (ConfigError otherwise), checked
+    before any collective runs."""
+    if cfg.train.tensorboard and (why := tensorboard_missing()):
+        raise ConfigError("train.tensorboard", True, why)
+    if cfg.train.memory_snapshot and (why := memory_snapshot_refusal(torch.device(device_type))):
+        raise ConfigError("train.memory_snapshot", True, why)
 
 
 @dataclass
@@ -150,6 +167,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     # Every rule is checked, and the data opened, before the first collective.
     cfg.validate(world)
     dataset = check_data(cfg)
+    check_options(cfg, device.type)
     resume_from = resume_path(cfg)
     if resume_from is not None:
         checkpoint.verify(resume_from, cfg, world)
@@ -175,7 +193,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         start = checkpoint.restore(resume_from, cfg, executor, optimizer, scheduler, loader)
 
     out = Path(cfg.train.out_dir)
-    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None, append=start > 0)
+    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None, append=start > 0,
+                         tensorboard=out / "tensorboard" if cfg.train.tensorboard else None)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -200,6 +219,10 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         print(f"resumed from {resume_from} at step {start}", flush=True)
 
     profiler = StepProfiler(cfg.train.profile_range, out / "profile", topo.rank, device)
+    snapshot = (MemorySnapshot(out / "memory" / f"rank-{topo.rank:05d}.pickle")
+                if cfg.train.memory_snapshot else None)
+    if snapshot is not None:
+        snapshot.start()
     # The bar only on a terminal: in a log file its redraws bury the metric lines.
     show_bar = rank0 and progress and sys.stderr.isatty()
     bar = tqdm(range(start, cfg.train.steps), disable=not show_bar, unit="step",
@@ -258,6 +281,11 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     if saver is not None:
         saver.close()  # the last checkpoint is complete before the run reports
 
+    if snapshot is not None:
+        written = snapshot.dump()
+        if rank0:
+            print(f"memory snapshot: {written.parent}/rank-*.pickle (https://pytorch.org/"
+                  "memory_viz)", flush=True)
     if not step_times:  # resumed at the last step: nothing left to run
         step_times.append(float("nan"))
     warm = step_times[min(len(step_times) - 1, 2):]

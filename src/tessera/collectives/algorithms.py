@@ -79,7 +79,8 @@ def ring_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks, op: s
     n, me = pg.size, pg.rank
     right, left = (me + 1) % n, (me - 1) % n
     widest = max(b - a for a, b in blocks)
-    partial = [] if inplace else [torch.empty(widest, dtype=buf.dtype) for _ in range(2)]
+    partial = [] if inplace else [torch.empty(widest, dtype=buf.dtype, device=buf.device)
+                                  for _ in range(2)]
     a, b = blocks[(me - 1) % n]
     outgoing = buf[a:b]
     for k in range(n - 1):
@@ -140,7 +141,7 @@ def halving_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, owned: bool, vbloc
         k0, k1 = _span(vblocks, *keep)
         g0, g1 = _span(vblocks, *give)
         src = cur[k0 - base:k1 - base]
-        dst = src if owned else torch.empty(k1 - k0, dtype=buf.dtype)
+        dst = src if owned else torch.empty(k1 - k0, dtype=buf.dtype, device=buf.device)
         pg.reduce_round((vpos[partner], cur[g0 - base:g1 - base]), vpos[partner], src=src,
                         dst=dst, op=op)
         if not owned:
@@ -171,7 +172,7 @@ def recursive_reduce_scatter_(pg: PeerGroup, buf: torch.Tensor, blocks: Blocks, 
     p, r, vpos = fold_layout(n)
     a, b = blocks[me]
     if me < 2 * r and me % 2 == 0:
-        mine = buf[a:b] if inplace else torch.empty(b - a, dtype=buf.dtype)
+        mine = buf[a:b] if inplace else torch.empty(b - a, dtype=buf.dtype, device=buf.device)
         pg.round(sends=[(me + 1, buf)])  # fold: my whole buffer to my odd partner
         pg.round(recvs=[(me + 1, mine)])  # unfold: my reduced shard
         return mine
@@ -237,7 +238,8 @@ def parallel_all_reduce_(pg: PeerGroup, buf: torch.Tensor, op: str) -> None:
     sends = [(p, buf) for p in range(n) if p != me]
     works = pg.post_sends(sends)
     widen = op in ("sum", "avg") and buf.dtype in (torch.bfloat16, torch.float16)
-    acc = torch.empty(buf.numel(), dtype=torch.float32 if widen else buf.dtype)
+    acc = torch.empty(buf.numel(), dtype=torch.float32 if widen else buf.dtype,
+                      device=buf.device)
     for src in range(n):
         if src == me:
             if src == 0:
@@ -361,7 +363,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
         me = dist.get_rank(group)
         start, stop = blocks[me]
         if flat.numel() % world == 0:
-            out = torch.empty(stop - start, dtype=flat.dtype)
+            out = torch.empty(stop - start, dtype=flat.dtype, device=flat.device)
             reduce_scatter_single(out, flat.contiguous(), op=_TORCH_OP[op], group=group)
         else:  # unequal shards: torch has no such reduce-scatter, so reduce everything
             full = flat.clone()
@@ -412,7 +414,7 @@ def all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
                               f"must be {want}: rank {me}'s shard of numel={numel} over "
                               f"{world} ranks")
     total = blocks[-1][1]
-    out = torch.empty(total, dtype=shard.dtype)
+    out = torch.empty(total, dtype=shard.dtype, device=shard.device)
     out[blocks[me][0]:blocks[me][1]] = piece
     if algorithm == "backend":
         if stats is not None:
@@ -434,9 +436,10 @@ def _backend_all_gather(out: torch.Tensor, piece: torch.Tensor, blocks: Blocks,
     if all(b - a == widest for a, b in blocks):
         fn(out, piece.contiguous(), group=group)
         return
-    padded = torch.zeros(widest, dtype=piece.dtype)  # torch needs equal shards: pad, then trim
+    # torch needs equal shards: pad, then trim
+    padded = torch.zeros(widest, dtype=piece.dtype, device=piece.device)
     padded[: piece.numel()] = piece
-    gathered = torch.empty(world * widest, dtype=piece.dtype)
+    gathered = torch.empty(world * widest, dtype=piece.dtype, device=piece.device)
     fn(gathered, padded, group=group)
     for i, (a, b) in enumerate(blocks):
         out[a:b] = gathered[i * widest: i * widest + (b - a)]

@@ -183,6 +183,8 @@ def _ping_pong(pg: PeerGroup, buf: torch.Tensor, repeats: int, warmup: int) -> f
         else:
             pg.round(recvs=[(0, buf)])
             pg.round(sends=[(0, buf)])
+        if buf.is_cuda:  # NCCL's wait orders streams; the transfer ends on the device
+            torch.cuda.synchronize(buf.device)
         if i >= warmup:
             samples.append((time.perf_counter() - start) / 2)
     return min(samples)
@@ -196,6 +198,8 @@ def _reduction_seconds_per_byte(sizes: Sequence[int], repeats: int) -> float:
         for _ in range(repeats):
             start = time.perf_counter()
             acc.add_(x)
+            if acc.is_cuda:
+                torch.cuda.synchronize(acc.device)
             samples.append(time.perf_counter() - start)
         acc_sizes.append(nbytes)
         secs.append(statistics.median(samples))
@@ -211,7 +215,8 @@ def measure_alpha_beta(group: dist.ProcessGroup | None = None, *,
     16 MiB, so that beta sees buffers larger than the caches), take the fastest one-way time
     of `repeats`, and fit ``t = alpha + beta * n`` (:func:`fit_alpha_beta`); rank 0 also times
     a float32 add on 1 to 64 MiB buffers for gamma. Rank 0 then sends the numbers to every
-    rank, so "auto" choices agree. All ranks must call; it takes a second or two.
+    rank, so "auto" choices agree. All ranks must call; it takes a second or two. Buffers are
+    made on the default device (``with torch.device("cuda")`` measures a GPU link).
     """
     pg = PeerGroup(group, None)
     if pg.size < 2:

@@ -175,7 +175,8 @@ class PeerGroup:
         pieces = self._segments(src, wire)
         if not pieces:
             return
-        scratch = [torch.empty(pieces[0].numel(), dtype=wire) for _ in range(min(2, len(pieces)))]
+        scratch = [torch.empty(pieces[0].numel(), dtype=wire, device=src.device)
+                   for _ in range(min(2, len(pieces)))]
         pending = {j: self._irecv(peer, scratch[j][: pieces[j].numel()])
                    for j in range(len(scratch))}
         start = 0

@@ -208,7 +208,7 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None = None, root: int =
         if stats is not None:
             stats.calls += 1
         pieces = list(input.reshape(world, k)) if me == root else None
-        out = torch.empty(k, dtype=output.dtype)
+        out = torch.empty(k, dtype=output.dtype, device=output.device)
         dist.scatter(out, pieces, src=_global(group, root), group=group)
         output.copy_(out.view(output.shape))
         return output
@@ -219,7 +219,7 @@ def scatter(output: torch.Tensor, input: torch.Tensor | None = None, root: int =
         work = torch.cat([flat[root * k:], flat[:root * k]])
     else:  # room for my subtree's blocks; my own block comes first
         width = min(_lowbit(pg.rank), world - pg.rank)
-        work = torch.empty(width * k, dtype=output.dtype)
+        work = torch.empty(width * k, dtype=output.dtype, device=output.device)
     binomial_scatter_(pg, work, blocks, offset=pg.rank * k)
     output.copy_(work[:k].view(output.shape))
     return output
@@ -241,7 +241,8 @@ def gather(tensor: torch.Tensor, root: int = 0, group: dist.ProcessGroup | None 
     if algorithm == "backend":
         if stats is not None:
             stats.calls += 1
-        out = torch.empty(world * k, dtype=tensor.dtype) if me == root else None
+        out = (torch.empty(world * k, dtype=tensor.dtype, device=tensor.device) if me == root
+               else None)
         pieces = list(out.view(world, k)) if out is not None else None
         dist.gather(tensor.reshape(-1).contiguous(), pieces, dst=_global(group, root),
                     group=group)
@@ -249,7 +250,8 @@ def gather(tensor: torch.Tensor, root: int = 0, group: dist.ProcessGroup | None 
     pg = _relative(group, root, stats)
     blocks = [(i * k, (i + 1) * k) for i in range(world)]
     width = min(_lowbit(pg.rank), world - pg.rank) if pg.rank else world
-    work = torch.empty(width * k, dtype=tensor.dtype)  # my subtree's blocks, position order
+    # my subtree's blocks, position order
+    work = torch.empty(width * k, dtype=tensor.dtype, device=tensor.device)
     work[:k] = tensor.reshape(-1)
     binomial_gather_(pg, work, blocks, offset=pg.rank * k)
     if pg.rank != 0:

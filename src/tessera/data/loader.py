@@ -50,11 +50,25 @@ def _read_manifest(root: Path) -> dict:
     return manifest
 
 
+def shard_digest(path: Path) -> str:
+    """SHA-256 of a shard file, read 16 MiB at a time."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 class TokenSplit:
-    """One split's shards, memory-mapped and checked (size and SHA-256) before use."""
+    """One split's shards, memory-mapped. Every shard's size is checked when the split opens
+    (a stat: cheap); its SHA-256 the first time this process reads from it, before any of its
+    tokens is used. So a rank hashes only the shards its windows touch, not the whole corpus
+    at every start, and a corrupt shard is still refused with its path, never half-read."""
 
     def __init__(self, root: Path, entries: list[dict], dtype: np.dtype, verify: bool = True):
         self.shards: list[np.ndarray] = []
+        self.paths: list[Path] = []
+        self.digests: list[str] = []
         for entry in entries:
             path = root / entry["file"]
             if not path.is_file():
@@ -63,24 +77,34 @@ class TokenSplit:
             if path.stat().st_size != expected:
                 raise DataError(f"{path}: {path.stat().st_size} bytes, manifest says {expected}"
                                 " (truncated or foreign file)")
-            if verify:
-                digest = hashlib.sha256()
-                with path.open("rb") as f:
-                    for block in iter(lambda: f.read(1 << 24), b""):
-                        digest.update(block)
-                if digest.hexdigest() != entry["sha256"]:
-                    raise DataError(f"{path}: checksum mismatch (file changed since prepare)")
             self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
+            self.paths.append(path)
+            self.digests.append(entry["sha256"])
+        self.verified = [not verify] * len(entries)
+        """Shards whose checksum this process has checked (all True when verify=False)."""
         self.offsets = np.cumsum([0] + [s.size for s in self.shards])
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    def verify_shard(self, i: int) -> None:
+        """Check shard i's SHA-256 against the manifest, once per process."""
+        if self.verified[i]:
+            return
+        if shard_digest(self.paths[i]) != self.digests[i]:
+            raise DataError(f"{self.paths[i]}: checksum mismatch (file changed since prepare)")
+        self.verified[i] = True
+
+    def verify_all(self) -> None:
+        for i in range(len(self.shards)):
+            self.verify_shard(i)
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start+length) of the split, across shard boundaries if need be."""
         out, pos = [], start
         while pos < start + length:
             i = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+            self.verify_shard(i)
             local = pos - int(self.offsets[i])
             take = min(start + length - pos, self.shards[i].size - local)
             out.append(np.asarray(self.shards[i][local:local + take], dtype=np.int64))
@@ -89,7 +113,8 @@ class TokenSplit:
 
 
 class TokenDataset:
-    """A prepared directory: its manifest and the train and val splits."""
+    """A prepared directory: its manifest and the train and val splits (shards checked as
+    :class:`TokenSplit` says; ``verify()`` hashes them all now)."""
 
     def __init__(self, path: str | Path, verify: bool = True):
         self.root = Path(path)
@@ -107,6 +132,12 @@ class TokenDataset:
                 raise DataError(f"{self.root / 'manifest.json'}: split {name!r} missing")
         self.train = TokenSplit(self.root, splits["train"], dtype, verify)
         self.val = TokenSplit(self.root, splits["val"], dtype, verify)
+
+    def verify(self) -> TokenDataset:
+        """Hash every shard now (e.g. `data prepare --if-missing`); raises DataError."""
+        self.train.verify_all()
+        self.val.verify_all()
+        return self
 
 
 @dataclass

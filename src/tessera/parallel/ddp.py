@@ -32,6 +32,13 @@ All-reduce algorithm: ``"backend"`` uses ``torch.distributed.all_reduce(async_op
 work runs on the backend's own threads. Ours (``tessera.collectives.all_reduce`` with
 ``algorithm=...``) are blocking point-to-point programs, so each launched bucket is handed to one
 background thread that runs them in launch order; backward keeps computing meanwhile.
+
+On a GPU that thread must not read a bucket before the kernels that wrote it have run: work
+is queued on CUDA streams, and the thread's current stream is not the one backward used. So
+the hook records a CUDA event on the stream that produced the bucket's gradients, the thread
+makes its own stream wait for it before sending (and does so on the bucket's device), and
+``finish_gradient_sync`` makes the caller's stream wait for an event the thread recorded after
+the all-reduce. On the CPU there are no streams: :func:`stream_event` is None and nothing waits.
 """
 
 from __future__ import annotations
@@ -126,6 +133,27 @@ class SerialWorker:
                 future.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 future.set_exception(e)
+
+
+def stream_event(t: torch.Tensor) -> torch.cuda.Event | None:
+    """On CUDA, an event recorded on this thread's current stream on `t`'s device (what another
+    thread must wait for before it reads what that stream wrote); None on other devices."""
+    if t.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
+def wait_for(event: torch.cuda.Event | None, t: torch.Tensor) -> None:
+    """Make this thread's current stream on `t`'s device wait for `event` (no-op for None)."""
+    if event is not None:
+        torch.cuda.current_stream(t.device).wait_event(event)
+
+
+def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """`t`'s CUDA device as this thread's current device (a side thread starts on cuda:0)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 class DataParallel(nn.Module):
@@ -230,7 +258,8 @@ class DataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         used = [self._used[p] for p in bucket.params]
-        bucket.flat[bucket.numel:].copy_(torch.tensor(used, dtype=bucket.flat.dtype))
+        bucket.flat[bucket.numel:].copy_(torch.tensor(used, dtype=bucket.flat.dtype,
+                                                      device=bucket.flat.device))
         for view, was_used in zip(bucket.views, used, strict=True):
             if not was_used:
                 view.zero_()  # a stale slot must not leak into the sum
@@ -239,13 +268,20 @@ class DataParallel(nn.Module):
         else:
             if self._worker is None:
                 self._worker = SerialWorker()
-            bucket.work = self._worker.submit(self._our_all_reduce, bucket.flat)
+            bucket.work = self._worker.submit(self._our_all_reduce, bucket.flat,
+                                              stream_event(bucket.flat))
 
-    def _our_all_reduce(self, flat: torch.Tensor) -> None:
+    def _our_all_reduce(self, flat: torch.Tensor, written: torch.cuda.Event | None
+                        ) -> torch.cuda.Event | None:
+        """On the side thread: wait for the stream that wrote `flat`, all-reduce it, and return
+        the event the caller's stream waits for before it reads the result."""
         from tessera import collectives
 
-        collectives.all_reduce(flat, group=self.group, op="sum", algorithm=self.algorithm,
-                               stats=self.comm_stats)
+        with on_device_of(flat):
+            wait_for(written, flat)
+            collectives.all_reduce(flat, group=self.group, op="sum", algorithm=self.algorithm,
+                                   stats=self.comm_stats)
+            return stream_event(flat)
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
@@ -257,7 +293,7 @@ class DataParallel(nn.Module):
         self._launch_ready_buckets()
         for bucket in self.buckets:
             if isinstance(bucket.work, Future):
-                bucket.work.result()
+                wait_for(bucket.work.result(), bucket.flat)
             else:
                 bucket.work.wait()
             bucket.flat[:bucket.numel].div_(self.world)

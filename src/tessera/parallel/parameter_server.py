@@ -28,20 +28,22 @@ all-reduce moves 2·(N-1)/N·S each way, under 2S whatever N.
 
 Asynchronous mode (``dp_mode='ps-async'``) with bounded staleness s = ``max_staleness``. The
 server's version counts the updates it has applied. Each trainer step the server computes its
-own gradient and applies it (staleness 0), then serves exactly N-1 pushes in arrival order,
-from whichever workers send them. A push computed on version v has staleness
-tau = version - v, the number of updates applied since that worker's pull. Update rule:
+own gradient and applies it (staleness 0), then serves one push from each worker, in rank
+order. A push computed on version v has staleness tau = version - v, the number of updates
+applied since that worker's pull. Update rule:
 
     tau <= s: clip the gradient to train.grad_clip and apply it with learning rate lr / (1 + tau)
     tau >  s: drop it
 
-and in both cases reply with the current parameters and version. Workers never wait for each
-other, only for the server's answer to their own push. With N ranks of equal speed the
-steady-state staleness is N-1 (every other rank updates once between a worker's pull and its
-next push), so s >= N-1 uses every gradient and a smaller s keeps only the fresher ones; the
-bound's real job is to discard stragglers' gradients. Versions are sent as float32, exact up to
-2**24 updates. The asynchronous server receives from any source, which gloo supports and NCCL
-does not.
+and in both cases reply with the current parameters and version. Workers never wait for the
+server's optimizer to see the others' gradients, only for the answer to their own push, which
+comes in its turn: the k-th push of every worker is served in the server's k-th step, after
+the pushes of the ranks before it. With N ranks of equal speed the staleness is N-1 (rank w's
+push is answered after ranks w+1..N-1 of the last step, the server's own update and ranks
+1..w-1 of this one), so s >= N-1 uses every gradient and a smaller s keeps only the fresher
+ones; the bound's real job is to discard stragglers' gradients. Versions are sent as float32,
+exact up to 2**24 updates. Receives name their source (group rank): NCCL has no
+receive-from-any-source, so a server that took pushes in arrival order could not run there.
 """
 
 from __future__ import annotations
@@ -202,15 +204,14 @@ class ParameterServer:
         self.traffic.messages += len(works)
 
     # -- server side, asynchronous ----------------------------------------------------------
-    def serve(self, n: int, apply: Callable[[float], None], grad_norm: float) -> None:
-        """Server: handle `n` pushes in arrival order by the bounded-staleness rule.
-
-        `apply(lr_scale)` clips and applies the gradients now in .grad.
+    def serve(self, apply: Callable[[float], None], grad_norm: float) -> None:
+        """Server: handle one push from each worker, in rank order (module docstring), by the
+        bounded-staleness rule. `apply(lr_scale)` clips and applies the gradients now in .grad.
         """
         S, P = self.numel, len(self.params)
         inbox = self.push_buf
-        for _ in range(n):
-            src = dist.get_group_rank(self.group, dist.recv(inbox, group=self.group))
+        for src in range(1, self.world):
+            dist.recv(inbox, group=self.group, group_src=src)
             self._count_received(inbox)
             loss, computed_on = inbox[S + P:].tolist()
             self.served_losses.append(loss)
@@ -348,7 +349,7 @@ class ServerSync:
                 for group, lr in zip(opt.param_groups, saved, strict=True):
                     group["lr"] = lr
 
-        ps.serve(ps.world - 1, apply, self._grad_norm)
+        ps.serve(apply, self._grad_norm)
 
     def sync_replicas(self) -> None:
         """Async: give every rank the server's parameters before a collective read of them."""

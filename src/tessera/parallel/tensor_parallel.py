@@ -563,7 +563,8 @@ def build_tensor_parallel_model(cfg: ModelConfig, seed: int, tp: TPContext) -> T
     with torch.device("meta"):
         model = Transformer(cfg)
     parallelize_module(model, tp, lambda name, shape: init_tensor(cfg, name, shape, seed))
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                                 cfg.rope_scaling)
     return model
 
 

@@ -100,7 +100,7 @@ class Chunk(nn.Module):
             else:
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
                 self.tied_copy = cfg.tie_embeddings
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if seed is not None:
@@ -132,7 +132,8 @@ class Chunk(nn.Module):
         if self.spec.has_head and self.cfg.tie_embeddings and self.spec.has_embedding \
                 and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                               self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin
         return self.to(device)
 

@@ -39,6 +39,12 @@ What is measured:
 Data-parallel overlap: gloo runs its collectives on a thread that competes with the ranks'
 compute for the same cores, and tessera's data parallelism reduces after the backward, so the
 file says ``dp_overlap = 0``.
+
+Device and backend: the run's (``--device``/``--backend``; by default CUDA with NCCL where a
+GPU is present, else the CPU with gloo, as ``tessera train`` picks). Every tensor is made on
+that device (it is the default device while a rank measures, so no measurement names one),
+each rank takes GPU ``rank mod count``, and on a GPU, whose kernels run asynchronously, times
+are wall times after a ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -65,9 +71,22 @@ LOCAL_RANKS = 64
 `cores` says how many of them compute at full speed."""
 
 
+def _on_gpu() -> bool:
+    return torch.get_default_device().type == "cuda"
+
+
+def _wall_clock() -> float:
+    """Wall seconds once the GPU's queued kernels have finished (on a GPU)."""
+    if _on_gpu():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _samples(fn: Callable[[], object], repeats: int, warmup: int = 2,
-             clock: Callable[[], float] = time.thread_time) -> list[float]:
-    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones, on `clock`."""
+             clock: Callable[[], float] | None = None) -> list[float]:
+    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones, on `clock` (default:
+    this thread's CPU time on the CPU, synchronized wall time on a GPU)."""
+    clock = clock or (_wall_clock if _on_gpu() else time.thread_time)
     samples = []
     for i in range(warmup + repeats):
         start = clock()
@@ -164,7 +183,7 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 24) -> fl
     interquartile range / 1.349 (σ of a normal, robust to the odd long pause) over the
     median T."""
     samples = _samples(_block_step(spec, seq, micro_batch), repeats, warmup=1,
-                       clock=time.perf_counter)
+                       clock=_wall_clock)
     q1, median, q3 = statistics.quantiles(samples, n=4)
     return (q3 - q1) / 1.349 / median ** 0.5
 
@@ -212,9 +231,9 @@ def _timed_collective(op: str, nbytes: int, repeats: int,
         dist.barrier()
         if before is not None:
             before()
-        start = time.perf_counter()
+        start = _wall_clock()
         run()
-        samples.append(time.perf_counter() - start)
+        samples.append(_wall_clock() - start)
     return statistics.median(samples[3:])
 
 
@@ -272,21 +291,34 @@ def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, f
             "beta": beta, "gather_efficiency": min(1.0, statistics.median(ratios))}
 
 
-def _calibration_worker(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device a calibrating rank measures on: the CPU, or GPU `rank` mod the GPU count."""
+    if device == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(device)
+
+
+def _calibration_worker(spec: ModelSpec, seq: int, micro_batch: int,
+                        device: str = "cpu") -> dict[str, float]:
     import torch.distributed as dist
 
-    dist.barrier()  # every rank computes at once, as in training
-    rates = _compute_rates(spec, seq, micro_batch)
-    dist.barrier()
-    return {**rates, **_collective_link(spec, seq, micro_batch)}
+    with rank_device(device, dist.get_rank()):  # every tensor made below lives there
+        dist.barrier()  # every rank computes at once, as in training
+        rates = _compute_rates(spec, seq, micro_batch)
+        dist.barrier()
+        return {**rates, **_collective_link(spec, seq, micro_batch)}
 
 
-def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2) -> dict[str, float]:
-    """Compute rates (the median over `ranks` processes measuring at once) and the gloo link
-    between them (rank 0's measurement)."""
+def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device: str = "cpu",
+            backend: str = "gloo") -> dict[str, float]:
+    """Compute rates (the median over `ranks` processes measuring at once) and the link
+    between them over `backend` (rank 0's measurement), every tensor on `device`."""
     from tessera.testing import run_ranks
 
-    results = run_ranks(_calibration_worker, ranks, args=(spec, seq, micro_batch), timeout=600)
+    results = run_ranks(_calibration_worker, ranks, args=(spec, seq, micro_batch, device),
+                        timeout=600, backend=backend)
     out = dict(results[0])
     for key in ("mm", "attn", "bw", "overhead", "passes", "jitter"):
         out[key] = statistics.median(r[key] for r in results)
@@ -299,10 +331,10 @@ def physical_memory_bytes() -> float:
 
 
 def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
-              name: str = "local-cpu") -> Hardware:
-    """Measure this machine at `spec`'s shapes (see module docstring)."""
+              name: str = "local-cpu", device: str = "cpu", backend: str = "gloo") -> Hardware:
+    """Measure this machine at `spec`'s shapes on `device` over `backend` (module docstring)."""
     load = os.getloadavg()[0]
-    r = measure(spec, seq, micro_batch, ranks)
+    r = measure(spec, seq, micro_batch, ranks, device, backend)
     mm, attn, bw, overhead, passes = r["mm"], r["attn"], r["bw"], r["overhead"], r["passes"]
     p2p_alpha, p2p_beta, alpha, beta = r["p2p_alpha"], r["p2p_beta"], r["alpha"], r["beta"]
     cores = os.cpu_count() or 1
@@ -318,5 +350,5 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         op_overhead_us=overhead * 1e6, elementwise_passes=passes, jitter=r["jitter"],
         dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
-               f"1 thread per rank, {ranks} ranks measuring at once, fp32, gloo, "
+               f"1 thread per rank, {ranks} ranks measuring at once, fp32, {device}, {backend}, "
                f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")

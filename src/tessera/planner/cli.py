@@ -150,6 +150,23 @@ def plan(
         print(f"\nplot: {path}")
 
 
+def calibration_target(device: str | None, backend: str | None) -> tuple[str, str]:
+    """(device, backend) to calibrate: what `tessera train` would use here unless given."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError("--device", device, "must be cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", device, "no CUDA device on this machine")
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError("--backend", backend, "must be gloo or nccl")
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError("--backend", backend, f"NCCL needs --device cuda, not {device}")
+    return device, backend
+
+
 @plan_app.command("calibrate")
 def calibrate_cmd(
     model: Annotated[str, typer.Option(
@@ -161,6 +178,10 @@ def calibrate_cmd(
         help="Hardware file to write (TOML); the default is under runs/, which git ignores.")
     ] = "runs/local_hardware.toml",
     ranks: Annotated[int, typer.Option(help="Ranks for the collective measurement.")] = 2,
+    device: Annotated[str | None, typer.Option(
+        help="cpu or cuda: where to measure; default cuda if this machine has a GPU.")] = None,
+    backend: Annotated[str | None, typer.Option(
+        help="gloo or nccl: the collectives' backend; default nccl on cuda, else gloo.")] = None,
 ) -> None:
     """Measure this machine (matmul and attention rates at the model's shapes, memory
     bandwidth, per-kernel overhead, collective alpha and beta over gloo) and write a hardware
@@ -175,7 +196,9 @@ def calibrate_cmd(
             raise ConfigError("--micro-batch" if micro_batch < 1 else "--ranks",
                               micro_batch if micro_batch < 1 else ranks,
                               "must be >= 1 (ranks >= 2)")
-        hw = calibrate(spec, seq or spec.max_seq_len, micro_batch, ranks=ranks)
+        device, backend = calibration_target(device, backend)
+        hw = calibrate(spec, seq or spec.max_seq_len, micro_batch, ranks=ranks, device=device,
+                       backend=backend)
     except ConfigError as e:
         raise _fail(str(e)) from None
     path = save_hardware(hw, out)
