@@ -86,6 +86,37 @@ def inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
     return _counted_inflight(name, p, m, v)
 
 
+def chunk_inflight(name: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """Rank `rank`'s in-flight activation sets, per chunk it owns, at every point where the
+    count may peak (after each forward), walked over the generated schedule's actions: the
+    per-chunk memory walk. Large m is walked at the smallest m' ≡ m (mod p) past the warm-up
+    (m' ≥ 2p): the counts only repeat after that, so the peak is the same."""
+    if m > 3 * p:
+        m = 2 * p + m % p
+    return _chunk_inflight(name, p, m, v)[rank]
+
+
+@lru_cache(maxsize=256)
+def _chunk_inflight(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    from tessera.pipeline.schedule import Kind
+
+    schedule = build(name, p, m, v)
+    out = []
+    for r, actions in enumerate(schedule.actions):
+        mine = [c for c in range(p * v) if c % p == r]
+        slot = {c: i for i, c in enumerate(mine)}
+        held = [0] * len(mine)
+        peaks: set[tuple[int, ...]] = {tuple(held)}
+        for a in actions:
+            if a.kind is Kind.F:
+                held[slot[a.chunk]] += 1
+                peaks.add(tuple(held))
+            elif a.kind is Kind.B:
+                held[slot[a.chunk]] -= 1
+        out.append(tuple(sorted(peaks)))
+    return tuple(out)
+
+
 @lru_cache(maxsize=256)
 def _counted_inflight(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(peak_inflight(build(name, p, m, v)))
@@ -166,5 +197,5 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float | None:
     return None if spec.closed_form_bubble is None else spec.closed_form_bubble(p, m, v)
 
 
-__all__ = ["PipelineTiming", "inflight", "time_pipeline", "lower_bound", "build",
+__all__ = ["PipelineTiming", "chunk_inflight", "inflight", "time_pipeline", "lower_bound", "build",
            "closed_form_bubble"]

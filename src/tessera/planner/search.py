@@ -41,7 +41,7 @@ from tessera.planner.cost import (
     rank_state,
     shared_cpu_bound,
 )
-from tessera.planner.pipeline import inflight, lower_bound, time_pipeline
+from tessera.planner.pipeline import chunk_inflight, inflight, lower_bound, time_pipeline
 
 SCHEDULE_CHOICES = ("1f1b", "interleaved", "bfs", "gpipe", "naive")
 
@@ -102,31 +102,48 @@ class Estimate:
     def tokens_per_s(self) -> float:
         return self.workload.tokens_per_step / self.step_time
 
-    @property
-    def model_flops(self) -> float:
+    # FLOP counts: `convention` is "full" (Megatron-LM's s² attention term; the default, as
+    # the table and the published Megatron figures use it) or "causal" (half of it, as Llama 3
+    # and most MFU reports count). Every figure states which (report module).
+    def model_flops(self, convention: str = "full") -> float:
         w = self.workload
-        return model_flops_per_step(w.model, w.global_batch, w.seq_len)
+        return model_flops_per_step(w.model, w.global_batch, w.seq_len, convention)
 
-    @property
-    def hardware_flops(self) -> float:
+    def hardware_flops(self, convention: str = "full") -> float:
         w = self.workload
         return hardware_flops_per_step(w.model, w.global_batch, w.seq_len,
-                                       self.layout.recompute)
+                                       self.layout.recompute, convention)
 
     @property
     def tflops_per_gpu(self) -> float:
-        """Hardware FLOP/s per GPU in TFLOP/s (with recomputation, as Megatron-LM counts)."""
-        return self.hardware_flops / self.step_time / self.workload.gpus / 1e12
+        """Hardware FLOP/s per GPU in TFLOP/s (with recomputation, full attention: as
+        Megatron-LM counts)."""
+        return self.hardware_flops() / self.step_time / self.workload.gpus / 1e12
+
+    def model_tflops_per_gpu(self, convention: str = "full") -> float:
+        """Model FLOP/s per GPU in TFLOP/s (no recomputation; Llama 3's Table 4 column with
+        convention='causal')."""
+        return self.model_flops(convention) / self.step_time / self.workload.gpus / 1e12
 
     @property
     def mfu(self) -> float:
+        """Model FLOPs utilization, full attention FLOPs (Megatron-LM's count)."""
+        return self.mfu_as("full")
+
+    @property
+    def mfu_causal(self) -> float:
+        """Model FLOPs utilization, causal attention FLOPs (Llama 3's count)."""
+        return self.mfu_as("causal")
+
+    def mfu_as(self, convention: str) -> float:
         w = self.workload
-        return self.model_flops / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
+        return self.model_flops(convention) / self.step_time / (
+            w.gpus * w.hardware.peak_tflops * 1e12)
 
     @property
     def hfu(self) -> float:
         w = self.workload
-        return self.hardware_flops / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
+        return self.hardware_flops() / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
 
     @property
     def headroom(self) -> float:
@@ -169,8 +186,11 @@ class Estimate:
             "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero,
             "recompute": L.recompute, "schedule": L.schedule,
             "sequence_parallel": L.sequence_parallel, "dp_mode": L.dp_mode,
+            "stage_layout": list(L.stage_layout) if L.stage_layout else None,
             "step_time_s": self.step_time, "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "hfu": self.hfu,
+            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+            "mfu_causal": self.mfu_causal, "hfu": self.hfu,
+            "model_tflops_per_gpu_causal": self.model_tflops_per_gpu("causal"),
             "memory_gb": self.memory.total / GB, "headroom_gb": self.headroom / GB,
         }
         if tokens:
@@ -299,15 +319,18 @@ def _rank_memory(L: Layout, costs: LayoutCosts, state: RankState, r: int, count:
                  m: int) -> Memory:
     """Pipeline rank r's bytes. With one chunk per rank it holds `count` (the schedule's
     in-flight peak) copies of its chunk's activations; breadth-first holds all m micro-batches
-    of all its chunks; for interleaving, `count` times the largest chunk it owns (an upper
-    bound: the LM head's chunk is rarely the one held most)."""
+    of all its chunks; any other schedule with several chunks per rank is walked action by
+    action (:func:`tessera.planner.pipeline.chunk_inflight`): the peak over time of the bytes
+    of the (micro-batch, chunk) pairs held, each chunk weighing its own activations (the LM
+    head's chunk, with its fp32 logits, is held at most a few times)."""
     chunks = costs.chunks[r::L.pp]
     if L.virtual == 1:
         acts = count * chunks[0].act_bytes
     elif L.schedule == "bfs":
         acts = m * sum(c.act_bytes for c in chunks)
     else:
-        acts = count * max(c.act_bytes for c in chunks)
+        acts = max(sum(n * c.act_bytes for n, c in zip(held, chunks, strict=True))
+                   for held in chunk_inflight(L.schedule, L.pp, m, L.virtual, r))
     return Memory(params=state.params, grads=state.grads, optimizer=state.optimizer,
                   activations=acts,
                   transient=max(c.work_bytes for c in chunks) + state.zero3_buffer, rank=r)
