@@ -196,6 +196,12 @@ class Workload:
     """Pipeline sends b·s·h/t per tensor-parallel rank (Narayanan et al. 2021 §4.1)."""
     tp_overlap: float = 0.0
     """Fraction of tensor-parallel communication hidden behind compute (0: Megatron 2021)."""
+    tp_async_backward: bool = False
+    """Megatron-LM from 2022 on (Korthikanti et al. 2022 §4.2.2; Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication): in the backward of a column-parallel
+    linear the input's all-gather (sequence parallel) runs during the input-gradient GEMM and
+    the input gradient's reduce-scatter (or all-reduce) during the weight-gradient GEMM.
+    tessera's runtime and Megatron-LM 2021 (Narayanan et al.) wait for each."""
     reserve_gb: float = 0.0
     """Memory per device kept free for the framework (context, workspace, fragmentation)."""
     bucket_mb: float = 25.0
@@ -386,6 +392,8 @@ def check_layout(w: Workload, L: Layout) -> str | None:
             ulysses_kv_repeat(spec.heads // L.tp, max(spec.kv_heads // L.tp, 1), u)
         except ValueError as e:
             return str(e)
+    if n_chunks > spec.layers:
+        return f"pp*virtual={n_chunks} chunks exceed layers={spec.layers}"
     if L.stage_layout is None and spec.layers % n_chunks:
         example = stage_layout_text(_uneven(spec.layers, n_chunks))
         return (f"pp*virtual={n_chunks} must divide layers={spec.layers}, or give the blocks "
@@ -591,6 +599,29 @@ def context_parallel_times(w: Workload, t: int, cp: int, b: int, method: str, li
     return fwd, bwd, method == "ring"
 
 
+def gemm_times(hw: Hardware, m: float, k: float, n: float) -> tuple[float, float]:
+    """(forward, backward) seconds of Y = X·W with X (m, k), W (k, n): one GEMM of 2mkn FLOPs
+    forward, two backward (dX = dY·Wᵀ, dW = Xᵀ·dY), each at Hardware.gemm_time."""
+    one = hw.gemm_time(2 * m * k * n)
+    return one, 2 * one
+
+
+def block_matmul_times(spec: ModelSpec, hw: Hardware, tokens: int, t: int,
+                       column_only: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's matrix multiplies on a tensor-parallel rank:
+    QKV (k = h), the output projection (k = h/t), the MLP's input matrices (k = h) and its
+    output matrix (k = f/t) (Shoeybi et al. 2019's column/row split); `column_only`: the
+    column-parallel ones (QKV, the MLP's input matrices)."""
+    h, f = spec.hidden, spec.ffn_hidden
+    column = ((h, (h + 2 * spec.kv_dim) / t), *(((h, f / t),) * (spec.mlp_matrices - 1)))
+    shapes = column if column_only else (*column, (h / t, h), (f / t, h))
+    fwd = bwd = 0.0
+    for k, n in shapes:
+        a, b = gemm_times(hw, tokens, k, n)
+        fwd, bwd = fwd + a, bwd + b
+    return fwd, bwd
+
+
 @lru_cache(maxsize=8192)
 def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
                 cp_method: str = "ring") -> BlockCosts:
@@ -599,8 +630,9 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     e = w.bytes[3]
     s = w.seq_len
     tp_link, cp_link = group_link(hw, t), p2p_link(hw, t * cp)
-    mm, attn = layer_forward_flops(spec, b, s, cp)
-    mm_time = mm / t / hw.matmul_flops
+    _, attn = layer_forward_flops(spec, b, s, cp)
+    mm_time, mm_back = block_matmul_times(spec, hw, b * (s // cp), t)
+    column_back = block_matmul_times(spec, hw, b * (s // cp), t, column_only=True)[1]
     attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
     full_bytes = layer_activation_bytes(spec, b, s, t, sp, "none", w.flash_attention, cp, e)
     score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
@@ -608,6 +640,7 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     mem_time = hw.elementwise_passes * full_bytes / hw.memory_bw
     ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
     fwd = mm_time + attn_time + mem_time + ops_time
+    back = mm_back + 2 * (attn_time + mem_time + ops_time)
     redo = {"none": 0.0,
             "selective": attn_time + hw.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
@@ -621,10 +654,15 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     regather = 2 * allgather_time(act_tensor, t, tp_link) if sp else 0.0
     tp_fwd = 2 * one
     tp_bwd = 2 * one + regather + (2 * one if recompute == "full" else 0.0)
+    if w.tp_async_backward and t > 1:
+        # The row-parallel linears' gradient collectives stay blocking (one each); the
+        # column-parallel ones' (one each, and SP's regathers) hide behind their GEMMs.
+        async_part = one + regather
+        tp_bwd -= async_part - max(0.0, async_part - column_back)
     # Each blocking collective (2 forward and 2 backward; SP: 4 and 4, the regather overlaps)
     # ends a stretch of compute, and waits for the slowest rank of the group.
     syncs = 4 if sp else 2
-    bwd = 2 * fwd + redo
+    bwd = back + redo
     tp_fwd += syncs * straggler_time(hw, t, fwd / syncs)
     tp_bwd += syncs * straggler_time(hw, t, bwd / syncs)
     cp_fwd, cp_bwd, cp_hidden_ok = context_parallel_times(w, t, cp, b, cp_method, cp_link)
@@ -633,7 +671,7 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     if w.tessera_engine and cp == 1:  # what tessera's block saves (engine module)
         act = engine.block_saved_bytes(spec, b, s, t, sp, recompute, e)
         work = engine.block_saved_bytes(spec, b, s, t, sp, "none", e)
-    return BlockCosts(forward=fwd, backward=2 * fwd, recompute=redo, tp_forward=tp_fwd,
+    return BlockCosts(forward=fwd, backward=back, recompute=redo, tp_forward=tp_fwd,
                       tp_backward=tp_bwd,
                       cp_forward=max(0.0, cp_fwd - attn_time) if cp_hidden_ok else cp_fwd,
                       cp_backward=max(0.0, cp_bwd - 2 * attn_time) if cp_hidden_ok else cp_bwd,
@@ -821,10 +859,10 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             ch.tp_hidden += comm * w.tp_overlap
 
     def add_head(ch: ChunkCosts) -> None:
-        head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
-        head = head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw
-        ch.forward_compute += head
-        ch.backward_compute += 2 * head
+        head_f, head_b = gemm_times(hw, tokens, spec.hidden, spec.vocab_size / t)
+        head = hw.elementwise_passes * logits_bytes / hw.memory_bw
+        ch.forward_compute += head_f + head
+        ch.backward_compute += head_b + 2 * head
         if t > 1:  # the loss over split logits all-reduces the b·s row maxima, then the sums
             # of exponentials with the target logits (Shoeybi et al. 2019 §3)
             ch.tp_forward += allreduce_time(4 * tokens, t, tp_link) + allreduce_time(

@@ -25,8 +25,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from tessera.config import ConfigError
 from tessera.pipeline.simulator import StageCosts
-from tessera.planner import engine
+from tessera.pipeline.split import first_last_fewer
 from tessera.planner.cost import (
     GB,
     RECOMPUTE,
@@ -389,7 +390,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
     ZeRO without data parallelism, schedules that :func:`_schedules` leaves out)."""
     n = w.gpus
     spec = w.model
-    tessera = engine.expressible(spec)
+    tessera = w.tessera_engine
     tps = [t for t in (space.tp or divisors(n)) if n % t == 0
            and (tessera or spec.heads % t == 0)
            and (not space.tp_within_node or t <= w.hardware.gpus_per_node)]
@@ -397,7 +398,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
         for cp in [c for c in (space.cp or divisors(n // tp)) if (n // tp) % c == 0]:
             rest = n // (tp * cp)
             for pp in [p for p in (space.pp or divisors(rest)) if rest % p == 0
-                       and (tessera or spec.layers % p == 0)]:
+                       and (tessera or _splits(spec.layers, p) is not False)]:
                 dp = rest // pp
                 if space.dp is not None and dp not in space.dp:
                     continue
@@ -408,13 +409,15 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
                     schedules = (_every_schedule(pp, space) if tessera
                                  else _schedules(pp, m, spec.layers, space))
                     for sched, v in schedules:
+                        stages = None if tessera else _splits(spec.layers, pp * v)
                         for zero, rc, sp, mode, method in itertools.product(
                                 space.zero if tessera or dp * cp > 1 else (0,), space.recompute,
                                 space.sequence_parallel if tp > 1 else (False,),
                                 space.dp_mode, space.cp_method if cp > 1 else ("ring",)):
                             L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=v, micro_batch=b,
                                        zero=zero, recompute=rc, schedule=sched,
-                                       sequence_parallel=sp, dp_mode=mode, cp_method=method)
+                                       sequence_parallel=sp, dp_mode=mode, cp_method=method,
+                                       stage_layout=stages or None)
                             if check_layout(w, L) is None:
                                 yield L
 
@@ -426,6 +429,17 @@ def _every_schedule(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
             yield sched, v
 
 
+def _splits(layers: int, n_chunks: int) -> tuple[int, ...] | None | bool:
+    """How a non-tessera model's layers go on n_chunks chunks: None (evenly), Llama 3's first-
+    and-last-one-fewer split where that is even (``first_last_fewer``), False if neither."""
+    if layers % n_chunks == 0:
+        return None
+    try:
+        return first_last_fewer(layers, n_chunks)
+    except ConfigError:
+        return False
+
+
 def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
     if pp == 1:
         yield "1f1b", 1
@@ -433,7 +447,8 @@ def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tup
     for sched in space.schedule:
         if sched in ("interleaved", "bfs"):
             for v in space.virtual:
-                if layers % (pp * v) or (sched == "interleaved" and (v == 1 or m % pp)):
+                if _splits(layers, pp * v) is False or (sched == "interleaved"
+                                                        and (v == 1 or m % pp)):
                     continue
                 yield sched, v
         elif sched == "naive":
