@@ -257,7 +257,7 @@ class Workload:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
-    @property
+    @cached_property
     def tessera_engine(self) -> bool:
         """Plan with tessera's own rules, split and byte counts (engine module): a model its
         transformer expresses, in a precision it runs, with its own kernels."""
@@ -712,7 +712,11 @@ class ChunkCosts:
     dp_total: float = 0.0
     """Seconds of this chunk's gradient reduction (ZeRO-3: with its parameter all-gathers)."""
     dp_reduce: float = 0.0
-    """The part of dp_total left after the chunk's last backward (what the simulator sees)."""
+    """The part of dp_total left after the chunk's last backward (what the simulator sees;
+    pipelined ZeRO-3: the reduce-scatter at the chunk's REDUCE_GRAD action)."""
+    unshard: float = 0.0
+    """Pipelined ZeRO-3: seconds of one all-gather of the chunk's parameters (its UNSHARD
+    action in ``schedule.add_sharding_actions``; the simulator places and overlaps them)."""
 
     @property
     def forward(self) -> float:
@@ -769,7 +773,8 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
-        L.sequence_parallel, L.zero, L.dp_mode, L.cp_method, chunk_sizes(w, L))
+        L.sequence_parallel, L.zero, L.dp_mode, L.cp_method, chunk_sizes(w, L),
+        zero3_by_actions(L))
     n_chunks = L.pp * L.virtual
     wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if _uniform_middle(chunks) else range(L.pp)
     ranks: dict[int, RankState] = {}
@@ -812,7 +817,7 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
 @lru_cache(maxsize=65536)
 def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                  recompute: str, sp: bool, zero: int, dp_mode: str,
-                 cp_method: str, sizes: tuple[int, ...]
+                 cp_method: str, sizes: tuple[int, ...], by_actions: bool = False
                  ) -> tuple[list[ChunkCosts], float, float, float]:
     """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
     asks for the same chunks under many layouts; the returned chunks are read-only)."""
@@ -938,6 +943,14 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                 ch.zero_backward = exposed_behind(rs, units, bwd, 0) + wait
                 ch.dp_reduce = units * ag  # the parameters, gathered once after the step
                 ch.dp_total = m * (units * rs + wait) + units * ag
+            elif by_actions:
+                # Breadth-first: the schedule's sharding actions say when each chunk is
+                # gathered (twice per step: its forwards, its backwards) and reduced (after
+                # its last backward, while the rank's other chunks still run backward), and
+                # the simulator overlaps them with compute (Lamy-Poirier 2022, §4).
+                ch.unshard = units * ag
+                ch.dp_reduce = units * rs + wait
+                ch.dp_total = 2 * m * ch.unshard + ch.dp_reduce  # at most; the schedule's
             else:
                 depth = w.zero_prefetch
                 ch.zero_forward = exposed_behind(ag, units, fwd, depth, lead=True)
@@ -955,6 +968,14 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             p2p_latency += allgather_time(act, t, tp_link)
     p2p_latency += pp_link.alpha if pp > 1 else 0.0
     return chunks, p2p_latency, p2p_bytes, pp_link.bandwidth
+
+
+def zero3_by_actions(L: Layout) -> bool:
+    """ZeRO-3 under a breadth-first schedule is timed from the schedule's sharding actions
+    (``schedule.add_sharding_actions``, simulated); elsewhere each micro-batch gathers and
+    reduces unit by unit (depth-first runs are single actions: per micro-batch)."""
+    return L.zero >= 3 and L.schedule == "bfs" and L.pp * L.virtual > 1 and (
+        L.dp_mode == "allreduce")
 
 
 def _units_of(ch: ChunkCosts, sizes: tuple[int, ...], chunks: list[ChunkCosts]) -> int:
@@ -1018,9 +1039,13 @@ def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> R
                          optimizer=state["optimizer"],
                          zero3_buffer=pb * sum(largest) if L.zero >= 3 else 0.0,
                          optimizer_time=opt_time)
+    # Gathered at once: two blocks (pp = v = 1, gathered unit by unit), or with several
+    # chunks two whole chunks (the sharding actions gather a chunk per run, one ahead).
+    gathered = (2 * w.model.layer_params / L.tp if L.pp * L.virtual == 1
+                else sum(sorted(ch.params for ch in mine)[-2:]))
     return RankState(
         params=pb * params / (shard if L.zero >= 3 else 1),
         grads=gb * params / (shard if L.zero >= 2 else 1),
         optimizer=ob * stepped,
-        zero3_buffer=2 * pb * w.model.layer_params / L.tp if L.zero >= 3 else 0.0,
+        zero3_buffer=pb * gathered if L.zero >= 3 else 0.0,
         optimizer_time=opt_time)

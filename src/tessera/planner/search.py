@@ -41,6 +41,7 @@ from tessera.planner.cost import (
     model_flops_per_step,
     rank_state,
     shared_cpu_bound,
+    zero3_by_actions,
 )
 from tessera.planner.pipeline import chunk_inflight, inflight, lower_bound, time_pipeline
 
@@ -276,6 +277,13 @@ def _per_chunk(costs: LayoutCosts) -> tuple[list[float], list[float], list[float
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
+def _sharded(est: Estimate) -> int | None:
+    """Breadth-first ZeRO-3 (``cost.zero3_by_actions``): the simulator places the gathers and
+    reductions by the schedule's sharding actions (prefetch depth), else None (the chunk
+    costs carry them per unit and micro-batch)."""
+    return est.workload.zero_prefetch if zero3_by_actions(est.layout) else None
+
+
 def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
     L, costs = est.layout, est.costs
     fs, bs, ds = _per_chunk(costs)
@@ -283,9 +291,10 @@ def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
         forward=fs, backward=bs,
         p2p_latency=costs.p2p_latency if with_p2p else 0.0,
         p2p_bytes=costs.p2p_bytes if with_p2p else 0.0, p2p_bandwidth=costs.p2p_bandwidth,
-        dp_reduce=ds, dp_overlap=costs.dp_overlap)
+        dp_reduce=ds, dp_overlap=costs.dp_overlap,
+        unshard=[ch.unshard for ch in costs.chunks])
     schedule = L.schedule if _pipelined(L) else "1f1b"
-    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs)
+    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs, sharded=_sharded(est))
     est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time,
                         shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time))
     est.makespan = timing.makespan
