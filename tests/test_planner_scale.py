@@ -249,6 +249,10 @@ def test_cli_evaluates_one_layout_with_explain():
     r = runner.invoke(app, ["plan", "--model", "gpt3-175b", "--gpus", "56", "--global-batch",
                             "56", "--layout", "tp=8,pp=7,zebra=1"])
     assert r.exit_code == 2 and "unknown key 'zebra'" in r.output
+    # A search nothing survives names the rule that refused most layouts.
+    r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "3", "--global-batch",
+                            "2", "--tp", "3"])
+    assert r.exit_code == 2 and "most often parallel.tp=3: must divide model.n_heads=32" in r.output
 
 
 def test_breadth_first_overlaps_zero3_with_the_loop():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -389,7 +390,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
+def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace(),
+                      refusals: Counter[str] | None = None) -> Iterator[Layout]:
     """Every layout in `space` that `check_layout` accepts for `w`.
 
     Variants that change nothing are generated once: the schedule of a single chunk (pp = v = 1:
@@ -427,8 +429,11 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
                                        zero=zero, recompute=rc, schedule=sched,
                                        sequence_parallel=sp, dp_mode=mode, cp_method=method,
                                        stage_layout=stages or None)
-                            if check_layout(w, L) is None:
+                            why = check_layout(w, L)
+                            if why is None:
                                 yield L
+                            elif refusals is not None:
+                                refusals[why] += 1
 
 
 def _every_schedule(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
@@ -497,11 +502,15 @@ def search(w: Workload, space: SearchSpace = SearchSpace(), top: int = 10,
            layouts: Iterable[Layout] | None = None) -> Plan:
     """Rank the layouts of `space` (or the given `layouts`) that fit in memory; keep `top`."""
     t0 = time.perf_counter()
-    candidates = list(layouts) if layouts is not None else list(enumerate_layouts(w, space))
+    refusals: Counter[str] = Counter()
+    candidates = (list(layouts) if layouts is not None
+                  else list(enumerate_layouts(w, space, refusals)))
     if not candidates:
-        raise PlanError(f"no layout of {w.gpus} GPUs divides the model ({w.model.name}: "
-                        f"{w.model.layers} layers, {w.model.heads} heads) and the global batch "
-                        f"{w.global_batch}; try another --gpus or --global-batch")
+        why = "; ".join(f"{reason} ({n} layouts)" for reason, n in refusals.most_common(2))
+        raise PlanError(f"no layout of {w.gpus} GPUs can run {w.model.name} ({w.model.layers} "
+                        f"layers, {w.model.heads} heads) at global batch {w.global_batch}"
+                        + (f": most often {why}" if why else "")
+                        + "; try another --gpus or --global-batch")
     capacity = w.hardware.memory_bytes - w.reserve_gb * GB
     fitting: list[Estimate] = []
     smallest: Estimate | None = None
