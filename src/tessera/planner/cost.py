@@ -950,7 +950,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                 # the simulator overlaps them with compute (Lamy-Poirier 2022, §4).
                 ch.unshard = units * ag
                 ch.dp_reduce = units * rs + wait
-                ch.dp_total = 2 * m * ch.unshard + ch.dp_reduce  # at most; the schedule's
+                ch.dp_total = 2 * ch.unshard + ch.dp_reduce  # gathered twice per step
             else:
                 depth = w.zero_prefetch
                 ch.zero_forward = exposed_behind(ag, units, fwd, depth, lead=True)

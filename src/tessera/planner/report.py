@@ -105,7 +105,7 @@ def explain(plan: Plan) -> str:
              f"  step {best.step_time:.4g} s on the busiest pipeline rank:"]
     for key, label in LABELS.items():
         value = parts[key]
-        if key == "time_sharing" and value <= 0:
+        if key == "time_sharing" and value <= 1e-9 * best.step_time:  # float rounding
             continue
         hidden = parts.get(key.replace("_comm", "_hidden")) if key.endswith("_comm") else None
         extra = f"   (exposed; {hidden:.4g} s hidden behind compute)" if hidden else ""
