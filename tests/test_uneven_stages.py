@@ -18,7 +18,13 @@ from cli_errors import cli_error
 from tessera.config import ConfigError, make_config
 from tessera.model import build_model, cross_entropy
 from tessera.pipeline.split import first_last_fewer, parse_stage_layout
-from tessera.planner.cost import Layout, Workload, check_layout, stage_layout_text
+from tessera.planner.cost import (
+    Layout,
+    Workload,
+    check_layout,
+    chunk_sizes,
+    stage_layout_text,
+)
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
 from tessera.planner.search import PlanError, estimate
@@ -76,6 +82,11 @@ def test_planner_expresses_llama3_405b_on_16_stages():
     est = estimate(w, L, simulate=False)
     blocks = [c.params for c in est.costs.chunks]
     assert blocks[1] == blocks[14] and blocks[0] < blocks[1] and blocks[15] > blocks[0]
+    # tessera's own split keeps every block with context parallelism too (it used to fall back
+    # to 126 // 16 = 7 blocks per stage: 112 of 126).
+    long = Workload(model=load_model("llama3-405b"), hardware=load_hardware("H100"),
+                    gpus=16384, global_batch=128, seq_len=131072)
+    assert sum(chunk_sizes(long, Layout(dp=8, tp=8, pp=16, cp=16))) == 126
     gpt = Workload(model=load_model("gpt3-175b"), hardware=load_hardware("A100"), gpus=56,
                    global_batch=56, seq_len=2048)
     with pytest.raises(PlanError, match=r"pp\*virtual=7 must divide layers=96, or give the "

@@ -338,7 +338,7 @@ def chunk_sizes(w: Workload, L: Layout) -> tuple[int, ...]:
     if L.stage_layout:
         return L.stage_layout
     n = L.pp * L.virtual
-    if w.tessera_engine and L.cp == 1:
+    if w.tessera_engine:  # tessera's split, with or without context parallelism
         return engine.blocks_per_chunk(w.model, n, w.seq_len)
     return (w.model.layers // n,) * n
 
