@@ -64,7 +64,10 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
 - data parallelism: one all-reduce of the gradients per step (Li et al. 2020, PyTorch DDP),
   bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
   it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
-  all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7);
+  all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7). Priced per unit
+  (bucket, block) on the link the group crosses, and exposed only where compute cannot cover
+  it (:func:`exposed_behind`); breadth-first ZeRO-3 is placed by the schedule's sharding
+  actions and simulated (:func:`zero3_by_actions`);
 - context parallelism (``tessera.parallel.context_parallel``, the bytes of its
   ``bytes_per_layer``): ring attention (Liu et al. 2023) passes a K/V block of b·(s/c)·kv in
   each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
@@ -81,7 +84,10 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   point-to-point costs and each chunk's data-parallel reduction, and returns step time,
   bubble and exposed DP time; the optimizer step (memory-bound) is added after.
 
-Compute time of a chunk: matrix multiplies at ``peak · matmul_efficiency``; attention at the
+Compute time of a chunk: each matrix multiply at ``peak · matmul_efficiency`` plus a fixed
+``matmul_tail_us`` (its shape dependence: :func:`gemm_times`, :func:`block_matmul_times`); an
+extra per-layer term (e.g. a mixture-of-experts layer's) belongs in :func:`block_costs`,
+which every chunk multiplies by its blocks; attention at the
 attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
 memory-bound kernels move every stored activation byte ``hardware.elementwise_passes`` times
 (2 with fused kernels: written by the kernel that makes it, read by the one that consumes it)
