@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.planner.cost import GB
-from tessera.planner.search import Estimate, Plan, pipeline_comm_exposed
+from tessera.planner.search import Estimate, Plan, gather_waits_exposed, pipeline_comm_exposed
 
 AXES = (("dp", "data parallel"), ("tp", "tensor parallel"), ("pp", "pipeline parallel"),
         ("cp", "context parallel"), ("virtual", "virtual stages"),
@@ -80,10 +80,12 @@ def breakdown(e: Estimate) -> dict[str, float]:
     """The step split into causes that sum to the step time (PP comm from two simulations)."""
     b = e.breakdown()
     pp = pipeline_comm_exposed(e) if e.layout.pp > 1 else 0.0
+    gathers = min(gather_waits_exposed(e), max(0.0, b["bubble"] - pp))
     return {
-        "compute": b["compute"], "recompute": b["recompute"], "bubble": b["bubble"] - pp,
+        "compute": b["compute"], "recompute": b["recompute"],
+        "bubble": b["bubble"] - pp - gathers,
         "tp_comm": b["tp_comm"], "cp_comm": b["cp_comm"], "pp_comm": pp,
-        "dp_comm": b["dp_exposed"], "optimizer": b["optimizer"],
+        "dp_comm": b["dp_exposed"] + gathers, "optimizer": b["optimizer"],
         "time_sharing": b["time_sharing"],
         "tp_hidden": b["tp_hidden"], "cp_hidden": b["cp_hidden"], "dp_hidden": b["dp_hidden"],
     }

@@ -285,7 +285,7 @@ def _sharded(est: Estimate) -> int | None:
     return est.workload.zero_prefetch if zero3_by_actions(est.layout) else None
 
 
-def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
+def run_simulation(est: Estimate, with_p2p: bool = True, with_gathers: bool = True) -> None:
     L, costs = est.layout, est.costs
     fs, bs, ds = _per_chunk(costs)
     sim_costs = StageCosts(
@@ -293,7 +293,7 @@ def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
         p2p_latency=costs.p2p_latency if with_p2p else 0.0,
         p2p_bytes=costs.p2p_bytes if with_p2p else 0.0, p2p_bandwidth=costs.p2p_bandwidth,
         dp_reduce=ds, dp_overlap=costs.dp_overlap,
-        unshard=[ch.unshard for ch in costs.chunks])
+        unshard=[ch.unshard if with_gathers else 0.0 for ch in costs.chunks])
     schedule = L.schedule if _pipelined(L) else "1f1b"
     timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs, sharded=_sharded(est))
     est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time,
@@ -309,6 +309,16 @@ def pipeline_comm_exposed(est: Estimate) -> float:
     minus without them (two simulations; used by --explain)."""
     free = replace(est)
     run_simulation(free, with_p2p=False)
+    return max(0.0, est.makespan - free.makespan)
+
+
+def gather_waits_exposed(est: Estimate) -> float:
+    """Seconds breadth-first ZeRO-3's simulated parameter gathers keep compute waiting inside
+    the makespan: with them minus without them (two simulations; used by --explain)."""
+    if _sharded(est) is None:
+        return 0.0
+    free = replace(est)
+    run_simulation(free, with_gathers=False)
     return max(0.0, est.makespan - free.makespan)
 
 
@@ -547,4 +557,5 @@ def fixed(w: Workload, **degrees) -> Estimate:
 
 
 __all__ = ["Estimate", "Memory", "Plan", "PlanError", "SearchSpace", "enumerate_layouts",
-           "estimate", "fixed", "memory_by_rank", "search", "replace", "pipeline_comm_exposed"]
+           "estimate", "fixed", "memory_by_rank", "search", "replace", "pipeline_comm_exposed",
+           "gather_waits_exposed"]
