@@ -111,6 +111,8 @@ def train(
         help="Micro-batches per step per dp rank (gradient accumulation; the pipeline's m).")
     ] = None,
     virtual: Annotated[int | None, typer.Option(help="Virtual stages per pipeline rank.")] = None,
+    stage_layout: Annotated[str | None, typer.Option(
+        help="Blocks per pipeline chunk, e.g. '7,8*14,7' (default: cost-balanced).")] = None,
     recompute: Annotated[str | None, typer.Option(
         help="Activation recomputation: none, selective (attention core), full (each block).")
     ] = None,
@@ -151,7 +153,8 @@ def train(
                          bucket_mb=bucket_mb, allreduce_algorithm=allreduce_algorithm,
                          max_staleness=max_staleness,
                          sequence_parallel=sequence_parallel, schedule=schedule,
-                         virtual_stages=virtual, recompute=recompute),
+                         virtual_stages=virtual, recompute=recompute,
+                         stage_layout=stage_layout),
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,

@@ -175,6 +175,10 @@ class ParallelConfig:
     """Asynchronous parameter server: the most server versions a gradient may lag behind."""
     recompute: str = "none"
     """Activation recomputation: 'none', 'selective' (attention core) or 'full' (whole block)."""
+    stage_layout: str = ""
+    """Blocks in each of the pp*virtual_stages pipeline chunks, comma-separated, `N*k` for k
+    chunks of N (Llama 3 405B: '7,8*14,7', the first and last stages one block fewer for the
+    embedding and the head); empty: tessera's cost-balanced split."""
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "dp", "tp", "pp", "cp", "ep", "virtual_stages",

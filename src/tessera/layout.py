@@ -72,6 +72,15 @@ def check_layout(cfg: Config) -> None:
     _require(n_chunks <= m.n_layers, "parallel.pp", p.pp,
              f"pp*virtual_stages={n_chunks} stages exceed model.n_layers={m.n_layers} "
              "(each stage needs a block)")
+    if p.stage_layout:
+        from tessera.pipeline.split import parse_stage_layout
+
+        sizes = parse_stage_layout(p.stage_layout)
+        _require(len(sizes) == n_chunks, "parallel.stage_layout", p.stage_layout,
+                 f"gives {len(sizes)} chunks; needs one per chunk, pp*virtual_stages="
+                 f"{n_chunks}")
+        _require(sum(sizes) == m.n_layers, "parallel.stage_layout", p.stage_layout,
+                 f"holds {sum(sizes)} blocks; must add up to model.n_layers={m.n_layers}")
     from tessera.pipeline.schedules import SCHEDULES, check_schedule
 
     if p.pp > 1 or p.virtual_stages > 1:

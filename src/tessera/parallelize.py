@@ -73,6 +73,7 @@ from tessera.parallel.zero_state import (
 from tessera.pipeline.partition import Chunk, partition
 from tessera.pipeline.schedule import Schedule, add_sharding_actions, validate
 from tessera.pipeline.schedules import build_schedule, is_breadth_first
+from tessera.pipeline.split import parse_stage_layout
 from tessera.topology import Topology
 
 
@@ -402,7 +403,9 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
     pp_rank = topo.coords()["pp"]
     seed = cfg.train.seed
     initial = initial_values(cfg)
-    specs = partition(cfg.model, schedule.n_chunks, cfg.data.seq_len)
+    specs = partition(cfg.model, schedule.n_chunks, cfg.data.seq_len,
+                      split=parse_stage_layout(cfg.parallel.stage_layout)
+                      if cfg.parallel.stage_layout else None)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     chunks: dict[int, Chunk] = {}
     for c in schedule.chunks_of(pp_rank):

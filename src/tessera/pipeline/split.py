@@ -68,6 +68,35 @@ def balance(costs: Sequence[float], n_chunks: int, first_extra: float = 0.0,
     return sizes
 
 
+def parse_stage_layout(text: str, field: str = "parallel.stage_layout") -> tuple[int, ...]:
+    """'7,8*14,7' -> (7, 8, ..., 8, 7): blocks per chunk, `N*k` repeating N k times."""
+    sizes: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        count, star, times = part.partition("*")
+        try:
+            n, k = int(count), int(times) if star else 1
+        except ValueError:
+            raise ConfigError(field, text, "must be comma-separated block counts, N*k for k "
+                              "chunks of N blocks (e.g. '7,8*14,7')") from None
+        if n < 1 or k < 1:
+            raise ConfigError(field, text, "every chunk needs at least one block (N >= 1, "
+                              "k >= 1 in N*k)")
+        sizes += [n] * k
+    return tuple(sizes)
+
+
+def first_last_fewer(layers: int, n_chunks: int) -> tuple[int, ...]:
+    """Llama 3's rule (Grattafiori et al. 2024, §3.3.2): the first and the last chunk hold one
+    block fewer than the others (they also hold the embedding and the LM head), so
+    layers + 2 must split evenly: 126 blocks on 16 stages are 7, 8 x 14, 7."""
+    if n_chunks < 2 or (layers + 2) % n_chunks or (layers + 2) // n_chunks < 2:
+        raise ConfigError("stage_layout", f"first-last-fewer ({layers} layers, {n_chunks} "
+                          "chunks)", "needs layers + 2 divisible by the chunks, with at "
+                          "least 2 blocks per middle chunk")
+    per = (layers + 2) // n_chunks
+    return (per - 1,) + (per,) * (n_chunks - 2) + (per - 1,)
+
+
 def block_split(cfg: ModelConfig, n_chunks: int, seq_len: int | None = None,
                 split: Sequence[int] | None = None) -> list[int]:
     """Blocks in each of the n_chunks chunks: balanced by estimated cost, or `split`."""

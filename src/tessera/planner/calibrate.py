@@ -10,7 +10,11 @@ What is measured:
 
 - the matrix-multiply rate at the model's shapes: every forward and backward GEMM of one block
   (x·Wᵀ, dY·W, dYᵀ·x for Q, K, V, O and the MLP) on b·s tokens, total FLOPs over total time;
-  stored as ``peak_tflops`` with ``matmul_efficiency = 1``;
+  stored as ``peak_tflops`` with ``matmul_efficiency = 1``; timed again on b·s/8 tokens, the
+  two totals give the shape dependence ``t = F/rate + n·tail`` (n GEMMs): ``peak_tflops`` is
+  then the rate of large GEMMs and ``matmul_tail_us`` the fixed time per GEMM (both reproduce
+  the model's shapes exactly; a tail that comes out negative, small GEMMs running faster per
+  FLOP in cache, is stored as 0 with the rate at the model's shapes);
 - the attention rate: ``scaled_dot_product_attention`` forward and backward with the model's
   heads, causal, converted to the rate that makes the cost model's attention term (half the
   4·b·s²·h FLOPs for a causal kernel, backward twice the forward) reproduce the time;
@@ -105,7 +109,29 @@ def _typical_time(fn: Callable[[], object], repeats: int = 11, warmup: int = 2) 
 
 def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     """FLOP/s of one block's forward and backward GEMMs at the model's shapes."""
-    tokens = micro_batch * seq
+    flops, seconds, _ = matmul_totals(spec, micro_batch * seq)
+    return flops / seconds
+
+
+def matmul_curve(spec: ModelSpec, seq: int, micro_batch: int) -> tuple[float, float]:
+    """(large-GEMM FLOP/s, fixed seconds per GEMM) from the block's GEMMs on b·s and b·s/8
+    tokens (module docstring); (rate at the model's shapes, 0) if the tail is not positive."""
+    f1, t1, _ = matmul_totals(spec, micro_batch * seq)
+    f2, t2, _ = matmul_totals(spec, max(1, micro_batch * seq // 8))
+    # Per GEMM as the cost model counts them (cost.block_matmul_times: QKV as one GEMM, the
+    # output projection, the MLP's matrices; forward and two backward each), so that the
+    # model reproduces the measured total at the model's shapes.
+    n = 3 * (2 + spec.mlp_matrices)
+    if t1 > t2 and f1 > f2:
+        rate = (f1 - f2) / (t1 - t2)
+        tail = (t1 - f1 / rate) / n
+        if tail > 0:
+            return rate, tail
+    return f1 / t1, 0.0
+
+
+def matmul_totals(spec: ModelSpec, tokens: int) -> tuple[float, float, int]:
+    """(FLOPs, seconds, GEMMs) of one block's forward and backward GEMMs on `tokens`."""
     h = spec.hidden
     shapes = [(h, h), (h, spec.kv_dim), (h, spec.kv_dim), (h, h)]
     shapes += [(h, spec.ffn_hidden)] * (spec.mlp_matrices - 1) + [(spec.ffn_hidden, h)]
@@ -123,7 +149,7 @@ def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
 
         total_s += _typical_time(run)
         total_flops += flops
-    return total_flops / total_s
+    return total_flops, total_s, 3 * len(shapes)
 
 
 def attention_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
@@ -243,6 +269,7 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
     torch.set_num_threads(1)
     try:
         mm = matmul_rate(spec, seq, micro_batch)
+        large, tail = matmul_curve(spec, seq, micro_batch)
         attn = attention_rate(spec, seq, micro_batch)
         bw = memory_bandwidth(spec, seq, micro_batch)
         overhead = op_overhead()
@@ -251,7 +278,7 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
-            "jitter": noise}
+            "jitter": noise, "mm_large": large, "mm_tail": tail}
 
 
 def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
@@ -320,7 +347,7 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
     results = run_ranks(_calibration_worker, ranks, args=(spec, seq, micro_batch, device),
                         timeout=600, backend=backend)
     out = dict(results[0])
-    for key in ("mm", "attn", "bw", "overhead", "passes", "jitter"):
+    for key in ("mm", "attn", "bw", "overhead", "passes", "jitter", "mm_large", "mm_tail"):
         out[key] = statistics.median(r[key] for r in results)
     return out
 
@@ -335,12 +362,13 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
     """Measure this machine at `spec`'s shapes on `device` over `backend` (module docstring)."""
     load = os.getloadavg()[0]
     r = measure(spec, seq, micro_batch, ranks, device, backend)
-    mm, attn, bw, overhead, passes = r["mm"], r["attn"], r["bw"], r["overhead"], r["passes"]
+    attn, bw, overhead, passes = r["attn"], r["bw"], r["overhead"], r["passes"]
     p2p_alpha, p2p_beta, alpha, beta = r["p2p_alpha"], r["p2p_beta"], r["alpha"], r["beta"]
     cores = os.cpu_count() or 1
     link_gbs = 1.0 / beta / 1e9
     return Hardware(
-        name=name, peak_tflops=mm / 1e12, matmul_efficiency=1.0,
+        name=name, peak_tflops=r["mm_large"] / 1e12, matmul_efficiency=1.0,
+        matmul_tail_us=r["mm_tail"] * 1e6,
         attention_tflops=attn / 1e12, memory_gb=physical_memory_bytes() / cores / 1e9,
         memory_bw_gbs=bw / 1e9, intra_node_gbs=link_gbs, inter_node_gbs=link_gbs,
         gpus_per_node=LOCAL_RANKS, cores=cores, intra_node_alpha_us=alpha * 1e6,

@@ -2,6 +2,8 @@
 
     tessera plan --model NAME|FILE --gpus N --hardware NAME|FILE --global-batch B --seq S
                  [--top K] [--explain] [--json] [--plot PNG] [--tokens T]
+    tessera plan ... --layout "dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp"
+                 [--explain]      (evaluate one layout instead of searching)
     tessera plan calibrate [--model NAME|FILE] [--out FILE]   (default runs/local_hardware.toml)
 
 Bad input (an unknown model or hardware, a request no layout can satisfy) prints one line,
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Annotated
 
 import typer
@@ -51,6 +54,63 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual",
+               "virtual": "virtual", "mb": "micro_batch", "b": "micro_batch",
+               "micro_batch": "micro_batch", "zero": "zero", "recompute": "recompute",
+               "schedule": "schedule", "sp": "sequence_parallel", "cp_method": "cp_method",
+               "dp_mode": "dp_mode", "stages": "stage_layout", "stage_layout": "stage_layout"}
+INT_KEYS = ("dp", "tp", "pp", "cp", "virtual", "micro_batch", "zero")
+
+
+def parse_layout(text: str, gpus: int, layers: int):
+    """``--layout "dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp"`` as a Layout.
+
+    Keys: dp, tp, pp, cp, v, mb (or b), zero, recompute, schedule, sp (a flag, or sp=0/1),
+    cp_method, dp_mode, stages (blocks per chunk, '7,8*14,7', or 'first-last-fewer'). dp
+    defaults to what the GPUs leave, the schedule to interleaved when v > 1, else 1f1b."""
+    from tessera.pipeline.split import first_last_fewer, parse_stage_layout
+    from tessera.planner.cost import Layout
+
+    fields: dict[str, object] = {}
+    last = None
+    for token in (t.strip() for t in text.split(",") if t.strip()):
+        key, eq, value = token.partition("=")
+        key = key.strip().lower()
+        if not eq and last == "stage_layout" and key[:1].isdigit():
+            fields["stage_layout"] = f"{fields['stage_layout']},{token}"  # '7,8*14,7'
+            continue
+        if key not in LAYOUT_KEYS:
+            raise ConfigError("--layout", token, f"unknown key {key!r}; known: "
+                              f"{', '.join(sorted(LAYOUT_KEYS))}")
+        name = LAYOUT_KEYS[key]
+        last = name
+        if name == "sequence_parallel":
+            if eq and value.strip() not in ("0", "1", "true", "false"):
+                raise ConfigError("--layout", token, "sp is a flag (sp, sp=1 or sp=0)")
+            fields[name] = not eq or value.strip() in ("1", "true")
+        elif name in INT_KEYS:
+            try:
+                fields[name] = int(value)
+            except ValueError:
+                raise ConfigError("--layout", token, f"{key} must be an integer") from None
+        else:
+            fields[name] = value.strip()
+    stages = fields.pop("stage_layout", None)
+    t, p, c = (int(fields.get(k, 1)) for k in ("tp", "pp", "cp"))  # type: ignore[call-overload]
+    if "dp" not in fields:
+        if gpus % (t * p * c):
+            raise ConfigError("--layout", text, f"tp*pp*cp={t * p * c} must divide --gpus "
+                              f"{gpus} (or give dp=)")
+        fields["dp"] = gpus // (t * p * c)
+    v = int(fields.get("virtual", 1))  # type: ignore[call-overload]
+    fields.setdefault("schedule", "interleaved" if v > 1 else "1f1b")
+    if stages:
+        fields["stage_layout"] = (first_last_fewer(layers, p * v)
+                                  if stages == "first-last-fewer"
+                                  else parse_stage_layout(str(stages), "--layout stages"))
+    return Layout(**fields)  # type: ignore[arg-type]
+
+
 def _cp_methods(text: str) -> tuple[str, ...]:
     methods = tuple(x.strip() for x in text.split(","))
     for method in methods:
@@ -82,7 +142,17 @@ def plan(
         help="Write a PNG of predicted throughput against each degree.")] = None,
     tokens: Annotated[float | None, typer.Option(
         help="Training tokens, for the days-to-train column.")] = None,
-    precision: Annotated[str, typer.Option(help="bf16 (mixed) or fp32.")] = "bf16",
+    precision: Annotated[str, typer.Option(
+        help="Model-state recipe: bf16 (bf16 params, fp32 master + Adam: 16 B/param), "
+             "bf16-fp32grads (and fp32 gradients: 18 B, Megatron-LM's default), bf16-states "
+             "(bf16 Adam moments: 12 B), fp32 (16 B).")] = "bf16",
+    kernels: Annotated[str, typer.Option(
+        help="Activation bytes of Llama-form models: tessera (its reference block) or fused "
+             "(Megatron-LM / Llama 3 kernels, Korthikanti et al. 2022).")] = "tessera",
+    layout: Annotated[str | None, typer.Option(
+        help="Evaluate this one layout instead of searching, e.g. "
+             "'dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp' (also cp, "
+             "cp_method, schedule, stages=7,8*14,7 or stages=first-last-fewer).")] = None,
     flash_attention: Annotated[bool, typer.Option(
         "--flash-attention/--no-flash-attention",
         help="Attention without stored s x s scores.")] = True,
@@ -109,7 +179,7 @@ def plan(
     from tessera.planner.report import describe_workload, table, to_json
     from tessera.planner.report import explain as explain_plan
     from tessera.planner.report import plot as plot_plan
-    from tessera.planner.search import PlanError, SearchSpace, search
+    from tessera.planner.search import Plan, PlanError, SearchSpace, estimate, search
 
     try:
         for name, value in (("--model", model), ("--gpus", gpus),
@@ -122,11 +192,19 @@ def plan(
         hw = load_hardware(hardware)
         w = Workload(model=spec, hardware=hw, gpus=gpus, global_batch=global_batch,
                      seq_len=seq or spec.max_seq_len, precision=precision,
-                     flash_attention=flash_attention, reserve_gb=reserve_gb)
-        space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"), dp=_degrees(dp, "dp"),
-                            cp=_degrees(cp, "cp"), dp_mode=_modes(dp_mode),
-                            cp_method=_cp_methods(cp_method))
-        result = search(w, space, top=max(top, 30) if plot else top)
+                     flash_attention=flash_attention, reserve_gb=reserve_gb, kernels=kernels)
+        if layout is not None:
+            if plot:
+                raise ConfigError("--plot", plot, "needs a search, not one --layout")
+            t0 = time.perf_counter()
+            est = estimate(w, parse_layout(layout, w.gpus, spec.layers))
+            result = Plan(workload=w, ranked=[est], considered=1, simulated=1,
+                          fitting=int(est.headroom >= 0), seconds=time.perf_counter() - t0)
+        else:
+            space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"),
+                                dp=_degrees(dp, "dp"), cp=_degrees(cp, "cp"),
+                                dp_mode=_modes(dp_mode), cp_method=_cp_methods(cp_method))
+            result = search(w, space, top=max(top, 30) if plot else top)
     except (ConfigError, PlanError) as e:
         raise _fail(str(e)) from None
     shown = result.ranked[:top]
@@ -140,8 +218,14 @@ def plan(
         print(json.dumps(out, indent=1))
         return
     print(describe_workload(result))
-    print(f"{result.considered} layouts considered, {result.fitting} fit in memory, "
-          f"{result.simulated} simulated, {result.seconds:.2f} s\n")
+    if layout is not None:
+        best = result.best
+        fits = "fits" if best.headroom >= 0 else "does NOT fit"
+        print(f"one layout evaluated: {best.layout.describe()} ({fits} in "
+              f"{w.hardware.memory_gb:g} GB)\n")
+    else:
+        print(f"{result.considered} layouts considered, {result.fitting} fit in memory, "
+              f"{result.simulated} simulated, {result.seconds:.2f} s\n")
     print(table(result, tokens))
     if explain:
         print()

@@ -64,7 +64,10 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
 - data parallelism: one all-reduce of the gradients per step (Li et al. 2020, PyTorch DDP),
   bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
   it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
-  all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7);
+  all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7). Priced per unit
+  (bucket, block) on the link the group crosses, and exposed only where compute cannot cover
+  it (:func:`exposed_behind`); breadth-first ZeRO-3 is placed by the schedule's sharding
+  actions and simulated (:func:`zero3_by_actions`);
 - context parallelism (``tessera.parallel.context_parallel``, the bytes of its
   ``bytes_per_layer``): ring attention (Liu et al. 2023) passes a K/V block of b·(s/c)·kv in
   each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
@@ -81,7 +84,10 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   point-to-point costs and each chunk's data-parallel reduction, and returns step time,
   bubble and exposed DP time; the optimizer step (memory-bound) is added after.
 
-Compute time of a chunk: matrix multiplies at ``peak · matmul_efficiency``; attention at the
+Compute time of a chunk: each matrix multiply at ``peak · matmul_efficiency`` plus a fixed
+``matmul_tail_us`` (its shape dependence: :func:`gemm_times`, :func:`block_matmul_times`); an
+extra per-layer term (e.g. a mixture-of-experts layer's) belongs in :func:`block_costs`,
+which every chunk multiplies by its blocks; attention at the
 attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
 memory-bound kernels move every stored activation byte ``hardware.elementwise_passes`` times
 (2 with fused kernels: written by the kernel that makes it, read by the one that consumes it)
@@ -91,6 +97,7 @@ kernel (zero on GPUs in the catalog).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from statistics import NormalDist
@@ -108,9 +115,24 @@ OPS_PER_TENSOR_ADAMW = 12
 
 PRECISIONS = {
     # name: (parameter, gradient, optimizer-state bytes per parameter; activation bytes)
-    "bf16": (2, 2, 12, 2),  # mixed precision: fp32 master weights, momentum, variance
+    "bf16": (2, 2, 12, 2),  # mixed precision: fp32 master weights, momentum, variance (16 B;
+    # Rajbhandari et al. 2020 §3.1)
+    "bf16-fp32grads": (2, 4, 12, 2),  # as above with fp32 gradient accumulation (18 B:
+    # Megatron-LM's default, --accumulate-allreduce-grads-in-fp32)
+    "bf16-states": (2, 2, 8, 2),  # fp32 master weights, bf16 momentum and variance (12 B)
     "fp32": (4, 4, 8, 4),  # everything fp32: Adam momentum and variance only
 }
+TESSERA_PRECISIONS = ("bf16", "fp32")
+"""The recipes tessera's runtime implements (``train.precision``); the others are planned with
+the closed forms."""
+KERNELS = ("tessera", "fused")
+"""Whose activation bytes a tessera-expressible model is planned with: tessera's reference
+block ('tessera': fp32 norm copies, unfused SwiGLU) or fused kernels as in Megatron-LM and
+Llama 3's training ('fused': Korthikanti et al. 2022's tensor count)."""
+FLOP_CONVENTIONS = ("causal", "full")
+"""How the attention score FLOPs are counted: 'full' s² per sequence, as Megatron-LM (Narayanan
+et al. 2021, eq. 3) and the PaLM appendix count; 'causal' half of it, the products a causal
+mask leaves, as Llama 3 (Grattafiori et al. 2024, Table 4) and most MFU reports count."""
 RECOMPUTE = ("none", "selective", "full")
 GB = 1e9
 
@@ -180,10 +202,22 @@ class Workload:
     """Pipeline sends b·s·h/t per tensor-parallel rank (Narayanan et al. 2021 §4.1)."""
     tp_overlap: float = 0.0
     """Fraction of tensor-parallel communication hidden behind compute (0: Megatron 2021)."""
+    tp_async_backward: bool = False
+    """Megatron-LM from 2022 on (Korthikanti et al. 2022 §4.2.2; Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication): in the backward of a column-parallel
+    linear the input's all-gather (sequence parallel) runs during the input-gradient GEMM and
+    the input gradient's reduce-scatter (or all-reduce) during the weight-gradient GEMM.
+    tessera's runtime and Megatron-LM 2021 (Narayanan et al.) wait for each."""
     reserve_gb: float = 0.0
     """Memory per device kept free for the framework (context, workspace, fragmentation)."""
     bucket_mb: float = 25.0
     """Gradient bucket of the data-parallel reduction in MiB (PyTorch DDP's default)."""
+    kernels: str = "tessera"
+    """See KERNELS: only changes tessera-expressible models (their activation bytes, split
+    and layout rules become the catalog's closed forms when 'fused')."""
+    zero_prefetch: int = 1
+    """ZeRO-3 units gathered ahead of the one computing (FSDP's and tessera's one-ahead
+    prefetch); 0 gathers each unit only when it is needed."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "global_batch", "seq_len"):
@@ -196,6 +230,10 @@ class Workload:
                               f"must be one of {', '.join(PRECISIONS)}")
         if not 0.0 <= self.tp_overlap <= 1.0:
             raise ConfigError("tp_overlap", self.tp_overlap, "must be in [0, 1]")
+        if self.kernels not in KERNELS:
+            raise ConfigError("--kernels", self.kernels, f"must be one of {', '.join(KERNELS)}")
+        if not (isinstance(self.zero_prefetch, int) and self.zero_prefetch >= 0):
+            raise ConfigError("zero_prefetch", self.zero_prefetch, "must be an integer >= 0")
 
     def __hash__(self) -> int:  # hashed on every cached block-cost lookup: compute it once
         return self._hash
@@ -225,6 +263,13 @@ class Workload:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
+    @cached_property
+    def tessera_engine(self) -> bool:
+        """Plan with tessera's own rules, split and byte counts (engine module): a model its
+        transformer expresses, in a precision it runs, with its own kernels."""
+        return (engine.expressible(self.model) and self.kernels == "tessera"
+                and self.precision in TESSERA_PRECISIONS)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
@@ -248,6 +293,9 @@ class Layout:
     cp_method: str = "ring"
     """Context-parallel attention (tessera.parallel.context_parallel): ring, allgather,
     ulysses or hybrid (Ulysses over 2 ranks, ring across)."""
+    stage_layout: tuple[int, ...] | None = None
+    """Blocks in each of the pp·v chunks (uneven stages, e.g. Llama 3's 7, 8 x 14, 7); None:
+    tessera's cost-balanced split for tessera models, l/(p·v) each for the others."""
 
     @property
     def gpus(self) -> int:
@@ -268,12 +316,37 @@ class Layout:
             text += f" {self.dp_mode}"
         if self.cp > 1 and self.cp_method != "ring":
             text += f" cp_method={self.cp_method}"
+        if self.stage_layout:
+            text += f" stages={stage_layout_text(self.stage_layout)}"
         return text
 
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
                 self.recompute, self.schedule, self.sequence_parallel, self.dp_mode,
-                self.cp_method)
+                self.cp_method, self.stage_layout)
+
+
+def stage_layout_text(sizes: tuple[int, ...]) -> str:
+    """(7, 8, ..., 8, 7) -> '7,8*14,7' (parallel.stage_layout's form)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and sizes[j] == sizes[i]:
+            j += 1
+        parts.append(f"{sizes[i]}*{j - i}" if j - i > 1 else str(sizes[i]))
+        i = j
+    return ",".join(parts)
+
+
+def chunk_sizes(w: Workload, L: Layout) -> tuple[int, ...]:
+    """Blocks per chunk: the layout's own stage layout, tessera's split, or l/(p·v) each."""
+    if L.stage_layout:
+        return L.stage_layout
+    n = L.pp * L.virtual
+    if w.tessera_engine:  # tessera's split, with or without context parallelism
+        return engine.blocks_per_chunk(w.model, n, w.seq_len)
+    return (w.model.layers // n,) * n
 
 
 def check_layout(w: Workload, L: Layout) -> str | None:
@@ -288,7 +361,14 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     if w.global_batch % (L.dp * L.micro_batch):
         return f"dp*micro_batch={L.dp * L.micro_batch} must divide the global batch " \
                f"{w.global_batch}"
-    if engine.expressible(spec):
+    n_chunks = L.pp * L.virtual
+    if L.stage_layout is not None:
+        sizes = L.stage_layout
+        if len(sizes) != n_chunks or min(sizes) < 1 or sum(sizes) != spec.layers:
+            return (f"stage_layout={stage_layout_text(sizes)} must give pp*virtual={n_chunks} "
+                    f"chunks of at least one block adding up to layers={spec.layers} (it "
+                    f"gives {len(sizes)} chunks, {sum(sizes)} blocks)")
+    if w.tessera_engine:
         return engine.refusal(w, L)
     if L.recompute not in RECOMPUTE:
         return f"recompute={L.recompute!r} must be one of {', '.join(RECOMPUTE)}"
@@ -318,8 +398,12 @@ def check_layout(w: Workload, L: Layout) -> str | None:
             ulysses_kv_repeat(spec.heads // L.tp, max(spec.kv_heads // L.tp, 1), u)
         except ValueError as e:
             return str(e)
-    if spec.layers % (L.pp * L.virtual):
-        return f"pp*virtual={L.pp * L.virtual} must divide layers={spec.layers}"
+    if n_chunks > spec.layers:
+        return f"pp*virtual={n_chunks} chunks exceed layers={spec.layers}"
+    if L.stage_layout is None and spec.layers % n_chunks:
+        example = stage_layout_text(_uneven(spec.layers, n_chunks))
+        return (f"pp*virtual={n_chunks} must divide layers={spec.layers}, or give the blocks "
+                f"per chunk (stage_layout, e.g. {example})")
     if L.pp == 1 and (L.virtual != 1 or L.schedule != "1f1b"):
         return "without pipeline parallelism the schedule is 1f1b with virtual=1"
     if L.virtual > 1 and L.schedule not in ("interleaved", "bfs"):
@@ -330,6 +414,15 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     if L.schedule == "naive" and m != 1:
         return "naive model parallelism runs the whole batch as one micro-batch"
     return None
+
+
+def _uneven(layers: int, n: int) -> tuple[int, ...]:
+    """An example split for the error message: the remainder on the middle chunks."""
+    base, extra = divmod(layers, n)
+    sizes = [base] * n
+    for i in range(extra):
+        sizes[(n - extra) // 2 + i] += 1
+    return tuple(sizes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,17 +468,27 @@ def layer_forward_flops(spec: ModelSpec, b: int, s: int, cp: int = 1) -> tuple[f
     return 2 * b * sl * spec.layer_matmul_params, 4 * b * sl * s * spec.hidden
 
 
-def model_flops_per_step(spec: ModelSpec, B: int, s: int) -> float:
-    """Model FLOPs per iteration: 3·(2·B·s·N_mm + 4·B·s²·l·h), N_mm with the LM head."""
+def model_flops_per_step(spec: ModelSpec, B: int, s: int, convention: str = "full") -> float:
+    """Model FLOPs per iteration: 3·(2·B·s·N_mm + 4·B·s²·l·h), N_mm with the LM head; the
+    causal convention (FLOP_CONVENTIONS) counts half the score products, 2·B·s²·l·h."""
     mm = spec.layers * spec.layer_matmul_params + spec.vocab_size * spec.hidden
-    return 3 * (2 * B * s * mm + 4 * B * s * s * spec.layers * spec.hidden)
+    attn = 4 * B * s * s * spec.layers * spec.hidden * _attention_share(convention)
+    return 3 * (2 * B * s * mm + attn)
 
 
-def hardware_flops_per_step(spec: ModelSpec, B: int, s: int, recompute: str) -> float:
+def _attention_share(convention: str) -> float:
+    if convention not in FLOP_CONVENTIONS:
+        raise ConfigError("flops", convention, f"must be one of {', '.join(FLOP_CONVENTIONS)}")
+    return 0.5 if convention == "causal" else 1.0
+
+
+def hardware_flops_per_step(spec: ModelSpec, B: int, s: int, recompute: str,
+                            convention: str = "full") -> float:
     """Model FLOPs plus what recomputation repeats (eq. 3's 96 for full recomputation)."""
     mm_layer, attn = layer_forward_flops(spec, B, s)
+    attn *= _attention_share(convention)
     extra = {"none": 0.0, "selective": attn, "full": mm_layer + attn}[recompute]
-    return model_flops_per_step(spec, B, s) + spec.layers * extra
+    return model_flops_per_step(spec, B, s, convention) + spec.layers * extra
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,6 +605,29 @@ def context_parallel_times(w: Workload, t: int, cp: int, b: int, method: str, li
     return fwd, bwd, method == "ring"
 
 
+def gemm_times(hw: Hardware, m: float, k: float, n: float) -> tuple[float, float]:
+    """(forward, backward) seconds of Y = X·W with X (m, k), W (k, n): one GEMM of 2mkn FLOPs
+    forward, two backward (dX = dY·Wᵀ, dW = Xᵀ·dY), each at Hardware.gemm_time."""
+    one = hw.gemm_time(2 * m * k * n)
+    return one, 2 * one
+
+
+def block_matmul_times(spec: ModelSpec, hw: Hardware, tokens: int, t: int,
+                       column_only: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's matrix multiplies on a tensor-parallel rank:
+    QKV (k = h), the output projection (k = h/t), the MLP's input matrices (k = h) and its
+    output matrix (k = f/t) (Shoeybi et al. 2019's column/row split); `column_only`: the
+    column-parallel ones (QKV, the MLP's input matrices)."""
+    h, f = spec.hidden, spec.ffn_hidden
+    column = ((h, (h + 2 * spec.kv_dim) / t), *(((h, f / t),) * (spec.mlp_matrices - 1)))
+    shapes = column if column_only else (*column, (h / t, h), (f / t, h))
+    fwd = bwd = 0.0
+    for k, n in shapes:
+        a, b = gemm_times(hw, tokens, k, n)
+        fwd, bwd = fwd + a, bwd + b
+    return fwd, bwd
+
+
 @lru_cache(maxsize=8192)
 def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
                 cp_method: str = "ring") -> BlockCosts:
@@ -510,8 +636,9 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     e = w.bytes[3]
     s = w.seq_len
     tp_link, cp_link = group_link(hw, t), p2p_link(hw, t * cp)
-    mm, attn = layer_forward_flops(spec, b, s, cp)
-    mm_time = mm / t / hw.matmul_flops
+    _, attn = layer_forward_flops(spec, b, s, cp)
+    mm_time, mm_back = block_matmul_times(spec, hw, b * (s // cp), t)
+    column_back = block_matmul_times(spec, hw, b * (s // cp), t, column_only=True)[1]
     attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
     full_bytes = layer_activation_bytes(spec, b, s, t, sp, "none", w.flash_attention, cp, e)
     score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
@@ -519,6 +646,7 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     mem_time = hw.elementwise_passes * full_bytes / hw.memory_bw
     ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
     fwd = mm_time + attn_time + mem_time + ops_time
+    back = mm_back + 2 * (attn_time + mem_time + ops_time)
     redo = {"none": 0.0,
             "selective": attn_time + hw.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
@@ -532,19 +660,24 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     regather = 2 * allgather_time(act_tensor, t, tp_link) if sp else 0.0
     tp_fwd = 2 * one
     tp_bwd = 2 * one + regather + (2 * one if recompute == "full" else 0.0)
+    if w.tp_async_backward and t > 1:
+        # The row-parallel linears' gradient collectives stay blocking (one each); the
+        # column-parallel ones' (one each, and SP's regathers) hide behind their GEMMs.
+        async_part = one + regather
+        tp_bwd -= async_part - max(0.0, async_part - column_back)
     # Each blocking collective (2 forward and 2 backward; SP: 4 and 4, the regather overlaps)
     # ends a stretch of compute, and waits for the slowest rank of the group.
     syncs = 4 if sp else 2
-    bwd = 2 * fwd + redo
+    bwd = back + redo
     tp_fwd += syncs * straggler_time(hw, t, fwd / syncs)
     tp_bwd += syncs * straggler_time(hw, t, bwd / syncs)
     cp_fwd, cp_bwd, cp_hidden_ok = context_parallel_times(w, t, cp, b, cp_method, cp_link)
     act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
     work = full_bytes
-    if engine.expressible(spec) and cp == 1:  # what tessera's block saves (engine module)
+    if w.tessera_engine and cp == 1:  # what tessera's block saves (engine module)
         act = engine.block_saved_bytes(spec, b, s, t, sp, recompute, e)
         work = engine.block_saved_bytes(spec, b, s, t, sp, "none", e)
-    return BlockCosts(forward=fwd, backward=2 * fwd, recompute=redo, tp_forward=tp_fwd,
+    return BlockCosts(forward=fwd, backward=back, recompute=redo, tp_forward=tp_fwd,
                       tp_backward=tp_bwd,
                       cp_forward=max(0.0, cp_fwd - attn_time) if cp_hidden_ok else cp_fwd,
                       cp_backward=max(0.0, cp_bwd - 2 * attn_time) if cp_hidden_ok else cp_bwd,
@@ -585,7 +718,11 @@ class ChunkCosts:
     dp_total: float = 0.0
     """Seconds of this chunk's gradient reduction (ZeRO-3: with its parameter all-gathers)."""
     dp_reduce: float = 0.0
-    """The part of dp_total left after the chunk's last backward (what the simulator sees)."""
+    """The part of dp_total left after the chunk's last backward (what the simulator sees;
+    pipelined ZeRO-3: the reduce-scatter at the chunk's REDUCE_GRAD action)."""
+    unshard: float = 0.0
+    """Pipelined ZeRO-3: seconds of one all-gather of the chunk's parameters (its UNSHARD
+    action in ``schedule.add_sharding_actions``; the simulator places and overlaps them)."""
 
     @property
     def forward(self) -> float:
@@ -642,7 +779,8 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
-        L.sequence_parallel, L.zero, L.dp_mode, L.cp_method)
+        L.sequence_parallel, L.zero, L.dp_mode, L.cp_method, chunk_sizes(w, L),
+        zero3_by_actions(L))
     n_chunks = L.pp * L.virtual
     wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if _uniform_middle(chunks) else range(L.pp)
     ranks: dict[int, RankState] = {}
@@ -684,8 +822,9 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
 
 @lru_cache(maxsize=65536)
 def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
-                 recompute: str, sp: bool, zero: int, dp_mode: str = "allreduce",
-                 cp_method: str = "ring") -> tuple[list[ChunkCosts], float, float, float]:
+                 recompute: str, sp: bool, zero: int, dp_mode: str,
+                 cp_method: str, sizes: tuple[int, ...], by_actions: bool = False
+                 ) -> tuple[list[ChunkCosts], float, float, float]:
     """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
     asks for the same chunks under many layouts; the returned chunks are read-only)."""
     spec, hw = w.model, w.hardware
@@ -693,9 +832,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     gb = w.bytes[1]
     s = w.seq_len
     n_chunks = pp * v
-    tessera = engine.expressible(spec) and cp == 1
-    sizes = (engine.blocks_per_chunk(spec, n_chunks, s) if tessera
-             else (spec.layers // n_chunks,) * n_chunks)
+    tessera = w.tessera_engine and cp == 1
     blk = block_costs(w, t, cp, b, sp, recompute, cp_method)
     keep = 1.0 - w.tp_overlap
 
@@ -733,10 +870,10 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             ch.tp_hidden += comm * w.tp_overlap
 
     def add_head(ch: ChunkCosts) -> None:
-        head_mm = 2 * tokens * spec.hidden * spec.vocab_size / t / hw.matmul_flops
-        head = head_mm + hw.elementwise_passes * logits_bytes / hw.memory_bw
-        ch.forward_compute += head
-        ch.backward_compute += 2 * head
+        head_f, head_b = gemm_times(hw, tokens, spec.hidden, spec.vocab_size / t)
+        head = hw.elementwise_passes * logits_bytes / hw.memory_bw
+        ch.forward_compute += head_f + head
+        ch.backward_compute += head_b + 2 * head
         if t > 1:  # the loss over split logits all-reduces the b·s row maxima, then the sums
             # of exponentials with the target logits (Shoeybi et al. 2019 §3)
             ch.tp_forward += allreduce_time(4 * tokens, t, tp_link) + allreduce_time(
@@ -774,15 +911,16 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     distinct = list({id(ch): ch for ch in chunks}.values())
 
     # -- data parallel --------------------------------------------------------------------------
-    # ZeRO-0/1: gradients accumulate locally over the m micro-batches and are all-reduced (ZeRO-1:
-    # reduce-scattered, parameters all-gathered after the step: the same volume) once. Bucketed
-    # DDP starts a bucket as soon as its gradients are complete, during the chunk's last
-    # backward; what does not fit behind that backward (at least the last bucket) is left for
-    # the simulator's per-rank reduction channel, which overlaps it with the rank's other
-    # chunks. ZeRO-2 keeps only a shard of the gradients, so every micro-batch reduce-scatters
-    # during its backward; ZeRO-3 also all-gathers the parameters before every forward and
-    # again for the backward (Rajbhandari et al. §7: 1.5x the volume of DP when m = 1). A
-    # parameter server moves nothing here (``_parameter_server_time``).
+    # Every collective is priced per unit on the link its group crosses (group_link: the dp·cp
+    # ranks of a tensor-parallel rank sit t apart in the (pp, dp, cp, tp) order) and only what
+    # compute cannot cover is exposed (:func:`exposed_behind`; never a negative hidden time).
+    # ZeRO-0/1: gradients accumulate over the m micro-batches and are all-reduced once, in
+    # buckets that start as the last backward completes them (Li et al. 2020, PyTorch DDP);
+    # ZeRO-1 reduce-scatters them and all-gathers the updated parameters after the step.
+    # ZeRO-2 reduce-scatters every micro-batch's gradients unit by unit during its backward;
+    # ZeRO-3 also all-gathers each unit's parameters before its forward and again before its
+    # backward, `zero_prefetch` units ahead (Rajbhandari et al. 2020 §7; FSDP, Zhao et al.
+    # 2023 §3.3). A parameter server moves nothing here (``_parameter_server_time``).
     dp_group = dp * cp
     dp_link = group_link(hw, t * cp * dp, stride=t * cp)
     m = w.global_batch // (dp * b)
@@ -791,32 +929,40 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     reducing = distinct if dp_mode == "allreduce" else []
     for ch in reducing:
         grads, weights = gb * ch.params, pb * ch.params
-        bucket = min(grads, w.bucket_mb * 2**20)
+        units = _units_of(ch, sizes, chunks)
         # The reduction waits for the slowest replica: after the step's backward (ZeRO-0/1),
         # after each micro-batch (ZeRO-2/3).
         wait = straggler_time(hw, dp_group, (m if zero <= 1 else 1) * (ch.forward
                                                                        + ch.backward))
+        fwd, bwd = ovl * ch.forward, ovl * ch.backward  # compute that collectives can hide under
         if zero <= 1:
-            total = allreduce_time(grads, dp_group, dp_link) if zero == 0 else (
-                allgather_time(grads, dp_group, dp_link)
-                + allgather_time(weights, dp_group, dp_link))
-            total += wait
-            ch.dp_total = total
-            last_bucket = allreduce_time(bucket, dp_group, dp_link)
-            ch.dp_reduce = total if ovl == 0 else max(total - ovl * ch.backward,
-                                                       min(total, last_bucket))
+            n_buckets = max(1, math.ceil(grads / (w.bucket_mb * 2**20)))
+            per_bucket = (allreduce_time(grads / n_buckets, dp_group, dp_link) if zero == 0
+                          else allgather_time(grads / n_buckets, dp_group, dp_link))
+            gather_after = allgather_time(weights, dp_group, dp_link) if zero == 1 else 0.0
+            ch.dp_total = n_buckets * per_bucket + gather_after + wait
+            ch.dp_reduce = exposed_behind(per_bucket, n_buckets, bwd, 0) + gather_after + wait
         else:
-            rs = allgather_time(grads, dp_group, dp_link) + wait  # as much as an all-gather
-            ag = allgather_time(weights, dp_group, dp_link)
+            ag = allgather_time(weights / units, dp_group, dp_link)
+            rs = allgather_time(grads / units, dp_group, dp_link)
             if zero == 2:
-                ch.zero_backward = max(0.0, rs - ovl * ch.backward)
-                ch.dp_reduce = ag  # the parameters, gathered once after the step
-                ch.dp_total = m * rs + ag
+                ch.zero_backward = exposed_behind(rs, units, bwd, 0) + wait
+                ch.dp_reduce = units * ag  # the parameters, gathered once after the step
+                ch.dp_total = m * (units * rs + wait) + units * ag
+            elif by_actions:
+                # Breadth-first: the schedule's sharding actions say when each chunk is
+                # gathered (twice per step: its forwards, its backwards) and reduced (after
+                # its last backward, while the rank's other chunks still run backward), and
+                # the simulator overlaps them with compute (Lamy-Poirier 2022, §4).
+                ch.unshard = units * ag
+                ch.dp_reduce = units * rs + wait
+                ch.dp_total = 2 * ch.unshard + ch.dp_reduce  # gathered twice per step
             else:
-                ch.zero_forward = max(0.0, ag - ovl * ch.forward)
-                ch.zero_backward = max(0.0, ag + rs - ovl * ch.backward)
-                ch.dp_reduce = min(rs, allgather_time(bucket, dp_group, dp_link)) if ovl else 0.0
-                ch.dp_total = m * (2 * ag + rs)
+                depth = w.zero_prefetch
+                ch.zero_forward = exposed_behind(ag, units, fwd, depth, lead=True)
+                ch.zero_backward = exposed_behind(ag + rs, units, bwd, depth, lead=True) + wait
+                ch.dp_reduce = 0.0
+                ch.dp_total = m * (units * (2 * ag + rs) + wait)
 
     # -- pipeline point-to-point ------------------------------------------------------------
     p2p_bytes = float(act)
@@ -828,6 +974,46 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             p2p_latency += allgather_time(act, t, tp_link)
     p2p_latency += pp_link.alpha if pp > 1 else 0.0
     return chunks, p2p_latency, p2p_bytes, pp_link.bandwidth
+
+
+def zero3_by_actions(L: Layout) -> bool:
+    """ZeRO-3 under a breadth-first schedule is timed from the schedule's sharding actions
+    (``schedule.add_sharding_actions``, simulated); elsewhere each micro-batch gathers and
+    reduces unit by unit (depth-first runs are single actions: per micro-batch)."""
+    return L.zero >= 3 and L.schedule == "bfs" and L.pp * L.virtual > 1 and (
+        L.dp_mode == "allreduce")
+
+
+def _units_of(ch: ChunkCosts, sizes: tuple[int, ...], chunks: list[ChunkCosts]) -> int:
+    """ZeRO units of a chunk: one per block (tessera's and FSDP's wrapping), the embedding
+    and the head folded into the first and last block's units."""
+    for c, other in enumerate(chunks):
+        if other is ch:
+            return sizes[c]
+    return 1
+
+
+def exposed_behind(comm: float, units: int, compute: float, depth: int,
+                   lead: bool = False) -> float:
+    """Seconds of `units` equal collectives of `comm` seconds each, run one after another on
+    one channel, that `compute` seconds of work (spread evenly over the units) cannot hide.
+
+    - a collective that needs its unit's compute to end first (a gradient bucket, a
+      reduce-scatter; depth 0, lead False) starts when unit i's compute ends: the channel
+      finishes at max over i of ((i+1)·c + (units − i)·comm), c = compute/units, so the
+      exposed tail is max(comm, units·comm − (units − 1)·c);
+    - a gather its unit's compute waits for (lead True) with `depth` units prefetched: the
+      first gather is exposed whole; with depth ≥ 1 each later one hides behind the previous
+      unit's compute, exposing max(0, comm − c) each; with depth 0 nothing is hidden.
+    Never negative, and at most units·comm."""
+    if units <= 0 or comm <= 0:
+        return 0.0
+    c = compute / units
+    if lead:
+        if depth == 0:
+            return units * comm
+        return comm + (units - 1) * max(0.0, comm - c)
+    return max(comm, units * comm - (units - 1) * c)
 
 
 def _layer_tensors(spec: ModelSpec) -> int:
@@ -852,16 +1038,20 @@ def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> R
     traffic = stepped * (2 * ob + gb + 2 * pb)
     hw = w.hardware
     opt_time = traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
-    if engine.expressible(w.model) and L.cp == 1:
+    if w.tessera_engine and L.cp == 1:
         state = engine.model_state_bytes(w, L, rank)
         largest = sorted(n for n, _ in engine.rank_units(w, L, rank))[-2:]
         return RankState(params=state["params"], grads=state["grads"],
                          optimizer=state["optimizer"],
                          zero3_buffer=pb * sum(largest) if L.zero >= 3 else 0.0,
                          optimizer_time=opt_time)
+    # Gathered at once: two blocks (pp = v = 1, gathered unit by unit), or with several
+    # chunks two whole chunks (the sharding actions gather a chunk per run, one ahead).
+    gathered = (2 * w.model.layer_params / L.tp if L.pp * L.virtual == 1
+                else sum(sorted(ch.params for ch in mine)[-2:]))
     return RankState(
         params=pb * params / (shard if L.zero >= 3 else 1),
         grads=gb * params / (shard if L.zero >= 2 else 1),
         optimizer=ob * stepped,
-        zero3_buffer=2 * pb * w.model.layer_params / L.tp if L.zero >= 3 else 0.0,
+        zero3_buffer=pb * gathered if L.zero >= 3 else 0.0,
         optimizer_time=opt_time)

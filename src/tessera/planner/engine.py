@@ -74,17 +74,25 @@ def to_config(w: Workload, L: Layout) -> Config:
     model = model_config(w.model, w.seq_len)
     if model is None:
         raise ValueError(f"{w.model.name} is not a tessera model")
+    from tessera.planner.cost import stage_layout_text
+
     parallel = ParallelConfig(dp=L.dp, tp=L.tp, pp=L.pp, cp=L.cp, virtual_stages=L.virtual,
                               schedule=L.schedule, zero_stage=L.zero, dp_mode=L.dp_mode,
                               sequence_parallel=L.sequence_parallel, recompute=L.recompute,
-                              cp_method=L.cp_method)
+                              cp_method=L.cp_method,
+                              stage_layout=stage_layout_text(L.stage_layout)
+                              if L.stage_layout else "")
+    # Recipes tessera does not run (bf16 with fp32 gradients or bf16 states) are checked as
+    # bf16: the layout rules do not depend on them.
+    precision = w.precision if w.precision in ("bf16", "fp32") else "bf16"
     train = TrainConfig(micro_batch_size=L.micro_batch, grad_accum=L.microbatches(w.global_batch),
-                        precision=w.precision)
+                        precision=precision)
     return Config(model=model, parallel=parallel, train=train, data=DataConfig(seq_len=w.seq_len))
 
 
 def layout_of(cfg: Config) -> Layout:
     """The planner's Layout of a tessera Config (the inverse of :func:`to_config`)."""
+    from tessera.pipeline.split import parse_stage_layout
     from tessera.planner.cost import Layout
 
     p = cfg.parallel
@@ -92,7 +100,8 @@ def layout_of(cfg: Config) -> Layout:
                   micro_batch=cfg.train.micro_batch_size, zero=p.zero_stage,
                   recompute=p.recompute, schedule=p.schedule,
                   sequence_parallel=p.sequence_parallel, dp_mode=p.dp_mode,
-                  cp_method=p.cp_method)
+                  cp_method=p.cp_method,
+                  stage_layout=parse_stage_layout(p.stage_layout) if p.stage_layout else None)
 
 
 @lru_cache(maxsize=65536)
@@ -163,14 +172,15 @@ def chunk_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, c: int,
 
 def rank_units(w: Workload, L: Layout, pp_rank: int) -> tuple[tuple[int, int], ...]:
     """Every ZeRO unit of the chunks pipeline rank `pp_rank` holds (chunk c on rank c mod p)."""
-    return _rank_units(w.model, w.seq_len, L.tp, L.pp, L.virtual, pp_rank)
+    return _rank_units(w.model, w.seq_len, L.tp, L.pp, L.virtual, pp_rank, L.stage_layout)
 
 
 @lru_cache(maxsize=65536)
 def _rank_units(spec: ModelSpec, seq_len: int, t: int, pp: int, v: int,
-                pp_rank: int) -> tuple[tuple[int, int], ...]:
+                pp_rank: int, stage_layout: tuple[int, ...] | None = None
+                ) -> tuple[tuple[int, int], ...]:
     n = pp * v
-    sizes = blocks_per_chunk(spec, n, seq_len)
+    sizes = stage_layout or blocks_per_chunk(spec, n, seq_len)
     return tuple(u for c in range(pp_rank, n, pp)
                  for u in chunk_units(spec, t, pp, n, c, sizes[c]))
 

@@ -39,14 +39,20 @@ import yaml
 
 from tessera.config import ConfigError, load_yaml
 
-# Fraction of dense peak FLOP/s that large 16-bit GEMMs reach inside a training step, and of a
-# link's nominal bandwidth that NCCL collectives reach. The GEMM figure is the single
-# compute-efficiency constant of the model (cuBLAS reaches 70-80% of peak on isolated large
-# A100 GEMMs; clocks under sustained load and the smaller GEMMs of a real step bring it lower);
-# the link figure matches NCCL's measured bus bandwidth on DGX A100 (about 230 of 300 GB/s).
-# Both are chosen once, documented in docs/planner.md, and checked as a whole by the
-# reproduction of Megatron-LM's weak-scaling table (tests/test_planner_published.py).
-MATMUL_EFFICIENCY = 0.65
+# Fraction of dense peak FLOP/s that large 16-bit GEMMs reach inside a training step, the fixed
+# time each GEMM adds (its ramp and last partial wave: the shape dependence), and the fraction
+# of a link's nominal bandwidth that NCCL collectives reach. cuBLAS reaches 70-80% of peak on
+# isolated large A100 GEMMs (clocks under sustained load bring it lower); a GEMM of 2048 x 6144
+# x 3072 (one tensor-parallel shard of a 22B GPT's MLP) fills 1.8 waves of 128x256 tiles on
+# 108 SMs, losing about a tenth of its time to the partial wave: ~40 µs. The link figure
+# matches NCCL's measured bus bandwidth on DGX A100 (about 230 of 300 GB/s). The GEMM pair is
+# chosen once, documented in docs/planner.md, and checked as a whole by Megatron-LM's
+# weak-scaling table (Narayanan et al. 2021, Table 1) and by Korthikanti et al. 2022's
+# iteration times of 22B to 1T GPTs, whose error no longer grows with the model
+# (tests/test_planner_published.py); with one rate for every GEMM (tail 0) the 22B run was
+# predicted 5% slow and the 530B and 1T runs 15-16% slow.
+MATMUL_EFFICIENCY = 0.69
+MATMUL_TAIL_US = 40.0
 LINK_EFFICIENCY = 0.8
 
 
@@ -80,6 +86,13 @@ class Hardware:
     """Bandwidth of a point-to-point send when it differs from the link's; None: the link's."""
     matmul_efficiency: float = MATMUL_EFFICIENCY
     """Fraction of peak_tflops that large matrix multiplies achieve."""
+    matmul_tail_us: float = 0.0
+    """Shape dependence of the matrix-multiply rate: a GEMM of F FLOPs takes
+    F / (peak · matmul_efficiency) + matmul_tail_us, i.e. it runs at matmul_efficiency ·
+    F / (F + F₀) of peak with F₀ = peak · matmul_efficiency · tail (:meth:`gemm_time`). The
+    fixed part is the kernel's ramp-up and its last, partly filled wave of thread blocks,
+    which small GEMMs (narrow tensor-parallel shards, short micro-batches) cannot amortize.
+    0: one rate for every GEMM (calibrated CPUs, whose per-kernel cost is op_overhead_us)."""
     attention_tflops: float | None = None
     """Rate of the attention kernel in TFLOP/s; None uses peak_tflops * matmul_efficiency."""
     link_efficiency: float = LINK_EFFICIENCY
@@ -125,7 +138,7 @@ class Hardware:
         if not 0.0 <= self.dp_overlap <= 1.0:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
-                  "elementwise_passes", "jitter"):
+                  "elementwise_passes", "jitter", "matmul_tail_us"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
@@ -134,6 +147,10 @@ class Hardware:
     def matmul_flops(self) -> float:
         """Achieved FLOP/s of large matrix multiplies."""
         return self.peak_tflops * 1e12 * self.matmul_efficiency
+
+    def gemm_time(self, flops: float) -> float:
+        """Seconds of one matrix multiply of `flops` FLOPs (matmul_tail_us)."""
+        return flops / self.matmul_flops + self.matmul_tail_us * 1e-6
 
     @property
     def attention_flops(self) -> float:
@@ -182,7 +199,8 @@ class Link:
 def _dgx(name: str, peak: float, mem: float, bw: float, nvlink: float, ib: float,
          source: str) -> Hardware:
     return Hardware(name=name, peak_tflops=peak, memory_gb=mem, memory_bw_gbs=bw,
-                    intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8, source=source)
+                    intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8,
+                    matmul_tail_us=MATMUL_TAIL_US, source=source)
 
 
 CATALOG: dict[str, Hardware] = {

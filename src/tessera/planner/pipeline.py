@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tessera.pipeline.schedule import Schedule
+from tessera.pipeline.schedule import Schedule, add_sharding_actions
 from tessera.pipeline.schedules import SCHEDULES
 from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
 
@@ -86,6 +86,37 @@ def inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
     return _counted_inflight(name, p, m, v)
 
 
+def chunk_inflight(name: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """Rank `rank`'s in-flight activation sets, per chunk it owns, at every point where the
+    count may peak (after each forward), walked over the generated schedule's actions: the
+    per-chunk memory walk. Large m is walked at the smallest m' ≡ m (mod p) past the warm-up
+    (m' ≥ 2p): the counts only repeat after that, so the peak is the same."""
+    if m > 3 * p:
+        m = 2 * p + m % p
+    return _chunk_inflight(name, p, m, v)[rank]
+
+
+@lru_cache(maxsize=256)
+def _chunk_inflight(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    from tessera.pipeline.schedule import Kind
+
+    schedule = build(name, p, m, v)
+    out = []
+    for r, actions in enumerate(schedule.actions):
+        mine = [c for c in range(p * v) if c % p == r]
+        slot = {c: i for i, c in enumerate(mine)}
+        held = [0] * len(mine)
+        peaks: set[tuple[int, ...]] = {tuple(held)}
+        for a in actions:
+            if a.kind is Kind.F:
+                held[slot[a.chunk]] += 1
+                peaks.add(tuple(held))
+            elif a.kind is Kind.B:
+                held[slot[a.chunk]] -= 1
+        out.append(tuple(sorted(peaks)))
+    return tuple(out)
+
+
 @lru_cache(maxsize=256)
 def _counted_inflight(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
     return tuple(peak_inflight(build(name, p, m, v)))
@@ -98,19 +129,29 @@ def _normalized(costs: StageCosts, n_chunks: int) -> tuple[float, tuple]:
         return [float(x)] * n_chunks if isinstance(x, int | float) else [float(y) for y in x]
 
     f, b, d = seq(costs.forward), seq(costs.backward), seq(costs.dp_reduce)
+    u = seq(costs.unshard)
     scale = max(f) or 1.0
 
     def r(x: float) -> float:
         return 0.0 if x == 0 else float(f"{x / scale:.6g}")
 
     key = (tuple(map(r, f)), tuple(map(r, b)), tuple(map(r, d)), r(costs.transfer),
-           costs.dp_overlap)
+           costs.dp_overlap, tuple(map(r, u)))
     return scale, key
 
 
-def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts) -> PipelineTiming:
-    """Simulated timing of schedule `name` (p ranks, m micro-batches, v chunks per rank)."""
+def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts,
+                  sharded: int | None = None) -> PipelineTiming:
+    """Simulated timing of schedule `name` (p ranks, m micro-batches, v chunks per rank).
+
+    `sharded`: ZeRO-3's prefetch depth; the schedule then carries the sharding actions of
+    ``schedule.add_sharding_actions`` (an all-gather per run of a chunk, its gradients'
+    reduce-scatter after its last backward), timed with costs.unshard and costs.dp_reduce:
+    breadth-first gathers each chunk twice per step and reduces it while the rank's other
+    chunks still run backward; depth-first schedules regather per micro-batch or keep the
+    chunk gathered."""
     scale, key = _normalized(costs, p * v)
+    key = key + (sharded,)
     start = STEADY_AFTER_PERIODS.get(name, 2) * p
     if 2 * p * v * m <= EXACT_ACTIONS or m < start + p:
         t = _simulate_normalized(name, p, m, v, key)
@@ -126,10 +167,13 @@ def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts) -> Pipel
 @lru_cache(maxsize=4096)
 def _simulate_normalized(name: str, p: int, m: int, v: int,
                          key: tuple) -> tuple[float, float, float, float]:
-    f, b, d, transfer, overlap = key
+    f, b, d, transfer, overlap, u, sharded = key
     costs = StageCosts(forward=list(f), backward=list(b), p2p_latency=transfer,
-                       dp_reduce=list(d), dp_overlap=overlap)
-    result = simulate(build(name, p, m, v), costs)
+                       dp_reduce=list(d), dp_overlap=overlap, unshard=list(u))
+    schedule = build(name, p, m, v)
+    if sharded is not None:
+        schedule = add_sharding_actions(schedule, prefetch=sharded)
+    result = simulate(schedule, costs)
     return result.step_time, result.makespan, result.compute_time, result.exposed_dp_time
 
 
@@ -166,5 +210,5 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float | None:
     return None if spec.closed_form_bubble is None else spec.closed_form_bubble(p, m, v)
 
 
-__all__ = ["PipelineTiming", "inflight", "time_pipeline", "lower_bound", "build",
+__all__ = ["PipelineTiming", "chunk_inflight", "inflight", "time_pipeline", "lower_bound", "build",
            "closed_form_bubble"]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.planner.cost import GB
-from tessera.planner.search import Estimate, Plan, pipeline_comm_exposed
+from tessera.planner.search import Estimate, Plan, gather_waits_exposed, pipeline_comm_exposed
 
 AXES = (("dp", "data parallel"), ("tp", "tensor parallel"), ("pp", "pipeline parallel"),
         ("cp", "context parallel"), ("virtual", "virtual stages"),
@@ -22,18 +22,29 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+RECIPES = {
+    "bf16": "bf16 params and grads, fp32 master + Adam m, v: 16 B/param",
+    "bf16-fp32grads": "bf16 params, fp32 grads, fp32 master + Adam m, v: 18 B/param",
+    "bf16-states": "bf16 params and grads, fp32 master, bf16 Adam m, v: 12 B/param",
+    "fp32": "fp32 params, grads, Adam m, v: 16 B/param",
+}
+FLOPS_NOTE = ("MFU counts attention's s² products in full (Megatron-LM); MFU-c counts the "
+              "causal half (Llama 3)")
+
+
 def describe_workload(plan: Plan) -> str:
     w = plan.workload
+    kernels = ", fused-kernel activations" if w.kernels == "fused" else ""
     return (f"{w.model.name} ({human_count(w.model.param_count)} parameters) on {w.gpus} x "
             f"{w.hardware.name}, global batch {w.global_batch} x {w.seq_len} tokens, "
-            f"{w.precision}")
+            f"{w.precision} ({RECIPES[w.precision]}){kernels}\n{FLOPS_NOTE}")
 
 
 def table(plan: Plan, tokens: float | None = None) -> str:
     """The ranked layouts as a fixed-width table."""
     head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'schedule':>13} {'b':>3} "
             f"{'m':>5} {'zero':>4} {'recomp':>9} {'sp':>3} {'step s':>9} {'tokens/s':>10} "
-            f"{'HW TF/s':>8} {'MFU':>6} {'mem GB':>7} {'free GB':>7}")
+            f"{'HW TF/s':>8} {'MFU':>6} {'MFU-c':>6} {'mem GB':>7} {'free GB':>7}")
     if tokens:
         head += f" {'days':>7}"
     lines = [head]
@@ -49,7 +60,8 @@ def table(plan: Plan, tokens: float | None = None) -> str:
                 f"{L.micro_batch:>3} {e.m:>5} {L.zero:>4} {L.recompute:>9} "
                 f"{'y' if L.sequence_parallel else '-':>3} {_num(e.step_time):>9} "
                 f"{_num(e.tokens_per_s):>10} {e.tflops_per_gpu:>8.4g} {100 * e.mfu:>5.1f}% "
-                f"{e.memory.total / GB:>7.1f} {e.headroom / GB:>7.1f}")
+                f"{100 * e.mfu_causal:>5.1f}% {e.memory.total / GB:>7.1f} "
+                f"{e.headroom / GB:>7.1f}")
         if tokens:
             line += f" {e.days(tokens):>7.1f}"
         lines.append(line)
@@ -68,10 +80,12 @@ def breakdown(e: Estimate) -> dict[str, float]:
     """The step split into causes that sum to the step time (PP comm from two simulations)."""
     b = e.breakdown()
     pp = pipeline_comm_exposed(e) if e.layout.pp > 1 else 0.0
+    gathers = min(gather_waits_exposed(e), max(0.0, b["bubble"] - pp))
     return {
-        "compute": b["compute"], "recompute": b["recompute"], "bubble": b["bubble"] - pp,
+        "compute": b["compute"], "recompute": b["recompute"],
+        "bubble": b["bubble"] - pp - gathers,
         "tp_comm": b["tp_comm"], "cp_comm": b["cp_comm"], "pp_comm": pp,
-        "dp_comm": b["dp_exposed"], "optimizer": b["optimizer"],
+        "dp_comm": b["dp_exposed"] + gathers, "optimizer": b["optimizer"],
         "time_sharing": b["time_sharing"],
         "tp_hidden": b["tp_hidden"], "cp_hidden": b["cp_hidden"], "dp_hidden": b["dp_hidden"],
     }
@@ -87,11 +101,13 @@ def explain(plan: Plan) -> str:
     """Why the best layout is best: its step and memory by category, and the runner-up."""
     best = plan.best
     parts = breakdown(best)
-    lines = [f"Best layout: {best.layout.describe()} (m={best.m} micro-batches per step)",
+    w = plan.workload
+    title = "Best layout" if len(plan.ranked) > 1 or plan.considered > 1 else "Layout"
+    lines = [f"{title}: {best.layout.describe()} (m={best.m} micro-batches per step)",
              f"  step {best.step_time:.4g} s on the busiest pipeline rank:"]
     for key, label in LABELS.items():
         value = parts[key]
-        if key == "time_sharing" and value <= 0:
+        if key == "time_sharing" and value <= 1e-9 * best.step_time:  # float rounding
             continue
         hidden = parts.get(key.replace("_comm", "_hidden")) if key.endswith("_comm") else None
         extra = f"   (exposed; {hidden:.4g} s hidden behind compute)" if hidden else ""
@@ -106,11 +122,21 @@ def explain(plan: Plan) -> str:
                        ("activations", f"activations ({held} in flight)"),
                        ("transient", "transient")):
         lines.append(f"    {label:<26} {getattr(mem, key) / GB:>8.2f} GB")
-    w = plan.workload
     lines.append(f"    {'total':<26} {mem.total / GB:>8.2f} GB of {w.hardware.memory_gb:g} GB "
                  f"({best.headroom / GB:.1f} GB free)")
     lines.append(f"  throughput: {best.tokens_per_s:.4g} tokens/s, {best.tflops_per_gpu:.4g} "
-                 f"TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%, HFU {100 * best.hfu:.1f}%")
+                 f"hardware TFLOP/s per GPU (with recomputation, full attention), HFU "
+                 f"{100 * best.hfu:.1f}%")
+    lines.append(f"  model FLOPs: {best.model_tflops_per_gpu('full'):.4g} TFLOP/s per GPU, MFU "
+                 f"{100 * best.mfu:.1f}% counting attention's s² in full (Megatron-LM); "
+                 f"{best.model_tflops_per_gpu('causal'):.4g} TFLOP/s, MFU "
+                 f"{100 * best.mfu_causal:.1f}% counting the causal half (Llama 3)")
+    lines.append(f"  model state: {RECIPES[w.precision]}")
+    if best.layout.stage_layout:
+        from tessera.planner.cost import stage_layout_text
+
+        lines.append(f"  stages: {stage_layout_text(best.layout.stage_layout)} blocks per "
+                     "chunk")
     runner = runner_up(plan)
     if runner is not None:
         lines.append("  " + why_better(best, runner, parts))
@@ -148,7 +174,8 @@ def to_json(plan: Plan, tokens: float | None = None, explain_best: bool = False
     out: dict[str, Any] = {
         "model": w.model.name, "parameters": w.model.param_count, "hardware": w.hardware.name,
         "gpus": w.gpus, "global_batch": w.global_batch, "seq_len": w.seq_len,
-        "precision": w.precision, "considered": plan.considered, "fitting": plan.fitting,
+        "precision": w.precision, "model_state": RECIPES[w.precision],
+        "flops_conventions": FLOPS_NOTE, "considered": plan.considered, "fitting": plan.fitting,
         "simulated": plan.simulated, "search_seconds": plan.seconds,
         "layouts": [_clean(e.row(tokens)) for e in plan.ranked],
     }

@@ -22,11 +22,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from tessera.config import ConfigError
 from tessera.pipeline.simulator import StageCosts
-from tessera.planner import engine
+from tessera.pipeline.split import first_last_fewer
 from tessera.planner.cost import (
     GB,
     RECOMPUTE,
@@ -40,8 +42,9 @@ from tessera.planner.cost import (
     model_flops_per_step,
     rank_state,
     shared_cpu_bound,
+    zero3_by_actions,
 )
-from tessera.planner.pipeline import inflight, lower_bound, time_pipeline
+from tessera.planner.pipeline import chunk_inflight, inflight, lower_bound, time_pipeline
 
 SCHEDULE_CHOICES = ("1f1b", "interleaved", "bfs", "gpipe", "naive")
 
@@ -102,31 +105,48 @@ class Estimate:
     def tokens_per_s(self) -> float:
         return self.workload.tokens_per_step / self.step_time
 
-    @property
-    def model_flops(self) -> float:
+    # FLOP counts: `convention` is "full" (Megatron-LM's s² attention term; the default, as
+    # the table and the published Megatron figures use it) or "causal" (half of it, as Llama 3
+    # and most MFU reports count). Every figure states which (report module).
+    def model_flops(self, convention: str = "full") -> float:
         w = self.workload
-        return model_flops_per_step(w.model, w.global_batch, w.seq_len)
+        return model_flops_per_step(w.model, w.global_batch, w.seq_len, convention)
 
-    @property
-    def hardware_flops(self) -> float:
+    def hardware_flops(self, convention: str = "full") -> float:
         w = self.workload
         return hardware_flops_per_step(w.model, w.global_batch, w.seq_len,
-                                       self.layout.recompute)
+                                       self.layout.recompute, convention)
 
     @property
     def tflops_per_gpu(self) -> float:
-        """Hardware FLOP/s per GPU in TFLOP/s (with recomputation, as Megatron-LM counts)."""
-        return self.hardware_flops / self.step_time / self.workload.gpus / 1e12
+        """Hardware FLOP/s per GPU in TFLOP/s (with recomputation, full attention: as
+        Megatron-LM counts)."""
+        return self.hardware_flops() / self.step_time / self.workload.gpus / 1e12
+
+    def model_tflops_per_gpu(self, convention: str = "full") -> float:
+        """Model FLOP/s per GPU in TFLOP/s (no recomputation; Llama 3's Table 4 column with
+        convention='causal')."""
+        return self.model_flops(convention) / self.step_time / self.workload.gpus / 1e12
 
     @property
     def mfu(self) -> float:
+        """Model FLOPs utilization, full attention FLOPs (Megatron-LM's count)."""
+        return self.mfu_as("full")
+
+    @property
+    def mfu_causal(self) -> float:
+        """Model FLOPs utilization, causal attention FLOPs (Llama 3's count)."""
+        return self.mfu_as("causal")
+
+    def mfu_as(self, convention: str) -> float:
         w = self.workload
-        return self.model_flops / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
+        return self.model_flops(convention) / self.step_time / (
+            w.gpus * w.hardware.peak_tflops * 1e12)
 
     @property
     def hfu(self) -> float:
         w = self.workload
-        return self.hardware_flops / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
+        return self.hardware_flops() / self.step_time / (w.gpus * w.hardware.peak_tflops * 1e12)
 
     @property
     def headroom(self) -> float:
@@ -169,8 +189,11 @@ class Estimate:
             "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero,
             "recompute": L.recompute, "schedule": L.schedule,
             "sequence_parallel": L.sequence_parallel, "dp_mode": L.dp_mode,
+            "stage_layout": list(L.stage_layout) if L.stage_layout else None,
             "step_time_s": self.step_time, "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "hfu": self.hfu,
+            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+            "mfu_causal": self.mfu_causal, "hfu": self.hfu,
+            "model_tflops_per_gpu_causal": self.model_tflops_per_gpu("causal"),
             "memory_gb": self.memory.total / GB, "headroom_gb": self.headroom / GB,
         }
         if tokens:
@@ -255,16 +278,24 @@ def _per_chunk(costs: LayoutCosts) -> tuple[list[float], list[float], list[float
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
-def run_simulation(est: Estimate, with_p2p: bool = True) -> None:
+def _sharded(est: Estimate) -> int | None:
+    """Breadth-first ZeRO-3 (``cost.zero3_by_actions``): the simulator places the gathers and
+    reductions by the schedule's sharding actions (prefetch depth), else None (the chunk
+    costs carry them per unit and micro-batch)."""
+    return est.workload.zero_prefetch if zero3_by_actions(est.layout) else None
+
+
+def run_simulation(est: Estimate, with_p2p: bool = True, with_gathers: bool = True) -> None:
     L, costs = est.layout, est.costs
     fs, bs, ds = _per_chunk(costs)
     sim_costs = StageCosts(
         forward=fs, backward=bs,
         p2p_latency=costs.p2p_latency if with_p2p else 0.0,
         p2p_bytes=costs.p2p_bytes if with_p2p else 0.0, p2p_bandwidth=costs.p2p_bandwidth,
-        dp_reduce=ds, dp_overlap=costs.dp_overlap)
+        dp_reduce=ds, dp_overlap=costs.dp_overlap,
+        unshard=[ch.unshard if with_gathers else 0.0 for ch in costs.chunks])
     schedule = L.schedule if _pipelined(L) else "1f1b"
-    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs)
+    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs, sharded=_sharded(est))
     est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time,
                         shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time))
     est.makespan = timing.makespan
@@ -278,6 +309,16 @@ def pipeline_comm_exposed(est: Estimate) -> float:
     minus without them (two simulations; used by --explain)."""
     free = replace(est)
     run_simulation(free, with_p2p=False)
+    return max(0.0, est.makespan - free.makespan)
+
+
+def gather_waits_exposed(est: Estimate) -> float:
+    """Seconds breadth-first ZeRO-3's simulated parameter gathers keep compute waiting inside
+    the makespan: with them minus without them (two simulations; used by --explain)."""
+    if _sharded(est) is None:
+        return 0.0
+    free = replace(est)
+    run_simulation(free, with_gathers=False)
     return max(0.0, est.makespan - free.makespan)
 
 
@@ -299,15 +340,18 @@ def _rank_memory(L: Layout, costs: LayoutCosts, state: RankState, r: int, count:
                  m: int) -> Memory:
     """Pipeline rank r's bytes. With one chunk per rank it holds `count` (the schedule's
     in-flight peak) copies of its chunk's activations; breadth-first holds all m micro-batches
-    of all its chunks; for interleaving, `count` times the largest chunk it owns (an upper
-    bound: the LM head's chunk is rarely the one held most)."""
+    of all its chunks; any other schedule with several chunks per rank is walked action by
+    action (:func:`tessera.planner.pipeline.chunk_inflight`): the peak over time of the bytes
+    of the (micro-batch, chunk) pairs held, each chunk weighing its own activations (the LM
+    head's chunk, with its fp32 logits, is held at most a few times)."""
     chunks = costs.chunks[r::L.pp]
     if L.virtual == 1:
         acts = count * chunks[0].act_bytes
     elif L.schedule == "bfs":
         acts = m * sum(c.act_bytes for c in chunks)
     else:
-        acts = count * max(c.act_bytes for c in chunks)
+        acts = max(sum(n * c.act_bytes for n, c in zip(held, chunks, strict=True))
+                   for held in chunk_inflight(L.schedule, L.pp, m, L.virtual, r))
     return Memory(params=state.params, grads=state.grads, optimizer=state.optimizer,
                   activations=acts,
                   transient=max(c.work_bytes for c in chunks) + state.zero3_buffer, rank=r)
@@ -356,7 +400,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
+def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace(),
+                      refusals: Counter[str] | None = None) -> Iterator[Layout]:
     """Every layout in `space` that `check_layout` accepts for `w`.
 
     Variants that change nothing are generated once: the schedule of a single chunk (pp = v = 1:
@@ -366,7 +411,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
     ZeRO without data parallelism, schedules that :func:`_schedules` leaves out)."""
     n = w.gpus
     spec = w.model
-    tessera = engine.expressible(spec)
+    tessera = w.tessera_engine
     tps = [t for t in (space.tp or divisors(n)) if n % t == 0
            and (tessera or spec.heads % t == 0)
            and (not space.tp_within_node or t <= w.hardware.gpus_per_node)]
@@ -374,7 +419,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
         for cp in [c for c in (space.cp or divisors(n // tp)) if (n // tp) % c == 0]:
             rest = n // (tp * cp)
             for pp in [p for p in (space.pp or divisors(rest)) if rest % p == 0
-                       and (tessera or spec.layers % p == 0)]:
+                       and (tessera or _splits(spec.layers, p) is not False)]:
                 dp = rest // pp
                 if space.dp is not None and dp not in space.dp:
                     continue
@@ -385,15 +430,20 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace()) -> Iterat
                     schedules = (_every_schedule(pp, space) if tessera
                                  else _schedules(pp, m, spec.layers, space))
                     for sched, v in schedules:
+                        stages = None if tessera else _splits(spec.layers, pp * v)
                         for zero, rc, sp, mode, method in itertools.product(
                                 space.zero if tessera or dp * cp > 1 else (0,), space.recompute,
                                 space.sequence_parallel if tp > 1 else (False,),
                                 space.dp_mode, space.cp_method if cp > 1 else ("ring",)):
                             L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=v, micro_batch=b,
                                        zero=zero, recompute=rc, schedule=sched,
-                                       sequence_parallel=sp, dp_mode=mode, cp_method=method)
-                            if check_layout(w, L) is None:
+                                       sequence_parallel=sp, dp_mode=mode, cp_method=method,
+                                       stage_layout=stages or None)
+                            why = check_layout(w, L)
+                            if why is None:
                                 yield L
+                            elif refusals is not None:
+                                refusals[why] += 1
 
 
 def _every_schedule(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
@@ -403,6 +453,17 @@ def _every_schedule(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
             yield sched, v
 
 
+def _splits(layers: int, n_chunks: int) -> tuple[int, ...] | None | bool:
+    """How a non-tessera model's layers go on n_chunks chunks: None (evenly), Llama 3's first-
+    and-last-one-fewer split where that is even (``first_last_fewer``), False if neither."""
+    if layers % n_chunks == 0:
+        return None
+    try:
+        return first_last_fewer(layers, n_chunks)
+    except ConfigError:
+        return False
+
+
 def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
     if pp == 1:
         yield "1f1b", 1
@@ -410,7 +471,8 @@ def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tup
     for sched in space.schedule:
         if sched in ("interleaved", "bfs"):
             for v in space.virtual:
-                if layers % (pp * v) or (sched == "interleaved" and (v == 1 or m % pp)):
+                if _splits(layers, pp * v) is False or (sched == "interleaved"
+                                                        and (v == 1 or m % pp)):
                     continue
                 yield sched, v
         elif sched == "naive":
@@ -450,11 +512,15 @@ def search(w: Workload, space: SearchSpace = SearchSpace(), top: int = 10,
            layouts: Iterable[Layout] | None = None) -> Plan:
     """Rank the layouts of `space` (or the given `layouts`) that fit in memory; keep `top`."""
     t0 = time.perf_counter()
-    candidates = list(layouts) if layouts is not None else list(enumerate_layouts(w, space))
+    refusals: Counter[str] = Counter()
+    candidates = (list(layouts) if layouts is not None
+                  else list(enumerate_layouts(w, space, refusals)))
     if not candidates:
-        raise PlanError(f"no layout of {w.gpus} GPUs divides the model ({w.model.name}: "
-                        f"{w.model.layers} layers, {w.model.heads} heads) and the global batch "
-                        f"{w.global_batch}; try another --gpus or --global-batch")
+        why = "; ".join(f"{reason} ({n} layouts)" for reason, n in refusals.most_common(2))
+        raise PlanError(f"no layout of {w.gpus} GPUs can run {w.model.name} ({w.model.layers} "
+                        f"layers, {w.model.heads} heads) at global batch {w.global_batch}"
+                        + (f": most often {why}" if why else "")
+                        + "; try another --gpus or --global-batch")
     capacity = w.hardware.memory_bytes - w.reserve_gb * GB
     fitting: list[Estimate] = []
     smallest: Estimate | None = None
@@ -491,4 +557,5 @@ def fixed(w: Workload, **degrees) -> Estimate:
 
 
 __all__ = ["Estimate", "Memory", "Plan", "PlanError", "SearchSpace", "enumerate_layouts",
-           "estimate", "fixed", "memory_by_rank", "search", "replace", "pipeline_comm_exposed"]
+           "estimate", "fixed", "memory_by_rank", "search", "replace", "pipeline_comm_exposed",
+           "gather_waits_exposed"]

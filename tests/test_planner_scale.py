@@ -1,0 +1,296 @@
+"""The planner at scale (issue 12), against published training runs.
+
+- Llama 3 405B on H100s (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 4 and
+  §3.3.2): the published layouts expressed exactly (126 layers on PP 16, the first and last
+  stage one layer short), each row within ±15% of its TFLOP/s per GPU; a free search at 8192
+  GPUs puts no ZeRO-3 layout above the published one and finds nothing more than 5% better.
+- GPT-3 175B at a fixed global batch on 384 to 1536 A100s (Narayanan et al. 2021, §5.2's
+  comparison with ZeRO-3): ZeRO-3's throughput per GPU falls as GPUs are added, PTD-P is ahead
+  at every count.
+- Iteration times of 22B to 1T GPTs (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", Tables 3 and 5): each within ±10%, and the error
+  does not grow with the model.
+- Conventions and bookkeeping: causal vs full attention FLOPs, precision recipes, the
+  per-chunk memory walk of interleaved schedules, the DP/ZeRO overlap rule, `plan --layout`.
+
+No processes; the file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from tessera.cli import app
+from tessera.pipeline.split import first_last_fewer
+from tessera.planner.cost import (
+    Layout,
+    Workload,
+    exposed_behind,
+    model_flops_per_step,
+    zero_model_state_bytes,
+)
+from tessera.planner.hardware import load_hardware
+from tessera.planner.models import gpt, load_model
+from tessera.planner.search import SearchSpace, estimate, memory_by_rank, search
+
+H100 = load_hardware("H100")
+A100 = load_hardware("A100-80GB")
+LLAMA = load_model("llama3-405b")
+
+# Grattafiori et al. 2024, Table 4: GPUs, TP, CP, PP, DP, sequence, batch per DP rank,
+# TFLOP/s per GPU (BF16 MFU 43/41/38% of 989: the causal count, see test below).
+LLAMA3_TABLE4 = [
+    (8192, 8, 1, 16, 64, 8192, 32, 430),
+    (16384, 8, 1, 16, 128, 8192, 16, 400),
+    (16384, 8, 16, 16, 8, 131072, 16, 380),
+]
+
+
+def llama3_row(gpus, tp, cp, pp, dp, seq, per_dp, *, virtual: int = 2):
+    """The published layout: Llama 3's interleaved schedule (v = 2 chunks per stage is our
+    choice; the paper does not print v), micro-batch 1, sequence parallel, optimizer state
+    sharded over DP, no activation recomputation at 8K (§3.3.2), all-gather context
+    parallelism (§3.3.2), 126 layers with one fewer on the first and last stage."""
+    w = Workload(model=LLAMA, hardware=H100, gpus=gpus, global_batch=dp * per_dp, seq_len=seq,
+                 kernels="fused")
+    L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=virtual, micro_batch=1, zero=1,
+               schedule="interleaved", sequence_parallel=True,
+               cp_method="allgather" if cp > 1 else "ring",
+               stage_layout=first_last_fewer(LLAMA.layers, pp * virtual))
+    return w, L
+
+
+@pytest.mark.parametrize("row", LLAMA3_TABLE4, ids=lambda r: f"{r[0]}gpus-cp{r[2]}")
+def test_llama3_405b_table4_rows(row):
+    """Each Table 4 row within ±15% (TFLOP/s per GPU, causal count), with the layout exact:
+    per stage 7, 8 x 14, 7 blocks (two chunks each)."""
+    *layout, published = row
+    w, L = llama3_row(*layout)
+    est = estimate(w, L)
+    per_stage = [sum(L.stage_layout[r::L.pp]) for r in range(L.pp)]
+    assert per_stage == [7] + [8] * 14 + [7]
+    predicted = est.model_tflops_per_gpu("causal")
+    print(f"{row}: predicted {predicted:.0f} TFLOP/s (causal), {est.model_tflops_per_gpu():.0f}"
+          f" (full s²), published {published}")
+    assert predicted == pytest.approx(published, rel=0.15)
+
+
+def test_attention_flop_conventions_and_llama3_mfu():
+    """Full minus causal is exactly half the score products, 3·2·B·s²·l·h; at 131072 tokens
+    the full count is 1.4x the causal one (the CP row's MFU moves by 35-40%), at 8192 4%.
+    Table 4's MFU column (43/41/38%) is its TFLOP/s column over 989: model FLOPs."""
+    B, s = 16, 131072
+    full = model_flops_per_step(LLAMA, B, s, "full")
+    causal = model_flops_per_step(LLAMA, B, s, "causal")
+    assert full - causal == pytest.approx(6 * B * s * s * LLAMA.layers * LLAMA.hidden, rel=1e-12)
+    w, L = llama3_row(*LLAMA3_TABLE4[2][:-1])
+    est = estimate(w, L)
+    assert 1.3 < est.mfu / est.mfu_causal < 1.5
+    w8, L8 = llama3_row(*LLAMA3_TABLE4[0][:-1])
+    est8 = estimate(w8, L8)
+    assert 1.0 < est8.mfu / est8.mfu_causal < 1.05
+    for tflops, mfu in ((430, 0.43), (400, 0.41), (380, 0.38)):
+        assert tflops / H100.peak_tflops == pytest.approx(mfu, abs=0.01)
+
+
+def test_free_search_for_llama3_on_8192_h100s():
+    """The search finds nothing more than 5% faster than the published layout and no ZeRO-3
+    layout above it (the planner used to propose dp 2048 x tp 4 with ZeRO-3). The planner's
+    memory puts the published layout at v = 2 over 80 GB (Llama 3 frees pipeline buffers
+    early and tunes its in-flight count, §3.3.2; neither is modelled), so it is estimated
+    beside the search rather than ranked in it."""
+    w, L = llama3_row(*LLAMA3_TABLE4[0][:-1])
+    published = estimate(w, L)
+    plan = search(w, top=20)
+    best = plan.best
+    print(f"published {published.tokens_per_s:.4g} tokens/s; best {best.layout.describe()} "
+          f"{best.tokens_per_s:.4g}; {plan.considered} layouts, {plan.seconds:.1f} s")
+    assert best.tokens_per_s <= 1.05 * published.tokens_per_s
+    zero3 = [e for e in plan.ranked if e.layout.zero == 3]
+    assert all(e.tokens_per_s < published.tokens_per_s for e in zero3)
+
+
+def test_zero3_falls_behind_ptdp_for_175b_at_fixed_batch():
+    """Narayanan et al. 2021 §5.2 (GPT-3 175B, global batch 1536, A100s): as GPUs are added at
+    a fixed global batch the per-GPU micro-batch of ZeRO-3 shrinks, less compute is left to
+    hide each layer's parameter all-gathers, and its throughput per GPU falls; PTD-P (the best
+    tensor x pipeline x data layout without ZeRO-3) is ahead at every count."""
+    spec = load_model("gpt3-175b")
+    zero3, ptdp = [], []
+    for gpus in (384, 768, 1536):
+        w = Workload(model=spec, hardware=A100, gpus=gpus, global_batch=1536, seq_len=2048,
+                     flash_attention=False)
+        z = search(w, SearchSpace(tp=(1,), pp=(1,), zero=(3,)), top=1).best
+        p = search(w, SearchSpace(zero=(0, 1)), top=1).best
+        zero3.append(z.tokens_per_s / gpus)
+        ptdp.append(p.tokens_per_s / gpus)
+        exposed = z.breakdown()["dp_exposed"]
+        print(f"{gpus}: ZeRO-3 {z.layout.describe()} {zero3[-1]:.0f} tokens/s/GPU "
+              f"({exposed:.3g} s of gathers exposed); PTD-P {p.layout.describe()} "
+              f"{ptdp[-1]:.0f}")
+    assert zero3[0] > zero3[1] > zero3[2]
+    assert all(p > z for p, z in zip(ptdp, zero3, strict=True))
+
+
+# Korthikanti et al. 2022, Table 3 (a, h, l, t, p, GPUs, global batch) and Table 5 (seconds per
+# iteration with sequence parallelism and selective recomputation), A100 80GB, s = 2048,
+# micro-batch 1, 1F1B, no flash attention; Megatron-LM of 2022 overlaps the backward's
+# tensor-parallel collectives with the GEMMs (Workload.tp_async_backward).
+KORTHIKANTI = [
+    ("22B", 64, 6144, 48, 8, 1, 8, 4, 1.10),
+    ("175B", 96, 12288, 96, 8, 8, 64, 64, 13.75),
+    ("530B", 128, 20480, 105, 8, 35, 280, 280, 37.83),
+    ("1T", 160, 25600, 128, 8, 64, 512, 512, 71.49),
+]
+
+
+def test_iteration_time_error_does_not_grow_with_model_size():
+    """Each run within ±10% of its published iteration time, and no trend with size: the
+    least-squares slope of the error against log10(parameters) under 5 points per decade (one
+    GEMM rate for all shapes gave +5% at 22B rising to +16% at 530B)."""
+    errors, sizes = [], []
+    for name, a, h, l_, t, p, n, batch, seconds in KORTHIKANTI:
+        spec = gpt(f"gpt-{name}", h, l_, a)
+        w = Workload(model=spec, hardware=A100, gpus=n, global_batch=batch, seq_len=2048,
+                     flash_attention=False, tp_async_backward=True)
+        est = estimate(w, Layout(dp=n // (t * p), tp=t, pp=p, micro_batch=1,
+                                 recompute="selective", sequence_parallel=True))
+        error = est.step_time / seconds - 1
+        print(f"{name}: predicted {est.step_time:.2f} s, published {seconds} s, "
+              f"{100 * error:+.1f}%")
+        assert abs(error) <= 0.10, name
+        errors.append(error)
+        sizes.append(math.log10(spec.param_count))
+    # The mechanism: a GEMM's fixed tail weighs more on the narrow shards of the small model.
+    from tessera.planner.cost import block_matmul_times
+
+    def rate(h: int) -> float:
+        spec = gpt("x", h, 1, h // 128)
+        return 2 * 2048 * spec.layer_matmul_params / 8 / block_matmul_times(spec, A100, 2048,
+                                                                              8)[0]
+    assert rate(6144) < 0.92 * rate(25600) < 0.92 * A100.matmul_flops
+    mx, my = sum(sizes) / len(sizes), sum(errors) / len(errors)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, errors, strict=True)) / sum(
+        (x - mx) ** 2 for x in sizes)
+    assert abs(slope) < 0.05, slope
+
+
+def test_precision_recipes_change_model_state_as_stated():
+    """16 B (bf16 + fp32 master and Adam), 18 B (and fp32 gradients, Megatron-LM's default),
+    12 B (bf16 Adam moments) per parameter: the per-rank state of a pure data-parallel GPT
+    layout is the ZeRO formula with those byte counts (exact up to float rounding)."""
+    spec = load_model("gpt3-1.3b")
+    expected = {"bf16": (2, 2, 12), "bf16-fp32grads": (2, 4, 12), "bf16-states": (2, 2, 8)}
+    for recipe, (pb, gb, ob) in expected.items():
+        w = Workload(model=spec, hardware=A100, gpus=8, global_batch=8, seq_len=2048,
+                     precision=recipe)
+        for stage in (0, 1, 3):
+            mem = estimate(w, Layout(dp=8, zero=stage), simulate=False).memory
+            state = mem.params + mem.grads + mem.optimizer
+            assert state == pytest.approx(zero_model_state_bytes(
+                spec.param_count, stage, 8, k=ob, param_bytes=pb, grad_bytes=gb), rel=1e-12)
+
+
+def test_interleaved_memory_walks_each_chunk():
+    """Interleaving holds more (micro-batch, chunk) sets on the first ranks; the walk weighs
+    each by its own chunk's bytes. With equal chunks it equals the count times one chunk; on
+    Llama 3's first stage (a 3-block chunk with the embedding and a 4-block one) it is more
+    than 10 GB below the old bound of the count times the heaviest chunk, and below it on
+    every stage."""
+    w, L = llama3_row(*LLAMA3_TABLE4[0][:-1])
+    est = estimate(w, L, simulate=False)
+    for r, mem in enumerate(memory_by_rank(est)):
+        chunks = est.costs.chunks[r::L.pp]
+        bound = est.inflight[r] * max(c.act_bytes for c in chunks)
+        assert mem.activations <= bound
+        if r == 0:
+            assert mem.activations < bound - 10e9
+    even = Workload(model=gpt("even", 4096, 32, 32), hardware=A100, gpus=8, global_batch=64,
+                    seq_len=2048)
+    e = estimate(even, Layout(pp=8, virtual=2, schedule="interleaved"), simulate=False)
+    mid = memory_by_rank(e)[3]
+    assert mid.activations == pytest.approx(e.inflight[3] * e.costs.chunks[3].act_bytes,
+                                            rel=1e-12)
+
+
+def test_overlap_rule_never_hides_more_than_the_compute():
+    """exposed_behind: never negative, never more than all the communication, shrinking as
+    compute grows, and at least one collective's time is left after the compute (the last
+    bucket, the first gather)."""
+    for comm in (0.0, 0.01, 0.1, 1.0):
+        for units in (1, 4, 96):
+            previous = math.inf
+            for compute in (0.0, 0.05, 0.5, 5.0, 50.0):
+                for lead, depth in ((False, 0), (True, 0), (True, 1), (True, 2)):
+                    x = exposed_behind(comm, units, compute, depth, lead)
+                    assert min(comm, units * comm) - 1e-15 <= x <= units * comm + 1e-15
+                x = exposed_behind(comm, units, compute, 1, True)
+                assert x <= previous
+                previous = x
+
+
+runner = CliRunner()
+
+
+def test_cli_evaluates_one_layout_with_explain():
+    args = ["plan", "--model", "llama3-405b", "--gpus", "8192", "--hardware", "H100",
+            "--global-batch", "2048", "--seq", "8192", "--kernels", "fused", "--layout",
+            "dp=64,tp=8,pp=16,v=2,mb=1,zero=1,recompute=none,sp,stages=first-last-fewer"]
+    r = runner.invoke(app, args + ["--explain"])
+    assert r.exit_code == 0, r.output
+    assert "one layout evaluated: dp=64 tp=8 pp=16" in r.output
+    assert "stages=3,4*30,3" in r.output and "MFU-c" in r.output
+    assert "counting the causal half (Llama 3)" in r.output and "16 B/param" in r.output
+    r = runner.invoke(app, args + ["--json", "--precision", "bf16-fp32grads"])
+    out = json.loads(r.output)
+    row = out["layouts"][0]
+    assert row["mfu"] > row["mfu_causal"] > 0 and "18 B/param" in out["model_state"]
+    r = runner.invoke(app, ["plan", "--model", "gpt3-175b", "--gpus", "64", "--global-batch",
+                            "64", "--layout", "tp=8,pp=7"])
+    assert r.exit_code == 2
+    assert "tp*pp*cp=56 must divide --gpus 64" in r.output
+    r = runner.invoke(app, ["plan", "--model", "gpt3-175b", "--gpus", "56", "--global-batch",
+                            "56", "--layout", "tp=8,pp=7"])
+    assert r.exit_code == 2 and "pp*virtual=7 must divide layers=96" in r.output
+    assert "stage_layout, e.g." in r.output
+    r = runner.invoke(app, ["plan", "--model", "gpt3-175b", "--gpus", "56", "--global-batch",
+                            "56", "--layout", "tp=8,pp=7,zebra=1"])
+    assert r.exit_code == 2 and "unknown key 'zebra'" in r.output
+    # A search nothing survives names the rule that refused most layouts.
+    r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "3", "--global-batch",
+                            "2", "--tp", "3"])
+    assert r.exit_code == 2 and "most often parallel.tp=3: must divide model.n_heads=32" in r.output
+
+
+def test_breadth_first_overlaps_zero3_with_the_loop():
+    """Lamy-Poirier 2022 ("Breadth-First Pipeline Parallelism", §4 and §6: a 52B GPT at a
+    small batch per GPU): looping over the chunks breadth-first gathers each chunk's
+    parameters twice per step and reduces its gradients once, while the rank's other chunks
+    still run backward; depth-first schedules must regather per micro-batch. Same degrees,
+    half a sequence per GPU: with ZeRO-3 breadth-first is ahead of depth-first, and sharding
+    the parameters costs it under 5% over ZeRO-1 (gathers hidden behind the loop), where it
+    costs depth-first more than 40%; the gathers it simulates are the schedule's 2v - 1 per
+    rank."""
+    from tessera.pipeline.schedule import add_sharding_actions
+    from tessera.pipeline.simulator import unshard_counts
+    from tessera.planner.pipeline import build
+
+    w = Workload(model=gpt("gpt-52b", 8192, 64, 64), hardware=A100, gpus=1024,
+                 global_batch=512, seq_len=2048)
+    times = {}
+    for schedule in ("interleaved", "bfs"):
+        for zero in (1, 3):
+            est = estimate(w, Layout(dp=16, tp=8, pp=8, virtual=4, zero=zero,
+                                     schedule=schedule, sequence_parallel=True,
+                                     recompute="selective"))
+            times[schedule, zero] = est.step_time
+            print(f"{schedule} ZeRO-{zero}: {est.step_time:.3f} s")
+    assert times["bfs", 3] < times["interleaved", 3]
+    assert times["bfs", 3] < 1.05 * times["bfs", 1]
+    assert times["interleaved", 3] > 1.4 * times["interleaved", 1]
+    counts = unshard_counts(add_sharding_actions(build("bfs", 8, 32, 4), prefetch=1))
+    assert all(sum(per_rank.values()) == 2 * 4 - 1 for per_rank in counts)
