@@ -48,34 +48,40 @@ def _collective_calls(rank: int, world: int) -> dict:
         even = torch.arange(2 * world, dtype=dtype) + rank
         for alg in C.ALL_REDUCE_ALGORITHMS:
             calls[f"all_reduce {alg} {dtype}"] = lambda a=alg, x=x: C.all_reduce(
-                x.clone(), op="avg", algorithm=a)
+                x.clone(), op="avg", algorithm=a
+            )
         for alg in C.REDUCE_SCATTER_ALGORITHMS:
             calls[f"reduce_scatter {alg} {dtype}"] = lambda a=alg, x=x: C.reduce_scatter(
-                x, algorithm=a)
-            calls[f"reduce_scatter even {alg} {dtype}"] = lambda a=alg, e=even: (
-                C.reduce_scatter(e, algorithm=a))
+                x, algorithm=a
+            )
+            calls[f"reduce_scatter even {alg} {dtype}"] = lambda a=alg, e=even: C.reduce_scatter(
+                e, algorithm=a
+            )
         for alg in C.ALL_GATHER_ALGORITHMS:
             lo, hi = C.shard_bounds(x.numel(), world)[rank]
             calls[f"all_gather {alg} {dtype}"] = lambda a=alg, s=x[lo:hi], n=3 * world + 2: (
-                C.all_gather(s, algorithm=a, numel=n))
+                C.all_gather(s, algorithm=a, numel=n)
+            )
             calls[f"all_gather equal {alg} {dtype}"] = lambda a=alg, x=x: C.all_gather(
-                x[:2], algorithm=a)
+                x[:2], algorithm=a
+            )
         for alg in C.BROADCAST_ALGORITHMS:
             calls[f"broadcast {alg} {dtype}"] = lambda a=alg, x=x: C.broadcast(
-                x.clone(), root=1, algorithm=a)
+                x.clone(), root=1, algorithm=a
+            )
         for alg in C.REDUCE_ALGORITHMS:
             calls[f"reduce {alg} {dtype}"] = lambda a=alg, x=x: C.reduce(
-                x.clone(), root=1, algorithm=a)
+                x.clone(), root=1, algorithm=a
+            )
         for alg in C.SCATTER_ALGORITHMS:
             out = torch.empty(2, dtype=dtype)  # made here: the call runs under a meta default
             calls[f"scatter {alg} {dtype}"] = lambda a=alg, e=even, o=out: C.scatter(
-                o, e if rank == 1 else None, root=1, algorithm=a)
+                o, e if rank == 1 else None, root=1, algorithm=a
+            )
         for alg in C.GATHER_ALGORITHMS:
-            calls[f"gather {alg} {dtype}"] = lambda a=alg, x=x: C.gather(
-                x[:2], root=1, algorithm=a)
+            calls[f"gather {alg} {dtype}"] = lambda a=alg, x=x: C.gather(x[:2], root=1, algorithm=a)
         for alg in C.ALL_TO_ALL_ALGORITHMS:
-            calls[f"all_to_all {alg} {dtype}"] = lambda a=alg, e=even: C.all_to_all(
-                e, algorithm=a)
+            calls[f"all_to_all {alg} {dtype}"] = lambda a=alg, e=even: C.all_to_all(e, algorithm=a)
     return calls
 
 
@@ -141,8 +147,7 @@ def _async_server_receives_from_named_sources() -> dict:
 
     dist.recv = recv
     try:
-        engine, _ = distributed_run(tiny_config(dp=3, dp_mode="ps-async", max_staleness=2),
-                                    steps=2)
+        engine, _ = distributed_run(tiny_config(dp=3, dp_mode="ps-async", max_staleness=2), steps=2)
     finally:
         dist.recv = real
     return {"server": engine.model.server.ps.is_server, "sources": sources}
@@ -152,8 +157,7 @@ def _async_server_receives_from_named_sources() -> dict:
 def test_async_parameter_server_names_every_source():
     """NCCL cannot receive from any source: the server takes one push from each worker, in
     rank order, every step."""
-    server = next(r for r in run_ranks(_async_server_receives_from_named_sources, 3)
-                  if r["server"])
+    server = next(r for r in run_ranks(_async_server_receives_from_named_sources, 3) if r["server"])
     assert server["sources"] == [1, 2, 1, 2]
 
 
@@ -165,9 +169,23 @@ def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
 
     def fake_run_ranks(fn, world, args=(), timeout=0, backend="gloo"):
         seen.update(args=args, backend=backend)
-        return [{"mm": 1.0, "attn": 1.0, "bw": 1.0, "overhead": 0.0, "passes": 1.0,
-                 "jitter": 0.0, "p2p_alpha": 1e-5, "p2p_beta": 1e-9, "alpha": 1e-5,
-                 "beta": 1e-9, "gather_efficiency": 1.0}] * world
+        return [
+            {
+                "mm": 1.0,
+                "attn": 1.0,
+                "bw": 1.0,
+                "overhead": 0.0,
+                "passes": 1.0,
+                "jitter": 0.0,
+                "mm_large": 1.0,
+                "mm_tail": 0.0,
+                "p2p_alpha": 1e-5,
+                "p2p_beta": 1e-9,
+                "alpha": 1e-5,
+                "beta": 1e-9,
+                "gather_efficiency": 1.0,
+            }
+        ] * world
 
     monkeypatch.setattr("tessera.testing.run_ranks", fake_run_ranks)
     spec = load_model("demo")
@@ -184,6 +202,8 @@ def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
 def test_calibrate_refuses_a_device_or_backend_this_machine_lacks():
     if not torch.cuda.is_available():
         assert cli_error(["plan", "calibrate", "--device", "cuda"]) == (
-            "error: --device='cuda': no CUDA device on this machine")
+            "error: --device='cuda': no CUDA device on this machine"
+        )
     assert cli_error(["plan", "calibrate", "--device", "cpu", "--backend", "nccl"]) == (
-        "error: --backend='nccl': NCCL needs --device cuda, not cpu")
+        "error: --backend='nccl': NCCL needs --device cuda, not cpu"
+    )
