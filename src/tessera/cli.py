@@ -82,6 +82,13 @@ def train(
     nproc: Annotated[int | None, typer.Option(
         help="Ranks to launch on this machine (torch's elastic launcher); "
              "default dp*tp*pp*cp.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        help="Restart all ranks up to N times when one fails (the elastic launcher's "
+             "--max-restarts); a restarted job resumes from the newest complete checkpoint.")
+    ] = None,
+    collective_timeout: Annotated[float | None, typer.Option(
+        help="Seconds a collective waits for the other ranks, and a rank's heartbeat may stay "
+             "silent, before the job stops naming the silent rank (default 300).")] = None,
     dp: Annotated[int | None, typer.Option(help="Data-parallel degree.")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
     pp: Annotated[int | None, typer.Option(help="Pipeline-parallel degree.")] = None,
@@ -143,7 +150,8 @@ def train(
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,
-                      profile_steps=profile_steps, init_from=init_from),
+                      profile_steps=profile_steps, init_from=init_from,
+                      collective_timeout_s=collective_timeout),
         "data": dict(path=data),
     }
     from tessera.checkpoint import CheckpointError, verify
@@ -159,6 +167,7 @@ def train(
                                                                                  set_)
         world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
             nproc or cfg.parallel.world_size)
+        check_max_restarts(max_restarts, under_launcher)
         cfg.validate(world)
         check_data(cfg)
         resume_from = resume_path(cfg)
@@ -170,12 +179,15 @@ def train(
         for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
             print(f"warning: {line}", file=sys.stderr, flush=True)
 
-    if not under_launcher and world > 1:
+    if not under_launcher and (world > 1 or max_restarts):
         from tessera.launch import launch
 
         os.environ[RELAUNCHED] = "1"  # the ranks inherit it: they do not warn again
+        argv = train_args(sys.argv[1:])
+        for option in ("--nproc", "--max-restarts"):
+            argv = strip_option(argv, option)
         try:
-            code = launch(world, strip_option(train_args(sys.argv[1:]), "--nproc"))
+            code = launch(world, argv, max_restarts or 0)
         finally:
             del os.environ[RELAUNCHED]
         raise typer.Exit(code)
@@ -186,6 +198,16 @@ def train(
         run(cfg, progress=not no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+
+
+def check_max_restarts(max_restarts: int | None, under_launcher: bool) -> None:
+    if max_restarts is None:
+        return
+    if max_restarts < 0:
+        raise ConfigError("--max-restarts", max_restarts, "must be >= 0")
+    if under_launcher:
+        raise ConfigError("--max-restarts", max_restarts, "is the launcher's: under torchrun, "
+                          "give it to torchrun (torchrun --max-restarts N -m tessera.train ...)")
 
 
 def model_from_weights(cfg: Config) -> Config:

@@ -237,7 +237,13 @@ class TrainConfig:
     """How many of the newest checkpoints to keep; 0 keeps them all."""
     resume: str = ""
     """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
-    there is one (else start fresh, so a restarted job picks up where it stopped)."""
+    there is one (else start fresh, so a restarted job picks up where it stopped). A job the
+    elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) always takes the newest."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks before it fails (every process group
+    of the run), and how long a rank's heartbeat may stay silent before the others stop with a
+    line naming it (``tessera.watchdog``). Not torch's 30-minute default: a dead or stopped
+    rank should end the job in minutes."""
 
     init_from: str = ""
     """Start from these weights instead of the random initialization: a checkpoint (step
@@ -279,6 +285,8 @@ class TrainConfig:
         _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval,
                  "must be >= 0")
         _require(self.log_interval >= 1, "train.log_interval", self.log_interval, "must be >= 1")
+        _require(1 <= self.collective_timeout_s < math.inf, "train.collective_timeout_s",
+                 self.collective_timeout_s, "must be a finite number of seconds >= 1")
         _require(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens,
                  "must be >= 0")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",

