@@ -25,6 +25,8 @@ import pytest
 import torch.distributed as dist
 
 from cli_errors import cli_error
+from tessera.config import make_config
+from tessera.testing import run_ranks
 from tessera.watchdog import Watchdog
 
 TINY = ["--preset", "tiny", "--no-progress", "--set", "data.seq_len=16", "--set",
@@ -207,3 +209,40 @@ def test_stopped_rank_is_named_within_the_collective_timeout(tiny_data, tmp_path
                         f"seen by rank 0; collective timeout {timeout} s)"), job.report()
     assert lines[-1].startswith("error: 2 of 2 ranks failed (rank 0 exit code 1, rank 1 "), lines
     assert not any("Traceback" in ln for _, ln in job.stderr), job.report()
+
+
+def _uninterrupted_rank(data: str, out: str, steps: int) -> None:
+    from tessera.trainer import train
+
+    train(make_config("tiny", overrides=[
+        f"data.path={data}", "data.seq_len=16", "data.val_tokens=256", "train.sample_tokens=0",
+        f"train.steps={steps}", "parallel.dp=2", f"train.out_dir={out}"]), progress=False)
+
+
+def _uninterrupted(data: str, out: Path, steps: int) -> dict[int, float]:
+    """The same 2-rank run (dp=2) never interrupted, through the test harness."""
+    run_ranks(_uninterrupted_rank, 2, args=(data, str(out), steps), timeout=240)
+    return _losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_path):
+    steps, every = 40, 5
+    job = Job(tiny_data, tmp_path / "run", "--max-restarts", "1", "--checkpoint-interval",
+              str(every), steps=steps)
+    try:
+        job.wait_for_step(every + 1)  # the step-5 checkpoint is complete before step 6 runs
+        os.kill(job.rank_pid(1), signal.SIGKILL)
+        assert job.wait() == 0, job.report()
+    finally:
+        job.proc.kill()
+    resumed = [ln for ln in job.stdout if ln.startswith("resumed from ")]
+    assert len(resumed) == 1 and resumed[0].endswith("(restart 1)"), job.report()
+    # The restart resumed from the newest complete checkpoint, not from the start.
+    at = int(resumed[0].split(" at step ")[1].split()[0])
+    assert every <= at < steps and at % every == 0, resumed
+    got = _losses(tmp_path / "run")
+    want = _uninterrupted(tiny_data, tmp_path / "reference", steps)
+    assert sorted(got) == list(range(1, steps + 1))
+    assert got == want  # every step's loss, the final one included: bit for bit

@@ -12,11 +12,14 @@ non-zero, is killed, or the watchdog of another rank names it silent); the resta
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as torchrun
+
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def launch(nproc: int, train_argv: list[str], max_restarts: int = 0) -> int:
@@ -29,6 +32,10 @@ def launch(nproc: int, train_argv: list[str], max_restarts: int = 0) -> int:
     args = parser.parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
          "--module", "tessera.train", *train_argv])
+    # The ranks' store is rank 0's, new for each attempt, not the rendezvous's own: shared,
+    # it keeps the keys of the attempt before a restart, and a restarted rank can read the
+    # dead ranks' addresses from them (gloo: "Connection refused"; pytorch/pytorch#135712).
+    os.environ.setdefault(UNSHARED_STORE, "1")
     try:
         torchrun(args)
     except ChildFailedError as e:

@@ -65,6 +65,8 @@ class Watchdog:
         generation = store.add(f"{PREFIX}/{restart}/generation/{rank}", 1)
         self.store = dist.PrefixStore(f"{PREFIX}/{restart}/{generation}", store)
         self.peer = (rank + 1) % world
+        self.store_host: int | None = None
+        """The rank whose process serves the store, if one does: the store's silence is its."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tessera-watchdog",
                                         daemon=True)
@@ -79,6 +81,12 @@ class Watchdog:
         store = dist.TCPStore(addr, int(port), is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         watchdog = cls(store, rank, world, timeout_s)
+        # From now on a store operation may wait half the limit: a store that stops answering
+        # (its host stopped) must not hold the thread past the limit.
+        store.set_timeout(timedelta(seconds=watchdog.limit_s / 2))
+        # torchrun without its agent's store (tessera's launcher) puts it in rank 0's process.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+            watchdog.store_host = 0
         watchdog.start()
         return watchdog
 
@@ -97,7 +105,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         seen, moved = -1, time.monotonic()
-        watching, unreachable_since = True, None
+        watching, answered = True, time.monotonic()
         while not self._stop.wait(self.interval_s):
             try:
                 self.store.add(f"beat/{self.rank}", 1)
@@ -114,18 +122,24 @@ class Watchdog:
                                 "lost", "", f"{self.peer} {now - moved:.0f} {self.rank}")
                 if self.store.check(["lost"]):
                     self._exit(self._verdict(self.store.get("lost").decode()))
-                unreachable_since = None
+                answered = time.monotonic()
             except Exception as e:  # noqa: BLE001 - the store itself is gone or failing
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since > self.limit_s:
-                    self._exit(f"rank {self.rank} lost the rendezvous store for "
-                               f"{now - unreachable_since:.0f} s ({str(e).splitlines()[0]})")
+                silent = time.monotonic() - answered
+                if silent > self.limit_s:
+                    self._exit(self._store_verdict(silent, str(e).splitlines()[0]))
 
     def _verdict(self, lost: str) -> str:
         rank, silent, seen_by = lost.split()
         return (f"rank {rank} stopped answering (no heartbeat for {silent} s, seen by rank "
                 f"{seen_by}; collective timeout {self.timeout_s:g} s)")
+
+    def _store_verdict(self, silent: float, error: str) -> str:
+        if self.store_host is not None and self.store_host != self.rank:
+            return (f"rank {self.store_host} stopped answering (the rendezvous store it serves "
+                    f"has not answered rank {self.rank} for {silent:.0f} s: {error}; collective "
+                    f"timeout {self.timeout_s:g} s)")
+        return (f"the rendezvous store has not answered rank {self.rank} for {silent:.0f} s "
+                f"({error}; collective timeout {self.timeout_s:g} s)")
 
     def _exit(self, message: str) -> None:
         if not self._stop.is_set():
