@@ -22,11 +22,39 @@ from typing import Annotated
 
 import typer
 import yaml
+from typer.core import TyperGroup
 
 from tessera.config import Config, ConfigError, load_file, make_config
 
+EXIT_BAD_INPUT = 2
+
+
+class OneLineErrors(TyperGroup):
+    """Click's own usage errors (a flag's value of the wrong type, an unknown flag, a flag
+    without its value) as one line, ``error: ...``, exit status 2, like every other bad input;
+    Click would print the usage and a hint around its message."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
+             **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as e:
+            if not standalone_mode:
+                raise
+            if type(e).__name__ == "NoArgsIsHelpError":  # `tessera` alone: the help text
+                print(e.format_message(), file=sys.stderr)
+            else:
+                print(f"error: {e.format_message()}", file=sys.stderr, flush=True)
+            sys.exit(getattr(e, "exit_code", EXIT_BAD_INPUT))
+        if not standalone_mode:
+            return code
+        # Without standalone mode, a command's typer.Exit(code) comes back as its code.
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode=None, help="tessera: train transformers across devices.")
+                  rich_markup_mode=None, cls=OneLineErrors,
+                  help="tessera: train transformers across devices.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
 app.add_typer(data_app, name="data")
 
@@ -34,7 +62,6 @@ from tessera.planner.cli import plan_app  # noqa: E402  (the planner's commands,
 
 app.add_typer(plan_app, name="plan")
 
-EXIT_BAD_INPUT = 2
 DEFAULT_PRESET = "demo"
 RELAUNCHED = "TESSERA_RELAUNCHED"  # set for the ranks `train --nproc` launches
 
@@ -160,6 +187,8 @@ def train(
 
     under_launcher = "RANK" in os.environ
     try:
+        if nproc is not None and nproc < 1:
+            raise ConfigError("--nproc", nproc, "must be >= 1")
         # Under a launcher the world is known; dp fills it unless given, as with --nproc.
         world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
         cfg = resolve_config(preset, config, set_, flags, world_hint)

@@ -423,7 +423,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             return section, name, convert(value)
         except ValueError:
             continue
-    return section, name, yaml.safe_load(value) if value else ""
+    try:
+        return section, name, yaml.safe_load(value) if value else ""
+    except yaml.YAMLError as e:
+        raise ConfigError("--set", text, "the value cannot be read as a number, true/false, "
+                          f"null or a string ({str(e).splitlines()[0]})") from None
 
 
 def _coerce(name: str, annotation: str, value: Any) -> Any:
@@ -437,6 +441,8 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
     if "int" in kinds and isinstance(value, int) and not isinstance(value, bool):
         return value
     if "float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # No field means anything by infinity (TOML's inf, YAML's .inf, --set x=1e400).
+        _require(not math.isinf(value), name, value, "must be finite")
         return float(value)
     if "str" in kinds and isinstance(value, str):
         return value
@@ -464,8 +470,13 @@ def load_yaml(text: str) -> Any:
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or YAML config file into nested dicts (an optional top-level `preset` key)."""
     path = Path(path)
-    _require(path.is_file(), "--config", str(path), "file does not exist")
-    text = path.read_text()
+    _require(path.is_file(), "--config", str(path),
+             "is a directory, not a file" if path.is_dir() else "file does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("--config", str(path), f"is not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
     try:
         raw = (tomllib.loads(text) if path.suffix == ".toml"
                else load_yaml(text))
@@ -487,7 +498,8 @@ def make_config(preset: str | None = "tiny", file: str | Path | None = None,
     file_preset = file_raw.pop("preset", None)
     preset = preset if preset is not None else file_preset
     if preset is not None:
-        _require(preset in PRESETS, "preset", preset, f"unknown; known: {', '.join(PRESETS)}")
+        _require(isinstance(preset, str) and preset in PRESETS, "preset", preset,
+                 f"unknown; known: {', '.join(PRESETS)}")
         raw = _merge(raw, PRESETS[preset])
     raw = _merge(raw, file_raw)
     raw = _merge(raw, {k: v for k, v in sections.items() if v})
