@@ -25,6 +25,7 @@ import pytest
 import torch.distributed as dist
 
 from cli_errors import cli_error
+from tessera.checkpoint import latest
 from tessera.config import make_config
 from tessera.testing import run_ranks
 from tessera.watchdog import Watchdog
@@ -219,16 +220,23 @@ def _uninterrupted_rank(data: str, out: str, steps: int) -> None:
         f"train.steps={steps}", "parallel.dp=2", f"train.out_dir={out}"]), progress=False)
 
 
-def _uninterrupted(data: str, out: Path, steps: int) -> dict[int, float]:
-    """The same 2-rank run (dp=2) never interrupted, through the test harness."""
-    run_ranks(_uninterrupted_rank, 2, args=(data, str(out), steps), timeout=240)
+STEPS, EVERY = 40, 5
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data, tmp_path_factory) -> dict[int, float]:
+    """Step -> loss of the same 2-rank run (dp=2) never interrupted, through the test
+    harness (no checkpoints: saving does not touch the numbers)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_ranks(_uninterrupted_rank, 2, args=(tiny_data, str(out), STEPS), timeout=240)
     return _losses(out)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_path):
-    steps, every = 40, 5
+def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_path,
+                                                                 uninterrupted):
+    steps, every = STEPS, EVERY
     job = Job(tiny_data, tmp_path / "run", "--max-restarts", "1", "--checkpoint-interval",
               str(every), steps=steps)
     try:
@@ -243,6 +251,75 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_
     at = int(resumed[0].split(" at step ")[1].split()[0])
     assert every <= at < steps and at % every == 0, resumed
     got = _losses(tmp_path / "run")
-    want = _uninterrupted(tiny_data, tmp_path / "reference", steps)
     assert sorted(got) == list(range(1, steps + 1))
-    assert got == want  # every step's loss, the final one included: bit for bit
+    assert got == uninterrupted  # every step's loss, the final one included: bit for bit
+
+
+# Loaded by every Python the job starts (PYTHONPATH): rank 1 of the first attempt stops itself
+# (SIGSTOP) as it starts writing a file into the checkpoint directory of step 10, so the test
+# can kill it there, mid-save, with a real kill -9. Writers: torch.save (its C++ writer opens
+# the file itself) and Python's open (torch.distributed.checkpoint's file system writer).
+STOP_WHILE_SAVING = """
+import builtins, os, signal
+
+marker = os.environ.get("TESSERA_TEST_STOP_SAVING")
+if marker and os.environ.get("RANK") == "1" and (
+        os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+    import torch
+
+    def _stop_if_there(file):
+        if isinstance(file, (str, os.PathLike)) and marker in os.fspath(file):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    _open, _save = builtins.open, torch.save
+
+    def _open_stopping(file, mode="r", *args, **kwargs):
+        if "w" in mode or "a" in mode:
+            _stop_if_there(file)
+        return _open(file, mode, *args, **kwargs)
+
+    def _save_stopping(obj, f, *args, **kwargs):
+        _stop_if_there(f)
+        return _save(obj, f, *args, **kwargs)
+
+    builtins.open, torch.save = _open_stopping, _save_stopping
+"""
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tiny_data, tmp_path,
+                                                                 uninterrupted, monkeypatch):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(STOP_WHILE_SAVING)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("TESSERA_TEST_STOP_SAVING", "step-0000010")
+    root = tmp_path / "run" / "checkpoints"
+    job = Job(tiny_data, tmp_path / "run", "--max-restarts", "1", "--checkpoint-interval",
+              str(EVERY), steps=STEPS)
+    try:
+        job.wait_for_step(10)
+        rank1, t0 = job.rank_pid(1), time.monotonic()
+        while not _stopped(rank1):
+            assert time.monotonic() - t0 < 60 and job.proc.poll() is None, job.report()
+            time.sleep(0.02)
+        # Rank 1 is inside step 10's save: its directory is there, unfinished; step 5's is
+        # the newest complete one.
+        assert any(p.name.startswith("step-0000010") for p in root.iterdir())
+        assert latest(root).name == "step-0000005"
+        os.kill(rank1, signal.SIGKILL)
+        assert job.wait() == 0, job.report()
+    finally:
+        job.proc.kill()
+    resumed = [ln for ln in job.stdout if ln.startswith("resumed from ")]
+    assert resumed == [f"resumed from {root / 'step-0000005'} at step 5 (restart 1)"], (
+        job.report())
+    got = _losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got == uninterrupted
