@@ -175,6 +175,30 @@ class Job:
                           *(ln for _, ln in self.stderr[-60:])])
 
 
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000",  # 127.0.0.1, ::1
+                "0000000000000000FFFF00000100007F"}  # ::ffff:127.0.0.1
+
+
+def _listening(pids: list[int]) -> list[tuple[int, str]]:
+    """(pid, local address in /proc/net's hex) of every TCP socket these processes listen on."""
+    owner = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                owner[target[8:-1]] = pid
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in owner:  # state LISTEN, inode
+                found.append((owner[cols[9]], cols[1]))
+    return found
+
+
 def _losses(out: Path) -> dict[int, float]:
     """Step -> loss from metrics.jsonl; a resumed run appends, and its records win."""
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
@@ -183,11 +207,16 @@ def _losses(out: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_stopped_rank_is_named_within_the_collective_timeout(tiny_data, tmp_path):
+def test_stopped_rank_is_named_within_the_collective_timeout_on_loopback(tiny_data, tmp_path):
     timeout = 6
     job = Job(tiny_data, tmp_path / "run", "--collective-timeout", str(timeout), steps=5000)
     try:
         job.wait_for_step(3)
+        # Security: the launcher's rendezvous, rank 0's store and gloo listen on loopback only.
+        pids = [job.proc.pid, job.rank_pid(0), job.rank_pid(1)]
+        listening = _listening(pids)
+        assert {pid for pid, _ in listening} == set(pids), listening
+        assert all(addr.split(":")[0] in LOOPBACK_HEX for _, addr in listening), listening
         stopped = job.rank_pid(1)
         os.kill(stopped, signal.SIGSTOP)
         t_stop = time.monotonic()

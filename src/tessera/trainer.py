@@ -28,6 +28,7 @@ from tessera.config import Config, ConfigError
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
 from tessera.data.tokenizer import load_tokenizer
 from tessera.generate import generate
+from tessera.launch import loopback_store
 from tessera.metrics import JsonlLogger, device_peak_tflops, mfu, peak_memory_bytes
 from tessera.model import Transformer, flops_per_token
 from tessera.optim import lr_lambda
@@ -62,7 +63,13 @@ def init_distributed(backend: str, device: torch.device | None = None,
     c10d.default_pg_timeout = timeout
     c10d.default_pg_nccl_timeout = timeout
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, **bind)
+        store = loopback_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout, **bind)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                                    **bind)
     else:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout,
