@@ -216,7 +216,11 @@ def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     if not f.is_file() or f.stat().st_size != want.get("bytes") or _sha256(f) != want.get(
             "sha256"):
         raise CheckpointError(f"checkpoint {f}: missing, or size or SHA-256 differs from {META}")
-    return model_cfg, torch.load(f, map_location="cpu", weights_only=True), path
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - not plain tensors (weights_only refused it), or bad
+        raise CheckpointError(f"checkpoint {f}: unreadable ({str(e).splitlines()[0]})") from e
+    return model_cfg, state, path
 
 
 def load(path: str | Path, rank: int) -> dict[str, Any]:
