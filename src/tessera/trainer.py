@@ -313,9 +313,10 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
               f"{cfg.train.sample_prompt}{result.sample}\n--- end sample ---", flush=True)
     if rank0:
         (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=1))
-    dist.barrier()
     if watchdog is not None:
+        # Before the last barrier, while rank 0 (which may serve the store) is surely there.
         watchdog.stop()
+    dist.barrier()
     return result
 
 
