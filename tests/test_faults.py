@@ -352,3 +352,49 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tiny_data, tmp_
     got = _losses(tmp_path / "run")
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got == uninterrupted
+
+
+def test_a_restarted_job_resumes_from_the_newest_checkpoint(tmp_path, monkeypatch):
+    from tessera.trainer import resume_path
+
+    root = tmp_path / "checkpoints"
+    cfg = make_config("tiny", overrides=[f"train.checkpoint_dir={root}"])
+    named = make_config("tiny", overrides=[f"train.checkpoint_dir={root}",
+                                           f"train.resume={tmp_path / 'elsewhere'}"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_path(cfg) is None  # a first attempt starts fresh
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_path(cfg) is None  # restarted before its first checkpoint
+    assert resume_path(named) == tmp_path / "elsewhere"  # ... where the job began
+    for step in (5, 10):
+        (root / f"step-{step:07d}").mkdir(parents=True)
+        (root / f"step-{step:07d}" / "meta.json").write_text("{}")
+    (root / "step-0000015.tmp").mkdir()  # a save cut off: not a checkpoint
+    assert resume_path(cfg) == root / "step-0000010"
+    assert resume_path(named) == root / "step-0000010"  # its own newest state wins
+
+
+def test_max_restarts_belongs_to_an_outer_torchrun(tiny_data, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    line = cli_error(["train", "--data", tiny_data, *TINY, "--max-restarts", "1"])
+    assert "--max-restarts=1: is the launcher's: under torchrun, give it to torchrun" in line
+
+
+def test_watchdog_names_the_rank_that_serves_a_silent_store():
+    """Under tessera's launcher rank 0 serves the ranks' store: when the store stops
+    answering, the other ranks name rank 0."""
+    server = _store()
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                           timeout=timedelta(seconds=1))
+    lost: list[str] = []
+    dog = _watch(client, 1, 2, lost)
+    dog.store_host = 0
+    dog.start()
+    del server  # the store's process is gone
+    t0 = time.monotonic()
+    while not lost and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert lost and lost[0].startswith(
+        "rank 0 stopped answering (the rendezvous store it serves has not answered rank 1 for"
+    ), lost
