@@ -3,7 +3,7 @@
 A collective that waits on a dead or stopped rank fails only when the process group's timeout
 (``train.collective_timeout_s``) runs out, and gloo's message then names a socket address, not
 a rank; a rank stopped by SIGSTOP (or hung in the kernel) is seen by no one else at all. So each
-rank runs one daemon thread that every `interval` seconds
+rank runs a daemon thread that every `interval` seconds
 
 1. adds 1 to its own counter ``beat/<rank>`` in the rendezvous store (torchrun's, at
    MASTER_ADDR:MASTER_PORT, through a client connection of its own: the main thread's
@@ -15,9 +15,13 @@ rank runs one daemon thread that every `interval` seconds
    line, ``error: rank 1 stopped answering (...)``, and ends its process with ``os._exit(1)``:
    the main thread may be blocked inside a collective, which no exception reaches.
 
-`limit` is the collective timeout less two intervals, so the heartbeat names the silent rank
-before a collective blocked on it times out with gloo's message: the blocked collective began
-after the silent rank's last beat, and the watcher looks at least once per interval.
+A second thread watches the store itself: when no round of the first has completed for
+`limit` seconds (the store's host stopped: its connection stays open and an operation waits
+without end; or it is gone), the rank names the store's host (rank 0 under tessera's launcher).
+
+`limit` is half the collective timeout. The heartbeat then names the silent rank before a
+collective blocked on it times out with gloo's message, unless that collective had already
+waited half the timeout when the rank went silent (a rank that slow is a problem of its own).
 
 The ring keeps the store's load at two reads and one write per rank per interval (O(world), not
 O(world²) with everyone watching everyone); every rank still reads the verdict. A dead rank
@@ -44,9 +48,9 @@ PREFIX = "tessera/watchdog"
 
 
 def heartbeat_limit(timeout_s: float, interval_s: float) -> float:
-    """Seconds of silence after which a rank counts as lost: the collective timeout less two
-    intervals (at least one interval)."""
-    return max(timeout_s - 2 * interval_s, interval_s)
+    """Seconds of silence after which a rank counts as lost: half the collective timeout (at
+    least two intervals)."""
+    return max(timeout_s / 2, 2 * interval_s)
 
 
 class Watchdog:
@@ -68,8 +72,12 @@ class Watchdog:
         self.store_host: int | None = None
         """The rank whose process serves the store, if one does: the store's silence is its."""
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="tessera-watchdog",
-                                        daemon=True)
+        self._exiting = threading.Lock()
+        self._answered, self._store_error = time.monotonic(), "no answer"
+        self._threads = [threading.Thread(target=self._loop, name="tessera-heartbeat",
+                                          daemon=True),
+                         threading.Thread(target=self._watch_store, name="tessera-store-watch",
+                                          daemon=True)]
 
     @classmethod
     def start_for_run(cls, rank: int, world: int, timeout_s: float) -> Watchdog | None:
@@ -81,9 +89,6 @@ class Watchdog:
         store = dist.TCPStore(addr, int(port), is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         watchdog = cls(store, rank, world, timeout_s)
-        # From now on a store operation may wait half the limit: a store that stops answering
-        # (its host stopped) must not hold the thread past the limit.
-        store.set_timeout(timedelta(seconds=watchdog.limit_s / 2))
         # torchrun without its agent's store (tessera's launcher) puts it in rank 0's process.
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
             watchdog.store_host = 0
@@ -92,20 +97,25 @@ class Watchdog:
 
     def start(self) -> None:
         self.store.add(f"beat/{self.rank}", 1)
-        self._thread.start()
+        self._answered = time.monotonic()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        """Mark this rank finished (its watcher stops expecting beats) and end the thread."""
+        """Mark this rank finished (its watcher stops expecting beats) and end the threads."""
         self._stop.set()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join(timeout=self.limit_s)
         try:
             self.store.set(f"done/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - the store went first; nobody is left to watch us
             pass
 
     def _loop(self) -> None:
+        """Beat, watch the peer, read the verdict; a store operation may block without end
+        (its host stopped: the connection stays open), which _watch_store sees."""
         seen, moved = -1, time.monotonic()
-        watching, answered = True, time.monotonic()
+        watching = True
         while not self._stop.wait(self.interval_s):
             try:
                 self.store.add(f"beat/{self.rank}", 1)
@@ -119,14 +129,19 @@ class Watchdog:
                             watching = False
                         else:
                             self.store.compare_set(
-                                "lost", "", f"{self.peer} {now - moved:.0f} {self.rank}")
+                                "lost", "", f"{self.peer} {now - moved:.1f} {self.rank}")
                 if self.store.check(["lost"]):
                     self._exit(self._verdict(self.store.get("lost").decode()))
-                answered = time.monotonic()
+                self._answered = time.monotonic()
             except Exception as e:  # noqa: BLE001 - the store itself is gone or failing
-                silent = time.monotonic() - answered
-                if silent > self.limit_s:
-                    self._exit(self._store_verdict(silent, str(e).splitlines()[0]))
+                self._store_error = str(e).splitlines()[0]
+
+    def _watch_store(self) -> None:
+        """The store's own silence: no round of _loop has completed for the limit."""
+        while not self._stop.wait(self.interval_s):
+            silent = time.monotonic() - self._answered
+            if silent > self.limit_s:
+                self._exit(self._store_verdict(silent, self._store_error))
 
     def _verdict(self, lost: str) -> str:
         rank, silent, seen_by = lost.split()
@@ -136,15 +151,17 @@ class Watchdog:
     def _store_verdict(self, silent: float, error: str) -> str:
         if self.store_host is not None and self.store_host != self.rank:
             return (f"rank {self.store_host} stopped answering (the rendezvous store it serves "
-                    f"has not answered rank {self.rank} for {silent:.0f} s: {error}; collective "
+                    f"has not answered rank {self.rank} for {silent:.1f} s: {error}; collective "
                     f"timeout {self.timeout_s:g} s)")
-        return (f"the rendezvous store has not answered rank {self.rank} for {silent:.0f} s "
+        return (f"the rendezvous store has not answered rank {self.rank} for {silent:.1f} s "
                 f"({error}; collective timeout {self.timeout_s:g} s)")
 
     def _exit(self, message: str) -> None:
-        if not self._stop.is_set():
+        with self._exiting:  # one verdict, from whichever thread reaches one first
+            if self._stop.is_set():
+                return
             self._stop.set()
-            self.on_lost(message)
+        self.on_lost(message)
 
 
 def _print_and_exit(message: str) -> None:
