@@ -298,9 +298,10 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_
 # Loaded by every Python the job starts (PYTHONPATH): rank 1 of the first attempt stops itself
 # (SIGSTOP) as it starts writing a file into the checkpoint directory of step 10, so the test
 # can kill it there, mid-save, with a real kill -9. Writers: torch.save (its C++ writer opens
-# the file itself) and Python's open (torch.distributed.checkpoint's file system writer).
+# the file itself) and Python's open, builtins' and io's (pathlib's Path.open, which
+# torch.distributed.checkpoint's file system writer uses, calls io.open).
 STOP_WHILE_SAVING = """
-import builtins, os, signal
+import builtins, io, os, signal
 
 marker = os.environ.get("TESSERA_TEST_STOP_SAVING")
 if marker and os.environ.get("RANK") == "1" and (
@@ -322,7 +323,8 @@ if marker and os.environ.get("RANK") == "1" and (
         _stop_if_there(f)
         return _save(obj, f, *args, **kwargs)
 
-    builtins.open, torch.save = _open_stopping, _save_stopping
+    builtins.open = io.open = _open_stopping
+    torch.save = _save_stopping
 """
 
 

@@ -54,7 +54,8 @@ def heartbeat_limit(timeout_s: float, interval_s: float) -> float:
 
 
 class Watchdog:
-    """One rank's heartbeat thread; see the module docstring. `store` is a connection of its
+    """One rank's heartbeat and store-watching threads; see the module docstring. `store` is a
+    connection of its
     own to the rendezvous store."""
 
     def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float,
