@@ -280,8 +280,10 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_
     job = Job(tiny_data, tmp_path / "run", "--max-restarts", "1", "--checkpoint-interval",
               str(every), steps=steps)
     try:
+        job.wait_for_step(1)
+        rank1 = job.rank_pid(1)  # found early: the steps left after step 6 take under a second
         job.wait_for_step(every + 1)  # the step-5 checkpoint is complete before step 6 runs
-        os.kill(job.rank_pid(1), signal.SIGKILL)
+        os.kill(rank1, signal.SIGKILL)
         assert job.wait() == 0, job.report()
     finally:
         job.proc.kill()
