@@ -48,7 +48,8 @@ def test_relaunch_keeps_arguments_equal_to_train(tiny_data, monkeypatch):
     import tessera.launch
 
     seen = []
-    monkeypatch.setattr(tessera.launch, "launch", lambda n, argv: seen.append((n, argv)) or 0)
+    monkeypatch.setattr(tessera.launch, "launch",
+                        lambda n, argv, restarts=0: seen.append((n, argv)) or 0)
     args = ["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "2", "--out", "train",
             "--no-progress"]
     monkeypatch.setattr(sys, "argv", ["tessera", *args])
@@ -72,7 +73,7 @@ def test_preset_flag_beats_config_file_and_file_beats_default(tmp_path):
 def test_pipeline_with_one_microbatch_warns_once(tiny_data, monkeypatch):
     import tessera.launch
 
-    monkeypatch.setattr(tessera.launch, "launch", lambda n, argv: 0)
+    monkeypatch.setattr(tessera.launch, "launch", lambda n, argv, restarts=0: 0)
     monkeypatch.delenv("TESSERA_RELAUNCHED", raising=False)
     args = ["train", "--preset", "tiny", "--data", tiny_data, "--nproc", "2", "--pp", "2",
             "--steps", "2"]

@@ -24,11 +24,39 @@ from typing import Annotated
 
 import typer
 import yaml
+from typer.core import TyperGroup
 
 from tessera.config import Config, ConfigError, load_file, make_config
 
+EXIT_BAD_INPUT = 2
+
+
+class OneLineErrors(TyperGroup):
+    """Click's own usage errors (a flag's value of the wrong type, an unknown flag, a flag
+    without its value) as one line, ``error: ...``, exit status 2, like every other bad input;
+    Click would print the usage and a hint around its message."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
+             **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as e:
+            if not standalone_mode:
+                raise
+            if type(e).__name__ == "NoArgsIsHelpError":  # `tessera` alone: the help text
+                print(e.format_message(), file=sys.stderr)
+            else:
+                print(f"error: {e.format_message()}", file=sys.stderr, flush=True)
+            sys.exit(getattr(e, "exit_code", EXIT_BAD_INPUT))
+        if not standalone_mode:
+            return code
+        # Without standalone mode, a command's typer.Exit(code) comes back as its code.
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode=None, help="tessera: train transformers across devices.")
+                  rich_markup_mode=None, cls=OneLineErrors,
+                  help="tessera: train transformers across devices.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
 app.add_typer(data_app, name="data")
 checkpoint_app = typer.Typer(no_args_is_help=True, help="Look into and convert checkpoints.")
@@ -38,7 +66,6 @@ from tessera.planner.cli import plan_app  # noqa: E402  (the planner's commands,
 
 app.add_typer(plan_app, name="plan")
 
-EXIT_BAD_INPUT = 2
 DEFAULT_PRESET = "demo"
 RELAUNCHED = "TESSERA_RELAUNCHED"  # set for the ranks `train --nproc` launches
 
@@ -86,6 +113,13 @@ def train(
     nproc: Annotated[int | None, typer.Option(
         help="Ranks to launch on this machine (torch's elastic launcher); "
              "default dp*tp*pp*cp.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(
+        help="Restart all ranks up to N times when one fails (the elastic launcher's "
+             "--max-restarts); a restarted job resumes from the newest complete checkpoint.")
+    ] = None,
+    collective_timeout: Annotated[float | None, typer.Option(
+        help="Seconds a collective waits for the other ranks, and a rank's heartbeat may stay "
+             "silent, before the job stops naming the silent rank (default 300).")] = None,
     dp: Annotated[int | None, typer.Option(help="Data-parallel degree.")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
     pp: Annotated[int | None, typer.Option(help="Pipeline-parallel degree.")] = None,
@@ -159,7 +193,8 @@ def train(
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,
                       profile_steps=profile_steps, init_from=init_from,
-                      tensorboard=tensorboard, memory_snapshot=memory_snapshot),
+                      tensorboard=tensorboard, memory_snapshot=memory_snapshot,
+                      collective_timeout_s=collective_timeout),
         "data": dict(path=data),
     }
     from tessera.checkpoint import CheckpointError, verify
@@ -168,6 +203,8 @@ def train(
 
     under_launcher = "RANK" in os.environ
     try:
+        if nproc is not None and nproc < 1:
+            raise ConfigError("--nproc", nproc, "must be >= 1")
         # Under a launcher the world is known; dp fills it unless given, as with --nproc.
         world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
         cfg = resolve_config(preset, config, set_, flags, world_hint)
@@ -175,6 +212,7 @@ def train(
                                                                                  set_)
         world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
             nproc or cfg.parallel.world_size)
+        check_max_restarts(max_restarts, under_launcher)
         cfg.validate(world)
         check_data(cfg)
         check_options(cfg, "cuda" if torch_cuda_available() else "cpu")
@@ -187,12 +225,15 @@ def train(
         for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
             print(f"warning: {line}", file=sys.stderr, flush=True)
 
-    if not under_launcher and world > 1:
+    if not under_launcher and (world > 1 or max_restarts):
         from tessera.launch import launch
 
         os.environ[RELAUNCHED] = "1"  # the ranks inherit it: they do not warn again
+        argv = train_args(sys.argv[1:])
+        for option in ("--nproc", "--max-restarts"):
+            argv = strip_option(argv, option)
         try:
-            code = launch(world, strip_option(train_args(sys.argv[1:]), "--nproc"))
+            code = launch(world, argv, max_restarts or 0)
         finally:
             del os.environ[RELAUNCHED]
         raise typer.Exit(code)
@@ -210,6 +251,14 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+def check_max_restarts(max_restarts: int | None, under_launcher: bool) -> None:
+    if max_restarts is None:
+        return
+    if max_restarts < 0:
+        raise ConfigError("--max-restarts", max_restarts, "must be >= 0")
+    if under_launcher:
+        raise ConfigError("--max-restarts", max_restarts, "is the launcher's: under torchrun, "
+                          "give it to torchrun (torchrun --max-restarts N -m tessera.train ...)")
 
 
 def model_from_weights(cfg: Config) -> Config:

@@ -284,7 +284,13 @@ class TrainConfig:
     """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
     there is one (else start fresh, so a restarted job picks up where it stopped). Any layout
     may resume any checkpoint of the same model and global batch (dp x grad_accum x
-    micro_batch_size)."""
+    micro_batch_size). A job the elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0)
+    always takes the newest."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks before it fails (every process group
+    of the run), and how long a rank's heartbeat may stay silent before the others stop with a
+    line naming it (``tessera.watchdog``). Not torch's 30-minute default: a dead or stopped
+    rank should end the job in minutes."""
 
     init_from: str = ""
     """Start from these weights instead of the random initialization: a checkpoint (step
@@ -333,6 +339,8 @@ class TrainConfig:
         _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval,
                  "must be >= 0")
         _require(self.log_interval >= 1, "train.log_interval", self.log_interval, "must be >= 1")
+        _require(1 <= self.collective_timeout_s < math.inf, "train.collective_timeout_s",
+                 self.collective_timeout_s, "must be a finite number of seconds >= 1")
         _require(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens,
                  "must be >= 0")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",
@@ -471,7 +479,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             return section, name, convert(value)
         except ValueError:
             continue
-    return section, name, yaml.safe_load(value) if value else ""
+    try:
+        return section, name, yaml.safe_load(value) if value else ""
+    except yaml.YAMLError as e:
+        raise ConfigError("--set", text, "the value cannot be read as a number, true/false, "
+                          f"null or a string ({str(e).splitlines()[0]})") from None
 
 
 def _coerce(name: str, annotation: str, value: Any) -> Any:
@@ -485,6 +497,8 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
     if "int" in kinds and isinstance(value, int) and not isinstance(value, bool):
         return value
     if "float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # No field means anything by infinity (TOML's inf, YAML's .inf, --set x=1e400).
+        _require(not math.isinf(value), name, value, "must be finite")
         return float(value)
     if "str" in kinds and isinstance(value, str):
         return value
@@ -512,8 +526,13 @@ def load_yaml(text: str) -> Any:
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or YAML config file into nested dicts (an optional top-level `preset` key)."""
     path = Path(path)
-    _require(path.is_file(), "--config", str(path), "file does not exist")
-    text = path.read_text()
+    _require(path.is_file(), "--config", str(path),
+             "is a directory, not a file" if path.is_dir() else "file does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("--config", str(path), f"is not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
     try:
         raw = (tomllib.loads(text) if path.suffix == ".toml"
                else load_yaml(text))
@@ -535,7 +554,8 @@ def make_config(preset: str | None = "tiny", file: str | Path | None = None,
     file_preset = file_raw.pop("preset", None)
     preset = preset if preset is not None else file_preset
     if preset is not None:
-        _require(preset in PRESETS, "preset", preset, f"unknown; known: {', '.join(PRESETS)}")
+        _require(isinstance(preset, str) and preset in PRESETS, "preset", preset,
+                 f"unknown; known: {', '.join(PRESETS)}")
         raw = _merge(raw, PRESETS[preset])
     raw = _merge(raw, file_raw)
     raw = _merge(raw, {k: v for k, v in sections.items() if v})

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from tqdm import tqdm
 
 from tessera import checkpoint
@@ -27,6 +28,7 @@ from tessera.config import Config, ConfigError
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
 from tessera.data.tokenizer import load_tokenizer
 from tessera.generate import generate
+from tessera.launch import loopback_store
 from tessera.metrics import (
     JsonlLogger,
     MemorySnapshot,
@@ -42,6 +44,7 @@ from tessera.parallelize import parallelize
 from tessera.report import gather_memory, summary_lines
 from tessera.step import Executor
 from tessera.topology import Topology
+from tessera.watchdog import Watchdog
 
 
 def pick_device() -> tuple[torch.device, str]:
@@ -53,17 +56,32 @@ def pick_device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(backend: str, device: torch.device | None = None) -> None:
+def init_distributed(backend: str, device: torch.device | None = None,
+                     timeout_s: float = 300.0) -> None:
     """Join the launcher's group (torchrun's env://), or make a group of one. On a GPU the
-    group is bound to this rank's device (NCCL would otherwise guess it from the rank)."""
+    group is bound to this rank's device (NCCL would otherwise guess it from the rank).
+
+    Every collective of the run fails after `timeout_s` seconds: the default group's and, since
+    torch gives groups made later (dist.new_group, DeviceMesh) its module default rather than
+    the default group's, that default too, in this process."""
     if dist.is_initialized():
         return
     bind = {"device_id": device} if device is not None and device.type == "cuda" else {}
+    timeout = timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(minutes=10), **bind)
+        store = loopback_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout, **bind)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                                    **bind)
     else:
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, **bind)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout,
+                                **bind)
 
 
 def check_data(cfg: Config) -> TokenDataset:
@@ -114,8 +132,19 @@ class RunResult:
         return dict(self.__dict__)
 
 
+def restart_count() -> int:
+    """How many times the elastic launcher restarted this job (--max-restarts); 0 at first."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def resume_path(cfg: Config) -> Path | None:
-    """The checkpoint train.resume names ('latest': the newest one, None if there is none)."""
+    """The checkpoint train.resume names ('latest': the newest one, None if there is none).
+    A restarted job continues from the newest complete checkpoint under checkpoint_dir, if
+    any, whatever train.resume says: it is the restarted run's own latest state."""
+    if restart_count() > 0:
+        newest = checkpoint.latest(cfg.train.checkpoint_root)
+        if newest is not None:
+            return newest
     if not cfg.train.resume:
         return None
     if cfg.train.resume == "latest":
@@ -172,7 +201,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     if resume_from is not None:
         checkpoint.verify(resume_from, cfg, world)
 
-    init_distributed(backend, device)
+    init_distributed(backend, device, cfg.train.collective_timeout_s)
+    watchdog = Watchdog.start_for_run(dist.get_rank(), dist.get_world_size(),
+                                      cfg.train.collective_timeout_s)
     topo = Topology.build(cfg.parallel, device.type)
     rank0 = topo.rank == 0
     torch.manual_seed(cfg.train.seed)
@@ -216,7 +247,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
                   f"{math.log(cfg.model.vocab_size):.4f})", flush=True)
     elif rank0:
-        print(f"resumed from {resume_from} at step {start}", flush=True)
+        restarted = f" (restart {restart_count()})" if restart_count() else ""
+        print(f"resumed from {resume_from} at step {start}{restarted}", flush=True)
 
     profiler = StepProfiler(cfg.train.profile_range, out / "profile", topo.rank, device)
     snapshot = (MemorySnapshot(out / "memory" / f"rank-{topo.rank:05d}.pickle")
@@ -313,6 +345,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
               f"{cfg.train.sample_prompt}{result.sample}\n--- end sample ---", flush=True)
     if rank0:
         (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=1))
+    if watchdog is not None:
+        # Before the last barrier, while rank 0 (which may serve the store) is surely there.
+        watchdog.stop()
     dist.barrier()
     return result
 

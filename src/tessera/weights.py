@@ -6,6 +6,7 @@ or a Hugging Face Llama directory.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -46,9 +47,13 @@ def weights_config(path: str | Path) -> ModelConfig:
 def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(model config, full state dict on the CPU) of the weights at `path`."""
     from tessera.checkpoint import load_model
-    from tessera.hf import load_hf
+    from tessera.hf import HFError, load_hf
 
     if is_hf_dir(path):
-        return load_hf(path)
+        try:
+            return load_hf(path)
+        except pickle.UnpicklingError as e:  # pytorch_model.bin holds more than tensors
+            raise HFError(f"{Path(path) / 'pytorch_model.bin'}: refused, not plain tensors "
+                          f"({str(e).splitlines()[0]})") from e
     cfg, state, _ = load_model(_checkpoint_path(path))
     return cfg, state
