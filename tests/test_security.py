@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import json
+import pickle
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from cli_errors import cli_error
-from tessera.checkpoint import CheckpointError, load
+from tessera.checkpoint import CheckpointError, read_metadata
 from tessera.config import ModelConfig
 
 
@@ -26,6 +27,12 @@ class Payload:
 
     def __reduce__(self):
         return builtins.exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def _evil_index(path: Path, marker: Path) -> Path:
+    """A plain pickle, as DCP writes its .metadata, that runs the payload when loaded."""
+    path.write_bytes(pickle.dumps(Payload(marker)))
+    return path
 
 
 def _evil(path: Path, marker: Path) -> Path:
@@ -40,25 +47,29 @@ def test_the_payload_runs_without_weights_only(tmp_path):
     assert marker.exists()
 
 
-def test_rank_file_with_code_is_refused(tmp_path):
+def test_checkpoint_index_with_code_is_refused(tmp_path):
+    # DCP's .metadata is a pickle; it is read with an unpickler that knows only DCP's index
+    # classes, so a forged one is refused before its payload runs.
     marker = tmp_path / "ran"
-    _evil(tmp_path / "rank-00000.pt", marker)
-    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path / 'rank-00000.pt'}: "
-                                              "unreadable"):
-        load(tmp_path, 0)
+    _evil_index(tmp_path / ".metadata", marker)
+    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path / '.metadata'}: refused "
+                                              r"\(builtins.exec is not part of a checkpoint"):
+        read_metadata(tmp_path)
     assert not marker.exists()
 
 
-def test_model_file_with_code_is_refused_by_eval(tmp_path, tiny_data):
-    # A forged checkpoint whose manifest matches the file: the checksums pass, the loader not.
+def test_forged_checkpoint_is_refused_by_eval(tmp_path, tiny_data):
+    # A forged checkpoint whose manifest matches its files: the checksums pass, the index not.
     marker, ckpt = tmp_path / "ran", tmp_path / "step-0000001"
     ckpt.mkdir()
-    model = _evil(ckpt / "model.pt", marker)
-    (ckpt / "meta.json").write_text(json.dumps({"model": asdict(ModelConfig()), "files": {
-        "model.pt": {"sha256": hashlib.sha256(model.read_bytes()).hexdigest(),
-                     "bytes": model.stat().st_size}}}))
+    index = _evil_index(ckpt / ".metadata", marker)
+    (ckpt / "extra.json").write_text("{}")
+    files = {f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+                      "bytes": f.stat().st_size} for f in (index, ckpt / "extra.json")}
+    (ckpt / "meta.json").write_text(json.dumps({"format": 2, "step": 1,
+                                                "model": asdict(ModelConfig()), "files": files}))
     line = cli_error(["eval", "--checkpoint", str(ckpt), "--data", tiny_data])
-    assert line.startswith(f"error: checkpoint {model}: unreadable (Weights only load failed")
+    assert line.startswith(f"error: checkpoint {index}: refused"), line
     assert not marker.exists()
 
 

@@ -35,7 +35,9 @@ Loading checks everything before anything is read into the run, on every rank an
 collective (:func:`verify`): the manifest parses, the model, batches and data seed match this
 run's (a mismatch names the field and both values), and every file has the recorded size and
 checksum. A bad checkpoint is refused with its path (:class:`CheckpointError`), never half-read.
-DCP reads its ``.metadata`` with pickle: only after its checksum matched the manifest.
+DCP's ``.metadata`` is a pickle: it is read, after its checksum matched the manifest, by an
+unpickler that knows only the index's own classes (:class:`SafeReader`), so a forged
+checkpoint cannot run code; the tensors DCP loads with ``weights_only``.
 
 Offline (no process group): :func:`load_model` consolidates the weights in reference names
 (``tessera eval``, ``generate``, ``export-hf``, ``train.init_from``), :func:`describe` lists a
@@ -49,6 +51,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,6 +68,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -432,7 +436,7 @@ def restore(path: str | Path, cfg: Config, engine, optimizer, scheduler, loader,
     model = _engine_model(engine)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)
     saved = set(reader.read_metadata().state_dict_metadata)
     mixed = cfg.train.precision != "fp32"
     requests = []
@@ -473,12 +477,57 @@ def _restore_loader(path: Path, extra: dict[str, Any], loader) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Reading DCP's index as data: its .metadata is a pickle, and a checksum in a manifest that came
+# with the same files proves nothing about who wrote them.
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only the classes DCP's index is made of (and torch dtypes): anything else, such as a
+    function a forged file would call while loading, is refused before it runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with its index read by :class:`_MetadataUnpickler` (the tensors
+    themselves DCP already reads with ``torch.load(weights_only=True)``)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: refused ({e})") from e
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"checkpoint {path}: refused (not a checkpoint index)")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ---------------------------------------------------------------------------------------------
 # Offline: consolidated weights, inspection
 
 
 def read_metadata(path: str | Path) -> Metadata:
     """DCP's index of a checkpoint (call after :func:`read_manifest` checked the files)."""
-    return dcp.FileSystemReader(Path(path)).read_metadata()
+    return SafeReader(Path(path)).read_metadata()
 
 
 def load_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -494,7 +543,7 @@ def load_tensors(path: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
         requests.append((key, Piece(key, tuple(md.size), (0,) * len(md.size), out[key], False)))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore")
-        dcp.load({}, storage_reader=dcp.FileSystemReader(path),
+        dcp.load({}, storage_reader=SafeReader(path),
                  planner=_PieceLoadPlanner(path, requests), no_dist=True)
     return out
 
