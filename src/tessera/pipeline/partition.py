@@ -87,7 +87,7 @@ class Chunk(nn.Module):
         self.compute_dtype: torch.dtype | None = None
         if spec.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in spec.layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in spec.layers})
         # The head's weight when it is the embedding of another chunk on this rank.
         self._shared: list[nn.Module] = []
         if spec.has_head:
