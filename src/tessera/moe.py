@@ -121,7 +121,7 @@ class MoEStats:
         self.reset()
 
     def reset(self) -> None:
-        self.tokens_per_expert = torch.zeros(self.n_experts, dtype=torch.float64)
+        self.tokens_per_expert = torch.zeros(self.n_experts, dtype=torch.float64, device="cpu")
         self.dropped = 0.0
         self.aux_sum = self.z_sum = 0.0
         self.calls = 0
@@ -151,7 +151,7 @@ class MoEFeedForward(nn.Module):
         self.loss_scale = 1.0
         """The factor the step applies to this micro-batch's loss (the executor sets 1/m)."""
         self.stats = MoEStats(cfg.moe_experts)
-        self.step_load = torch.zeros(cfg.moe_experts, dtype=torch.float64)
+        self.step_load = torch.zeros(cfg.moe_experts, dtype=torch.float64, device="cpu")
         """Assignments per expert since the last router-bias update."""
 
     def capacity(self, seq_len: int) -> int | None:
@@ -233,6 +233,13 @@ def moe_layers(module: nn.Module) -> Iterator[MoEFeedForward]:
     for m in module.modules():
         if isinstance(m, MoEFeedForward):
             yield m
+
+
+def materialize_buffers(module: nn.Module) -> None:
+    """Give MoE layers built on the meta device real (zero) routing biases."""
+    for m in moe_layers(module):
+        if m.expert_bias.is_meta:
+            m.expert_bias = torch.zeros(m.n_experts)
 
 
 def set_loss_scale(module: nn.Module, scale: float) -> None:

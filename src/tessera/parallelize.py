@@ -16,13 +16,18 @@ the chunks (each mechanism lives in its own module; this one only composes them)
    hybrid), and the chunk reads RoPE at its zig-zag tokens' global positions. Everything else
    in the chunk runs on the rank's T/cp tokens unchanged. Parameters are replicated over cp,
    so step 5's data-parallel group becomes dp × cp (``Topology`` axis 'dpcp').
-4. **activation recomputation** (``parallel.recompute``) per block or attention core.
-5. **data parallelism** per chunk over the dp (× cp) group: DDP buckets (``parallel.ddp``),
+4. **expert parallelism** (``parallel.expert_parallel``, ep > 1): every MoE layer keeps its ep
+   rank's slice of the experts and its dispatcher becomes an all-to-all over the ep group.
+   Under tp the MoE layers stay whole on every tp rank (step 2 splits only dense MLPs).
+5. **activation recomputation** (``parallel.recompute``) per block or attention core.
+6. **data parallelism** per chunk over the dp (× cp) group: DDP buckets (``parallel.ddp``),
    ZeRO-1/2/3 units (``parallel.zero``) or the parameter server
    (``parallel.parameter_server``). ZeRO-3 under a breadth-first schedule
    (``ScheduleSpec.breadth_first``) is *schedule-driven*: the step's schedule carries UNSHARD /
    RESHARD / REDUCE_GRAD actions (``sharded_schedule``) and the wrappers have no
-   per-micro-batch hooks; every other ZeRO layout uses the hooks.
+   per-micro-batch hooks; every other ZeRO layout uses the hooks. With expert parallelism
+   the wrapper is ``ExpertDataParallel``: dense parameters over dp, experts over their edp
+   replicas.
 
 Precision policy, every layout: ``fp32`` trains in float32. ``bf16`` keeps parameters and
 gradients in bfloat16 and fp32 master weights and Adam moments in the optimizer (Micikevicius
@@ -48,10 +53,18 @@ from torch import nn
 from tessera.config import Config, ConfigError, TrainConfig
 from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
+from tessera.moe import materialize_buffers
 from tessera.optim import adamw
 from tessera.parallel.comm import CommStats, all_reduce
 from tessera.parallel.context_parallel import CPContext, apply_context_parallel, hybrid_groups
 from tessera.parallel.ddp import DataParallel
+from tessera.parallel.expert_parallel import (
+    EPContext,
+    ExpertDataParallel,
+    apply_expert_parallel,
+    gather_experts,
+    is_expert_param,
+)
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
     ShardSpec,
@@ -115,6 +128,8 @@ class ParallelModel:
     """The parameter server (``dp_mode='ps'|'ps-async'``), else None."""
     cp: CPContext | None = None
     """The context-parallel attention context (cp > 1), else None."""
+    ep: EPContext | None = None
+    """The expert-parallel context (ep > 1), else None."""
 
     # -- what the rank holds -------------------------------------------------------------------
     @property
@@ -185,10 +200,14 @@ class ParallelModel:
         it is the squared norm of the single-device model's gradient, every element once."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if not self.sharded:
+            experts = torch.zeros((), dtype=torch.float64, device=self.device)
             for c, name, p in self.named_chunk_parameters():
                 if p.grad is not None and self._owned(c, name):
-                    sq += p.grad.double().pow(2).sum()
-            return sq
+                    part = experts if self.ep is not None and is_expert_param(name) else sq
+                    part += p.grad.double().pow(2).sum()
+            if self.ep is not None:  # each ep rank holds other experts: their squares add up
+                dist.all_reduce(experts, group=self.ep.group)
+            return sq + experts
         for c, z in zip(sorted(self.wrappers), self.zeros, strict=True):
             for u in z.units:
                 grad, base = u.dp_grad_slice(), u.lo
@@ -300,6 +319,8 @@ class ParallelModel:
                 if chunk.tied_copy and name == "output.weight":
                     continue
                 full = gather_full(tensors[name], self.specs[c][name], self.tp)
+                if self.ep is not None and is_expert_param(name):
+                    full = gather_experts(full, self.ep.group)
                 local[chunk.reference_name(name)] = full.cpu()
         parts = [local]
         pp_group = self.topo.group("pp")
@@ -396,9 +417,10 @@ def initial_values(cfg: Config) -> Callable[[str, tuple[int, ...]], torch.Tensor
 
 
 def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Schedule,
-                 tp: TPContext, cp: CPContext | None = None) -> dict[int, Chunk]:
-    """Steps 1 to 4 of the module doc: this rank's chunks, TP-split, context-parallel and
-    recomputing."""
+                 tp: TPContext, cp: CPContext | None = None,
+                 ep: EPContext | None = None) -> dict[int, Chunk]:
+    """Steps 1 to 5 of the module doc: this rank's chunks, TP-split, context-parallel,
+    expert-parallel and recomputing."""
     pp_rank = topo.coords()["pp"]
     seed = cfg.train.seed
     initial = initial_values(cfg)
@@ -422,6 +444,7 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
             chunk.rope_cos, chunk.rope_sin = rope_tables(cfg.model.head_dim,
                                                          cfg.model.max_seq_len,
                                                          cfg.model.rope_theta)
+            materialize_buffers(chunk)
             chunk.to(device)
             if tp.sequence_parallel:
                 chunk.seq_scale = tp.size
@@ -431,6 +454,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
         if cp is not None:
             apply_context_parallel(chunk, cp)
             chunk.context_parallel = (cp.size, cp.rank)
+        if ep is not None:
+            apply_expert_parallel(chunk, ep)
         apply_recompute(chunk, cfg.parallel.recompute)
         chunks[c] = chunk
     return chunks
@@ -439,7 +464,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
 def parallelize(cfg: Config, topo: Topology, device: torch.device,
                 schedule: Schedule | None = None, *, regather: bool = True,
                 tp_stats: CommStats | None = None,
-                cp_stats: CommStats | None = None) -> ParallelModel:
+                cp_stats: CommStats | None = None,
+                ep_stats: CommStats | None = None) -> ParallelModel:
     """This rank's part of the model with every mechanism of `cfg.parallel` applied (module
     doc). Every rank calls it (it creates groups and broadcasts initial weights over dp).
 
@@ -447,7 +473,9 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
     parallel.schedule; validated here, before any communication, and run for its own number of
     micro-batches (train.grad_accum is set to it). `regather` and `tp_stats` go to the
     tensor-parallel layers (``TPContext``): whether SP re-gathers inputs in backward, and where
-    the TP collectives are counted (benchmarks and tests)."""
+    the TP collectives are counted (benchmarks and tests); `cp_stats`, `ep_stats` likewise for
+    context and expert parallelism (ep_stats counts our pairwise all-to-all only; the token
+    all-to-alls of every algorithm are also counted in ``ParallelModel.ep.stats``)."""
     check_layout(cfg)
     if schedule is None:
         schedule = validate(training_schedule(cfg))
@@ -467,9 +495,10 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
             ulysses, ring = hybrid_groups(topo.all_groups("cp"), p.cp_ulysses, topo.rank)
         cp = CPContext(topo.group("cp"), p.cp_method, ulysses_group=ulysses, ring_group=ring,
                        stats=cp_stats)
-    chunks = build_chunks(cfg, topo, device, schedule, tp, cp)
+    ep = EPContext(topo.group("ep"), p.ep_alltoall, comm=ep_stats) if topo.ep > 1 else None
+    chunks = build_chunks(cfg, topo, device, schedule, tp, cp, ep)
     specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}
-    model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs, cp=cp)
+    model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs, cp=cp, ep=ep)
     # Parameters are replicated over dp and cp; each cp rank's gradient covers its tokens, so
     # the mean over dp × cp is the gradient of the mean loss over the whole global batch.
     dp_group = topo.group("dpcp")
@@ -483,6 +512,11 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
         model.wrappers = {c: ZeroModel(chunk, dp_group, stage=p.zero_stage,
                                        dtype=model.compute_dtype, units=chunk_units(chunk),
                                        schedule_driven=driven)
+                          for c, chunk in chunks.items()}
+    elif ep is not None:  # dense parameters over dp, experts over their replicas (edp)
+        model.wrappers = {c: ExpertDataParallel(chunk, dp_group, topo.group("edp"), topo.ep,
+                                                bucket_mb=p.bucket_mb,
+                                                algorithm=p.allreduce_algorithm)
                           for c, chunk in chunks.items()}
     else:
         model.wrappers = {c: DataParallel(chunk, dp_group, bucket_mb=p.bucket_mb,

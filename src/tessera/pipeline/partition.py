@@ -28,6 +28,7 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.model import Block, RMSNorm, cross_entropy, init_tensor, rope_tables
+from tessera.moe import materialize_buffers
 from tessera.pipeline.split import balance, block_split, layer_costs
 
 __all__ = ["Chunk", "ChunkSpec", "balance", "chunk_loss", "layer_costs", "partition"]
@@ -134,6 +135,7 @@ class Chunk(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos, self.rope_sin = cos, sin
+        materialize_buffers(self)
         return self.to(device)
 
     def head_weight(self) -> torch.Tensor:
