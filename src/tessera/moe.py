@@ -113,8 +113,8 @@ class SwiGLU(nn.Module):
 
 
 class MoEStats:
-    """What a layer routed since the last ``reset``: assignments per expert before dropping,
-    dropped assignments, and the auxiliary losses' running sums (for metrics)."""
+    """What a layer routed in training since the last ``reset``: assignments per expert before
+    dropping, dropped assignments, and the auxiliary losses' running sums (for metrics)."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -217,6 +217,8 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def _record(self, r: dict[str, torch.Tensor], balance: torch.Tensor,
                 z: torch.Tensor) -> None:
+        if not self.training:  # evaluation passes do not count in the training load
+            return
         load = torch.bincount(r["experts"].reshape(-1), minlength=self.n_experts).double().cpu()
         s = self.stats
         s.tokens_per_expert += load
@@ -224,8 +226,7 @@ class MoEFeedForward(nn.Module):
         s.aux_sum += float(balance)
         s.z_sum += float(z)
         s.calls += 1
-        if self.training:
-            self.step_load += load
+        self.step_load += load
 
 
 def moe_layers(module: nn.Module) -> Iterator[MoEFeedForward]:
@@ -283,6 +284,27 @@ def collect_stats(modules: list[nn.Module], reset: bool = True) -> dict[str, tor
     if reset:
         for m in layers:
             m.stats.reset()
+    return out
+
+
+def reduce_stats(modules: list[nn.Module], groups: list[dist.ProcessGroup | None]
+                 ) -> dict[str, torch.Tensor]:
+    """``collect_stats`` (resetting the counters) summed over `groups` (every rank of each group
+    calls): the data-parallel group for the whole batch's tokens, the pipeline group for every
+    layer. Tensor-parallel peers route identical copies and are not summed."""
+    stats = collect_stats(modules)
+    if not stats:
+        return {}
+    keys = list(stats)
+    flat = torch.cat([stats[k].reshape(-1) for k in keys])
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+    out, at = {}, 0
+    for k in keys:
+        n = stats[k].numel()
+        out[k] = flat[at:at + n].reshape(stats[k].shape)
+        at += n
     return out
 
 

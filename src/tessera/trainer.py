@@ -29,6 +29,7 @@ from tessera.data.tokenizer import load_tokenizer
 from tessera.generate import generate
 from tessera.metrics import JsonlLogger, device_peak_tflops, mfu, peak_memory_bytes
 from tessera.model import Transformer, flops_per_token
+from tessera.moe import reduce_stats, summarize_load, update_router_bias
 from tessera.optim import lr_lambda
 from tessera.parallelize import parallelize
 from tessera.report import gather_memory, summary_lines
@@ -185,6 +186,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     peak = cfg.train.peak_tflops or device_peak_tflops(device)
     result = RunResult(steps=cfg.train.steps, final_loss=float("nan"))
     step_times: list[float] = []
+    chunks = list(model.chunks.values())
+    moe_groups = [topo.group("dpcp"), topo.group("pp")]
+    moe_total: dict[str, torch.Tensor] = {}
 
     if start == 0:
         # Validation before the first step shows where the loss starts (~ln V for a fresh
@@ -213,6 +217,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         grad_norm = executor.clip_grad_norm_(cfg.train.grad_clip)
         optimizer.step()
         scheduler.step()
+        if cfg.model.moe_experts:  # DeepSeek-V3's routing bias, from this step's load
+            update_router_bias(chunks, topo.group("dpcp"))
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -229,6 +235,10 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         }
         if profiled:
             record["profiled"] = True
+        if cfg.model.moe_experts:  # this step's routing, summed over dp and layers
+            moe = reduce_stats(chunks, moe_groups)
+            record.update(summarize_load(moe))
+            moe_total = {k: moe[k] + moe_total.get(k, 0) for k in moe}
         last = step + 1 == cfg.train.steps
         every = cfg.train.eval_interval
         if last or (every and (step + 1) % every == 0):
@@ -243,6 +253,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             if record["mfu"] is not None:
                 line += f" | MFU {100 * record['mfu']:.1f}%"
             line += f" | peak mem {record['peak_mem_bytes'] / 2**20:.0f} MiB"
+            if "moe_max_load_ratio" in record:
+                line += (f" | experts max/mean {record['moe_max_load_ratio']:.2f} "
+                         f"drop {100 * record['moe_dropped_fraction']:.1f}%")
             if "val_loss" in record:
                 line += f" | val {record['val_loss']:.4f}"
             bar.write(line)
@@ -268,7 +281,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         lines = summary_lines(cfg, topo.world_size, device, result.median_step_s,
                               result.tokens_per_s,
                               flops_per_s, mfu(flops_per_s, peak, topo.world_size),
-                              timeline, memory)
+                              timeline, memory,
+                              moe=summarize_load(moe_total) if moe_total else None)
         print("\n".join(lines), flush=True)
         result.timeline = timeline
         result.memory = memory
