@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli_errors import cli_error
 from tessera.config import make_config
+from tessera.report import summary_lines
 from tessera.testing import run_ranks
 from tessera.trainer import train
 
@@ -37,7 +39,7 @@ def _train(cfg) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path, capfd):
+def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path):
     """Two ranks, ep 2, capacity 1.0, the routing bias on: every step logs tokens per expert
     (k·tokens per MoE layer in all), the dropped share and the busiest/mean ratio; the summary
     shows the run's load."""
@@ -57,6 +59,11 @@ def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path, capfd):
         assert sum(r["moe_tokens_per_expert"]) == 2 * tokens  # top-2, one MoE layer of 2
         assert 0 <= r["moe_dropped_fraction"] < 1 and r["moe_max_load_ratio"] >= 1
         assert r["moe_aux_loss"] > 0
-    out = capfd.readouterr().out
-    assert "experts     E=4 top-2 capacity 1: tokens per expert" in out
-    assert "busiest/mean" in out and "ep=2" in out
+    summary = json.loads((Path(tmp_path) / "summary.json").read_text())["moe"]
+    assert summary["moe_tokens_per_expert"] == [
+        sum(r["moe_tokens_per_expert"][e] for r in rows) for e in range(4)]
+    lines = summary_lines(cfg, 2, torch.device("cpu"), 0.1, 1.0, 1.0, None, None, [],
+                          moe=summary)
+    assert any(ln.startswith("experts     E=4 top-2 capacity 1: tokens per expert")
+               for ln in lines)
+    assert any("ep=2" in ln for ln in lines)

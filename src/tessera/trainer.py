@@ -93,6 +93,8 @@ class RunResult:
     """The last step's measured pipeline timeline (schedule, bubble, picture path)."""
     memory: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: parameter, gradient, optimizer and peak activation bytes."""
+    moe: dict[str, Any] | None = None
+    """Mixture of experts: the whole run's tokens per expert, busiest/mean, dropped share."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -276,13 +278,13 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     # Outside any timed step: the last step's timeline, memory per rank, the summary.
     timeline = executor.write_timeline(out)
     memory = gather_memory(executor)
+    result.moe = summarize_load(moe_total) if moe_total else None
     if rank0:
         flops_per_s = flops_per_step / result.median_step_s
         lines = summary_lines(cfg, topo.world_size, device, result.median_step_s,
                               result.tokens_per_s,
                               flops_per_s, mfu(flops_per_s, peak, topo.world_size),
-                              timeline, memory,
-                              moe=summarize_load(moe_total) if moe_total else None)
+                              timeline, memory, moe=result.moe)
         print("\n".join(lines), flush=True)
         result.timeline = timeline
         result.memory = memory
