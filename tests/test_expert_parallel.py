@@ -1,9 +1,10 @@
 """Expert parallelism against the single-device MoE model (tessera.parallel.expert_parallel).
 
-Four layouts run in one 4-rank job, 10 AdamW steps each (clipping active), on the same global
+Seven layouts run in one 4-rank job, 10 AdamW steps each (clipping active), on the same global
 batches as the reference: ep 4 (dp 4, dropless), ep 2 × expert-dp 2 (dp 4, capacity dropping,
 our pairwise all-to-all, 2 micro-batches), ep 2 × tp 2 (capacity) and ep 2 × pp 2 (1F1B, 2
-micro-batches, dropless). Each step is compared teacher-forced (tests/dp_parity.py's Shadow
+micro-batches, dropless), and with ZeRO-3, -1 and -2 (experts sharded over expert-dp). Each
+step is compared teacher-forced (tests/dp_parity.py's Shadow
 idea): the reference model loaded with the run's parameters before the step must give the
 run's loss and every parameter's gradient (gathered by reference name, experts from every ep
 rank), and AdamW fed the run's clipped gradients must give the run's parameters after it.
@@ -63,6 +64,10 @@ LAYOUTS: dict[str, Config] = {
     "ep2 x edp2 capacity pairwise m2": _cfg(4, 2, m=2, capacity=1.0, ep_alltoall="pairwise"),
     "ep2 x tp2 capacity": _cfg(2, 2, tp=2, capacity=1.0),
     "ep2 x pp2 dropless m2": _cfg(2, 2, pp=2, m=2),
+    # ZeRO: experts in units of their own, sharded and reduced over edp
+    "ep2 x edp2 zero3 capacity m2": _cfg(4, 2, m=2, capacity=1.0, zero_stage=3),
+    "ep2 x tp2 zero1": _cfg(2, 2, tp=2, zero_stage=1),
+    "ep2 x pp2 zero2 m2": _cfg(2, 2, pp=2, m=2, zero_stage=2),
 }
 
 
@@ -161,8 +166,8 @@ def test_layouts_pass_the_layout_check_and_experts_are_named():
      "must be <= model.moe_experts=4"),
     (dict(parallel=dict(dp=2, ep=2), model=dict(moe_experts=0)), "parallel.ep",
      "needs a mixture-of-experts model"),
-    (dict(parallel=dict(dp=2, ep=2, zero_stage=1)), "parallel.zero_stage",
-     "expert parallelism runs with DDP-style replication"),
+    (dict(parallel=dict(dp=2, ep=2), train=dict(precision="bf16")), "train.precision",
+     "fp32 only"),
     (dict(parallel=dict(cp=2)), "parallel.cp", "route per whole sequence"),
 ])
 def test_bad_moe_layouts_are_refused_with_the_reason(overrides, field, rule):

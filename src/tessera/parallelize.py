@@ -62,6 +62,7 @@ from tessera.parallel.expert_parallel import (
     EPContext,
     ExpertDataParallel,
     apply_expert_parallel,
+    expert_units,
     gather_experts,
     is_expert_param,
 )
@@ -509,10 +510,16 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
         model.wrappers = dict(chunks)
     elif p.zero_stage > 0 or cfg.train.precision == "bf16":
         driven = schedule_driven_zero3(cfg, schedule)
-        model.wrappers = {c: ZeroModel(chunk, dp_group, stage=p.zero_stage,
-                                       dtype=model.compute_dtype, units=chunk_units(chunk),
-                                       schedule_driven=driven)
-                          for c, chunk in chunks.items()}
+        model.wrappers = {}
+        for c, chunk in chunks.items():
+            units, groups = chunk_units(chunk), None
+            if ep is not None:  # experts: units of their own over their replicas (edp)
+                experts = expert_units(chunk)
+                units = experts + units
+                groups = {name: (topo.group("edp"), topo.dp) for name, _ in experts}
+            model.wrappers[c] = ZeroModel(chunk, dp_group, stage=p.zero_stage,
+                                          dtype=model.compute_dtype, units=units,
+                                          schedule_driven=driven, unit_groups=groups)
     elif ep is not None:  # dense parameters over dp, experts over their replicas (edp)
         model.wrappers = {c: ExpertDataParallel(chunk, dp_group, topo.group("edp"), topo.ep,
                                                 bucket_mb=p.bucket_mb,

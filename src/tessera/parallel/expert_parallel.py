@@ -32,6 +32,11 @@ sums what every ep rank's tokens contributed (each rank's loss is the mean over 
 so it is summed over edp — the other replicas of that expert — and divided by dp: the mean over
 edp, times 1/ep. Both equal the gradient of the mean loss over the global batch.
 
+ZeRO (``tessera.parallel.zero``): each MoE layer's experts form a unit of their own, sharded
+and reduced over edp with the divisor dp (``ZeroModel(unit_groups=...)``); dense units as
+always over dp. The global norm then needs nothing more: over the dp group the expert units'
+edp shards of every ep position are every expert once.
+
 Tensor parallelism: attention and dense MLPs are TP-split as usual; the MoE layers are left
 whole on every tp rank (router, experts, shared expert replicated over tp), each tp rank
 dispatching its (identical) copy of the tokens within its own ep group. Simple and exact; it
@@ -166,6 +171,13 @@ def apply_expert_parallel(chunk: nn.Module, ctx: EPContext) -> None:
             setattr(e, name, nn.Parameter(full.detach()[lo:lo + local].clone()))
         e.first = lo
         moe.dispatcher = ExpertParallelDispatcher(ctx)
+
+
+def expert_units(chunk: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """ZeRO units of a chunk's experts, one per MoE layer (reference names), to be listed
+    before the chunk's other units: they are sharded and reduced over the edp group, not dp."""
+    return [(name.removesuffix(".experts") + ".experts", [m])
+            for name, m in chunk.named_modules() if isinstance(m, Experts)]
 
 
 def gather_experts(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
