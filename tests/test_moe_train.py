@@ -42,13 +42,14 @@ def _train(cfg) -> None:
 def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path):
     """Two ranks, ep 2, capacity 1.0, the routing bias on: every step logs tokens per expert
     (k·tokens per MoE layer in all), the dropped share and the busiest/mean ratio; the summary
-    shows the run's load."""
+    shows the run's load; the sample at the end loads the gathered weights and routing biases
+    into the single-device model."""
     cfg = make_config("tiny", overrides=[f"data.path={tiny_data}", "data.seq_len=16",
                                          "data.val_tokens=512"],
                       model=dict(moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0,
                                  moe_router_bias_rate=1e-3, moe_every=2),
                       parallel=dict(dp=2, ep=2),
-                      train=dict(steps=4, micro_batch_size=4, eval_interval=0, sample_tokens=0,
+                      train=dict(steps=4, micro_batch_size=4, eval_interval=0, sample_tokens=8,
                                  out_dir=str(tmp_path)))
     run_ranks(_train, 2, args=(cfg,))
     rows = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]

@@ -307,6 +307,11 @@ class ParallelModel:
                 else:
                     tensors = unflatten(u, gather_owned(z, u, u.master))
                 out[c].update(tensors)
+        if not grads:  # persistent buffers too (MoE routing biases), replicated everywhere
+            for c in sorted(self.chunks):
+                out[c].update({n: b.detach().float().clone()
+                               for n, b in self.chunks[c].state_dict(keep_vars=True).items()
+                               if not isinstance(b, nn.Parameter)})
         return out
 
     @torch.no_grad()
@@ -319,7 +324,8 @@ class ParallelModel:
             for name in sorted(tensors):
                 if chunk.tied_copy and name == "output.weight":
                     continue
-                full = gather_full(tensors[name], self.specs[c][name], self.tp)
+                spec = self.specs[c].get(name, ShardSpec())  # a buffer: replicated
+                full = gather_full(tensors[name], spec, self.tp)
                 if self.ep is not None and is_expert_param(name):
                     full = gather_experts(full, self.ep.group)
                 local[chunk.reference_name(name)] = full.cpu()
