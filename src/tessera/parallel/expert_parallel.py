@@ -142,8 +142,8 @@ class ExpertParallelDispatcher(nn.Module):
         ep = self.ctx.size
         local = counts.numel() // ep
         send_counts = counts.view(ep, local)  # [destination rank, its held expert]
-        recv_counts = torch.empty_like(send_counts)  # [source rank, my held expert]
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.ctx.group)
+        recv_counts = all_to_all_v(send_counts, [1] * ep, [1] * ep, self.ctx.group,
+                                   algorithm=self.ctx.algorithm)  # [source rank, my expert]
         send = send_counts.sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
         arrived = AllToAll.apply(x, send, recv, self.ctx)  # by source, then held expert
