@@ -69,3 +69,18 @@ def test_ranking_puts_fitting_layouts_first_and_needs_ep_for_mixtral():
     fitting = [p.step_time for p in plans if p.fits]
     assert fitting == sorted(fitting)
     assert "ep=" in plans[0].describe()
+
+
+def test_plan_command_ranks_moe_presets_with_ep():
+    from typer.testing import CliRunner
+
+    from tessera.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--model", "mixtral-8x7b", "--gpus", "64",
+                                      "--hardware", "H100-SXM", "--global-batch", "256",
+                                      "--seq", "4096", "--tp", "1,2", "--pp", "1,2",
+                                      "--top", "3"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("mixture of experts: E=8 top-2")
+    assert len(lines) == 4 and all(" ep=" in ln and "all-to-all" in ln for ln in lines[1:])

@@ -10,8 +10,8 @@ priced here in two parts:
 
    - expert memory: each rank holds E/ep experts of its stage's MoE layers whole (tessera
      replicates experts over tp, ``tessera.parallel.expert_parallel``), 3·h·f_e parameters
-     each, at the workload's bytes of model state per parameter (tessera runs ep > 1 without
-     ZeRO; at ep = 1 ZeRO shards them as dense parameters); the k experts the active model
+     each, at the workload's bytes of model state per parameter, which ZeRO shards over the
+     expert-data group (dp/ep · cp ranks) as tessera does; the k experts the active model
      already counted (split over tp) are taken out (a rank with fewer than k experts holds
      less than the active model counted: the term is then negative);
    - all-to-all: per MoE layer and micro-batch, four all-to-alls (dispatch and combine, forward
@@ -19,6 +19,10 @@ priced here in two parts:
      (balanced routing; dropless, or ≤ C·k with capacity C). Pairwise exchange: (ep−1)·α +
      bytes·β. The link is intra-node when the ep group (ep ranks tp·cp apart) fits in a node,
      else the inter-node link (``cost.group_link``). Not overlapped with compute.
+   - expert gradient sync: the experts beyond the active model's are reduced over their
+     expert-data group (dp/ep·cp ranks, ep·tp·cp apart): one all-reduce of their gradient per
+     step, and under ZeRO-3 an all-gather of their parameters per micro-batch forward and
+     backward. Counted without overlap (the dense estimate overlaps only its own reduction).
 
 Layouts with ep are ranked by :func:`rank_ep_layouts`: every dense layout of the search times
 every ep dividing dp and E, fitting layouts first, then by step time.
@@ -31,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import ModelConfig
-from tessera.planner.cost import Layout, Workload, group_link
+from tessera.planner.cost import Layout, Workload, allgather_time, allreduce_time, group_link
 from tessera.planner.models import ModelSpec
 
 
@@ -88,6 +92,8 @@ class MoETerms:
     alltoall_bytes: float
     """Bytes this rank sends in token all-to-alls."""
     alltoall_time: float
+    expert_sync_time: float
+    """Reduction (and ZeRO-3 gathers) of the expert parameters the active model leaves out."""
     intra_node: bool
     """The ep group fits in one node."""
 
@@ -99,8 +105,8 @@ def moe_terms(w: Workload, L: Layout, spec: ModelSpec, moe: MoESpec, ep: int) ->
     p_bytes, g_bytes, o_bytes, a_bytes = w.bytes
     state = p_bytes + g_bytes + o_bytes
     layers_here = moe.moe_layers(spec.layers) / L.pp  # MoE layers on the fullest stage
-    if ep == 1 and L.zero > 0:  # plain parameters: ZeRO shards them like the dense ones
-        n = L.dp * L.cp
+    if L.zero > 0:  # ZeRO shards expert units over their expert-data group (dp/ep · cp)
+        n = L.dp // ep * L.cp
         state = (p_bytes / (n if L.zero >= 3 else 1) + g_bytes / (n if L.zero >= 2 else 1)
                  + o_bytes / n)
     held = moe.experts / ep * 3 * h * f_e
@@ -113,8 +119,14 @@ def moe_terms(w: Workload, L: Layout, spec: ModelSpec, moe: MoESpec, ep: int) ->
     stride = L.tp * L.cp
     link = group_link(w.hardware, ep * stride, stride)
     one = (ep - 1) * link.alpha + per_exchange * link.beta if ep > 1 else 0.0
+    extra = layers_here * max(held - counted, 0.0)  # expert parameters beyond the active
+    edp = L.dp // ep * L.cp
+    edp_link = group_link(w.hardware, L.dp * stride, ep * stride)
+    sync = allreduce_time(extra * g_bytes, edp, edp_link)
+    if L.zero == 3:
+        sync += 2 * m * allgather_time(extra * p_bytes, edp, edp_link)
     return MoETerms(expert_bytes=expert_bytes, alltoall_bytes=exchanges * per_exchange,
-                    alltoall_time=exchanges * one,
+                    alltoall_time=exchanges * one, expert_sync_time=sync,
                     intra_node=ep * stride <= w.hardware.gpus_per_node)
 
 
@@ -132,7 +144,8 @@ class EPPlan:
     def describe(self) -> str:
         where = "intra-node" if self.terms.intra_node else "inter-node"
         return (f"{self.layout.describe()} ep={self.ep}: step {self.step_time * 1e3:.1f} ms "
-                f"(all-to-all {self.terms.alltoall_time * 1e3:.1f} ms, {where}), "
+                f"(all-to-all {self.terms.alltoall_time * 1e3:.1f} ms, {where}; expert sync "
+                f"{self.terms.expert_sync_time * 1e3:.1f} ms), "
                 f"{self.memory_bytes / 2**30:.1f} GiB/rank"
                 + ("" if self.fits else " (does not fit)"))
 
@@ -164,6 +177,27 @@ def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout],
         for ep in ep_degrees(L.dp, moe.experts):
             t = moe_terms(w, L, w.model, moe, ep)
             memory = est.memory.total + t.expert_bytes
-            plans.append(EPPlan(L, ep, est.step_time + t.alltoall_time, memory, t,
-                                fits=memory <= capacity))
+            time = est.step_time + t.alltoall_time + t.expert_sync_time
+            plans.append(EPPlan(L, ep, time, memory, t, fits=memory <= capacity))
     return sorted(plans, key=lambda p: (not p.fits, p.step_time))
+
+
+def moe_for_model(name: str | None) -> MoESpec | None:
+    """The MoE part of a tessera preset named `name` (``tessera plan --model moe-demo``), or
+    None for a dense or unknown model."""
+    from tessera.config import PRESETS, make_config
+
+    key = (name or "").lower()
+    if key not in PRESETS:
+        return None
+    return MoESpec.from_model_config(make_config(key).model)
+
+
+def ep_table(w: Workload, moe: MoESpec, layouts: Iterable[Layout], top: int) -> str:
+    """The `top` (layout, ep) plans of `layouts`, one line each, best first."""
+    plans = rank_ep_layouts(w, moe, layouts)
+    head = (f"mixture of experts: E={moe.experts} top-{moe.top_k}, every {moe.every} layer(s); "
+            f"layouts of the active model with every ep dividing dp and E, priced with expert "
+            f"memory and all-to-all time (tessera.planner.moe)")
+    return "\n".join([head, *(f"{i + 1:3d}. {p.describe()}" for i, p in
+                              enumerate(plans[:top]))])
