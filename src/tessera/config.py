@@ -412,6 +412,21 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(steps=400, micro_batch_size=16, lr=3e-3, warmup_steps=30,
                       eval_interval=100, log_interval=25, sample_tokens=300),
     },
+    # GPT-2 small's shape in Llama form; SwiGLU inner size 2048 keeps its 124M parameters.
+    "gpt2-124m": {
+        "model": dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, ffn_hidden=2048,
+                      max_seq_len=1024, tie_embeddings=True),
+        "data": dict(seq_len=1024),
+        "train": dict(lr=6e-4, warmup_steps=700, steps=20000),
+    },
+    # Llama 3.2 1B.
+    "llama-1b": {
+        "model": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                      ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0,
+                      tie_embeddings=True),
+        "data": dict(seq_len=2048),
+        "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
+    },
     # The demo model with 8 experts of half its MLP width, top-2: the same active parameters
     # per token as "demo" (2 x 256 = 512 SwiGLU units), 4x its MLP parameters; experts split
     # over the two ranks (ep 2).
@@ -438,21 +453,6 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       moe_ffn_hidden=1024, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001),
         "data": dict(seq_len=4096),
         "train": dict(lr=4e-4, warmup_steps=2000, steps=100000),
-    },
-    # GPT-2 small's shape in Llama form; SwiGLU inner size 2048 keeps its 124M parameters.
-    "gpt2-124m": {
-        "model": dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, ffn_hidden=2048,
-                      max_seq_len=1024, tie_embeddings=True),
-        "data": dict(seq_len=1024),
-        "train": dict(lr=6e-4, warmup_steps=700, steps=20000),
-    },
-    # Llama 3.2 1B.
-    "llama-1b": {
-        "model": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                      ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0,
-                      tie_embeddings=True),
-        "data": dict(seq_len=2048),
-        "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
     },
 }
 
