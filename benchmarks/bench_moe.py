@@ -14,7 +14,8 @@ Timing: the same MoE model and global batch (16 × 128) run as one process (2 th
 Per run: the median over the steps after 2 warm-up steps of the slowest rank's wall time, the
 CPU time (user + sys) summed over ranks, and the share of the wall time the ranks spend in the
 token all-to-alls (dispatch and combine, forward and backward; ``A2AStats.seconds``, mean over
-ranks). Ratios are ep / single per pair; the median and spread over pairs are printed. At 4
+ranks; it includes waiting there for the slower peer, so it bounds the cost of the exchange
+from above). Ratios are ep / single per pair; the median and spread over pairs are printed. At 4
 ranks on 2 cores wall time includes waiting for a core (BENCHMARKING.md): read the CPU time.
 """
 

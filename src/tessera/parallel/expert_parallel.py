@@ -176,8 +176,7 @@ def apply_expert_parallel(chunk: nn.Module, ctx: EPContext) -> None:
 def expert_units(chunk: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     """ZeRO units of a chunk's experts, one per MoE layer (reference names), to be listed
     before the chunk's other units: they are sharded and reduced over the edp group, not dp."""
-    return [(name.removesuffix(".experts") + ".experts", [m])
-            for name, m in chunk.named_modules() if isinstance(m, Experts)]
+    return [(name, [m]) for name, m in chunk.named_modules() if isinstance(m, Experts)]
 
 
 def gather_experts(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
