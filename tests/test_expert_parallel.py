@@ -1,9 +1,10 @@
 """Expert parallelism against the single-device MoE model (tessera.parallel.expert_parallel).
 
 Seven layouts run in one 4-rank job, 10 AdamW steps each (clipping active), on the same global
-batches as the reference: ep 4 (dp 4, dropless), ep 2 × expert-dp 2 (dp 4, capacity dropping,
-our pairwise all-to-all, 2 micro-batches), ep 2 × tp 2 (capacity) and ep 2 × pp 2 (1F1B, 2
-micro-batches, dropless), and with ZeRO-3, -1 and -2 (experts sharded over expert-dp). Each
+batches as the reference: ep 4 (dp 4, dropless, our pairwise all-to-all), ep 2 × expert-dp 2
+(dp 4, capacity dropping, pairwise, 2 micro-batches), ep 2 × tp 2 (capacity) and ep 2 × pp 2
+(1F1B, 2 micro-batches, dropless), and with ZeRO-3, -1 and -2 (experts sharded over
+expert-dp). Each
 step is compared teacher-forced (tests/dp_parity.py's Shadow idea): the reference model loaded
 with the run's parameters before the step must give the run's loss and every parameter's
 gradient (gathered by reference name, experts from every ep rank), and AdamW fed the run's
@@ -60,7 +61,7 @@ def _cfg(dp: int, ep: int, tp: int = 1, pp: int = 1, m: int = 1, capacity: float
 
 
 LAYOUTS: dict[str, Config] = {
-    "ep4 dropless": _cfg(4, 4),
+    "ep4 dropless pairwise": _cfg(4, 4, ep_alltoall="pairwise"),
     "ep2 x edp2 capacity pairwise m2": _cfg(4, 2, m=2, capacity=1.0, ep_alltoall="pairwise"),
     "ep2 x tp2 capacity": _cfg(2, 2, tp=2, capacity=1.0),
     "ep2 x pp2 dropless m2": _cfg(2, 2, pp=2, m=2),
@@ -149,6 +150,14 @@ def test_expert_parallel_layouts_match_the_single_device_model():
     results = run_ranks(_layouts_rank, 4, args=(list(LAYOUTS),), timeout=600)
     for name, run in results[0].items():
         _check(name, run)
+
+
+def test_expert_groups_are_blocks_of_dp_and_their_replicas():
+    # (pp, dp, cp, tp) = (1, 4, 1, 2): dp ranks of tp position 0 are 0, 2, 4, 6
+    topo = Topology(dp=4, tp=2, ep=2)
+    assert topo.all_groups("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert topo.all_groups("edp") == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert topo.size("edp") == 2
 
 
 def test_layouts_pass_the_layout_check_and_experts_are_named():
