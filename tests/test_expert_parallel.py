@@ -4,11 +4,10 @@ Seven layouts run in one 4-rank job, 10 AdamW steps each (clipping active), on t
 batches as the reference: ep 4 (dp 4, dropless, our pairwise all-to-all), ep 2 × expert-dp 2
 (dp 4, capacity dropping, pairwise, 2 micro-batches), ep 2 × tp 2 (capacity) and ep 2 × pp 2
 (1F1B, 2 micro-batches, dropless), and with ZeRO-3, -1 and -2 (experts sharded over
-expert-dp). Each
-step is compared teacher-forced (tests/dp_parity.py's Shadow idea): the reference model loaded
-with the run's parameters before the step must give the run's loss and every parameter's
-gradient (gathered by reference name, experts from every ep rank), and AdamW fed the run's
-clipped gradients must give the run's parameters after it.
+expert-dp). Each step is compared teacher-forced (tests/dp_parity.py's Shadow idea): the
+reference model loaded with the run's parameters before the step must give the run's loss and
+every parameter's gradient (gathered by reference name, experts from every ep rank), and AdamW
+fed the run's clipped gradients must give the run's parameters after it.
 
 Tolerances (tessera.testing):
 - loss and gradients: the same sums in another order. An expert weight's gradient adds one
