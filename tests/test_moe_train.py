@@ -40,7 +40,8 @@ def _train(cfg) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path):
-    """Two ranks, ep 2, capacity 1.0, the routing bias on: every step logs tokens per expert
+    """Four ranks, ep 2 × pp 2 (the first stage holds no MoE layer but takes part in the
+    metrics' sums), capacity 1.0, the routing bias on: every step logs tokens per expert
     (k·tokens per MoE layer in all), the dropped share and the busiest/mean ratio; the summary
     shows the run's load; the sample at the end loads the gathered weights and routing biases
     into the single-device model."""
@@ -48,10 +49,10 @@ def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path):
                                          "data.val_tokens=512"],
                       model=dict(moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0,
                                  moe_router_bias_rate=1e-3, moe_every=2),
-                      parallel=dict(dp=2, ep=2),
-                      train=dict(steps=4, micro_batch_size=4, eval_interval=0, sample_tokens=8,
-                                 out_dir=str(tmp_path)))
-    run_ranks(_train, 2, args=(cfg,))
+                      parallel=dict(dp=2, ep=2, pp=2),
+                      train=dict(steps=4, micro_batch_size=2, grad_accum=2, eval_interval=0,
+                                 sample_tokens=8, out_dir=str(tmp_path)))
+    run_ranks(_train, 4, args=(cfg,))
     rows = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0]
     assert len(rows) == 4
@@ -63,7 +64,7 @@ def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path):
     summary = json.loads((Path(tmp_path) / "summary.json").read_text())["moe"]
     assert summary["moe_tokens_per_expert"] == [
         sum(r["moe_tokens_per_expert"][e] for r in rows) for e in range(4)]
-    lines = summary_lines(cfg, 2, torch.device("cpu"), 0.1, 1.0, 1.0, None, None, [],
+    lines = summary_lines(cfg, 4, torch.device("cpu"), 0.1, 1.0, 1.0, None, None, [],
                           moe=summary)
     assert any(ln.startswith("experts     E=4 top-2 capacity 1: tokens per expert")
                for ln in lines)

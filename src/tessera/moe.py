@@ -287,14 +287,16 @@ def collect_stats(modules: list[nn.Module], reset: bool = True) -> dict[str, tor
     return out
 
 
-def reduce_stats(modules: list[nn.Module], groups: list[dist.ProcessGroup | None]
-                 ) -> dict[str, torch.Tensor]:
+def reduce_stats(modules: list[nn.Module], groups: list[dist.ProcessGroup | None],
+                 n_experts: int) -> dict[str, torch.Tensor]:
     """``collect_stats`` (resetting the counters) summed over `groups` (every rank of each group
-    calls): the data-parallel group for the whole batch's tokens, the pipeline group for every
-    layer. Tensor-parallel peers route identical copies and are not summed."""
-    stats = collect_stats(modules)
-    if not stats:
-        return {}
+    calls, also one whose chunks hold no MoE layer): the data-parallel group for the whole
+    batch's tokens, the pipeline group for every layer. Tensor-parallel peers route identical
+    copies and are not summed."""
+    stats = collect_stats(modules) or {
+        "tokens_per_expert": torch.zeros(n_experts, dtype=torch.float64),
+        **{k: torch.zeros((), dtype=torch.float64)
+           for k in ("dropped", "assignments", "aux", "z", "calls")}}
     keys = list(stats)
     flat = torch.cat([stats[k].reshape(-1) for k in keys])
     for group in groups:

@@ -238,7 +238,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         if profiled:
             record["profiled"] = True
         if cfg.model.moe_experts:  # this step's routing, summed over dp and layers
-            moe = reduce_stats(chunks, moe_groups)
+            moe = reduce_stats(chunks, moe_groups, cfg.model.moe_experts)
             record.update(summarize_load(moe))
             moe_total = {k: moe[k] + moe_total.get(k, 0) for k in moe}
         last = step + 1 == cfg.train.steps
