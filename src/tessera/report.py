@@ -19,6 +19,7 @@ What it shows, and where each number comes from:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,15 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
                      hardware=load_hardware(hardware), gpus=world,
                      global_batch=t.micro_batch_size * t.grad_accum * p.dp,
                      seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False)
-        return estimate(w, layout).step_time, hardware
+        from tessera.planner.moe import MoESpec, active_spec, moe_terms
+
+        moe = MoESpec.from_model_config(cfg.model)
+        if moe is None:
+            return estimate(w, layout).step_time, hardware
+        # a mixture of experts: the active model, plus all-to-all and expert sync
+        active = estimate(dataclasses.replace(w, model=active_spec(w.model, moe)), layout)
+        extra = moe_terms(w, layout, w.model, moe, p.ep)
+        return active.step_time + extra.alltoall_time + extra.expert_sync_time, hardware
     except Exception as e:  # noqa: BLE001 - a summary line, never a failed run
         return None, f"the planner could not price this layout ({e})"
 
