@@ -3,8 +3,8 @@
     python benchmarks/bench_moe.py [--part quality|timing|both] [--quality-steps 200]
                                    [--pairs 5] [--data data/stdlib]
 
-Quality: the ``demo`` preset (dense, SwiGLU 512 wide) and the ``moe-demo`` preset (8 experts of
-256, top-2: the same active parameters per token plus the router's 8·h per layer) trained on the
+Quality: the ``demo`` preset (dense, SwiGLU 512 wide) and the ``moe-demo`` preset (16 experts of
+128, top-4: the same active parameters per token plus the router's 16·h per layer) trained on the
 demo corpus with the same global batch (32 × 128 bytes), steps, learning rate and seed, on 2
 ranks each (dp 2; MoE with ep 2). Printed: both validation losses (every 50 steps and at the
 end), their difference, and both parameter counts (total and active).

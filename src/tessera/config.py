@@ -427,12 +427,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "data": dict(seq_len=2048),
         "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
     },
-    # The demo model with 8 experts of half its MLP width, top-2: the same active parameters
-    # per token as "demo" (2 x 256 = 512 SwiGLU units), 4x its MLP parameters; experts split
-    # over the two ranks (ep 2).
+    # The demo model with 16 fine-grained experts of a quarter of its MLP width, top-4
+    # (DeepSeekMoE, OLMoE): the same active parameters per token as "demo" (4 x 128 = 512
+    # SwiGLU units), 4x its MLP parameters; experts split over the two ranks (ep 2).
     "moe-demo": {
         "model": dict(d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256,
-                      moe_experts=8, moe_top_k=2, moe_ffn_hidden=256, moe_aux_loss_coef=0.01),
+                      moe_experts=16, moe_top_k=4, moe_ffn_hidden=128, moe_aux_loss_coef=0.01),
         "data": dict(seq_len=128, val_tokens=65536),
         "parallel": dict(dp=2, ep=2),
         "train": dict(steps=400, micro_batch_size=16, lr=3e-3, warmup_steps=30,
