@@ -1,13 +1,13 @@
 """Expert parallelism against the single-device MoE model (tessera.parallel.expert_parallel).
 
-Seven layouts run in one 4-rank job, 10 AdamW steps each (clipping active), on the same global
+Eight layouts run in one 4-rank job, 10 AdamW steps each (clipping active), on the same global
 batches as the reference: ep 4 (dp 4, dropless, our pairwise all-to-all), ep 2 × expert-dp 2
 (dp 4, capacity dropping, pairwise, 2 micro-batches), ep 2 × tp 2 (capacity) and ep 2 × pp 2
-(1F1B, 2 micro-batches, dropless), and with ZeRO-3, -1 and -2 (experts sharded over
-expert-dp). Each step is compared teacher-forced (tests/dp_parity.py's Shadow idea): the
-reference model loaded with the run's parameters before the step must give the run's loss and
-every parameter's gradient (gathered by reference name, experts from every ep rank), and AdamW
-fed the run's clipped gradients must give the run's parameters after it.
+(1F1B, 2 micro-batches, dropless), with ZeRO-3, -1 and -2 (experts sharded over expert-dp) and
+with full recomputation. Each step is compared teacher-forced (tests/dp_parity.py's Shadow
+idea): the reference model loaded with the run's parameters before the step must give the run's
+loss and every parameter's gradient (gathered by reference name, experts from every ep rank),
+and AdamW fed the run's clipped gradients must give the run's parameters after it.
 
 Tolerances (tessera.testing):
 - loss and gradients: the same sums in another order. An expert weight's gradient adds one
@@ -68,6 +68,8 @@ LAYOUTS: dict[str, Config] = {
     "ep2 x edp2 zero3 capacity m2": _cfg(4, 2, m=2, capacity=1.0, zero_stage=3),
     "ep2 x tp2 zero1": _cfg(2, 2, tp=2, zero_stage=1),
     "ep2 x pp2 zero2 m2": _cfg(2, 2, pp=2, m=2, zero_stage=2),
+    # the blocks' forward (all-to-alls included) runs again in backward
+    "ep2 x edp2 full recompute": _cfg(4, 2, capacity=1.0, recompute="full"),
 }
 
 
