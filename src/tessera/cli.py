@@ -129,6 +129,13 @@ def train(
     cp_ulysses: Annotated[int | None, typer.Option(
         help="cp-method hybrid: Ulysses degree inside the cp group.")] = None,
     zero_stage: Annotated[int | None, typer.Option(help="ZeRO stage 0-3.")] = None,
+    ep: Annotated[int | None, typer.Option(
+        help="Expert-parallel degree (divides dp and --moe-experts).")] = None,
+    moe_experts: Annotated[int | None, typer.Option(
+        help="Experts per mixture-of-experts layer (0: dense).")] = None,
+    moe_top_k: Annotated[int | None, typer.Option(help="Experts per token.")] = None,
+    moe_capacity_factor: Annotated[float | None, typer.Option(
+        help="Expert capacity factor C (ceil(C*T*k/E) per sequence); 0: dropless.")] = None,
     dp_mode: Annotated[str | None, typer.Option(help="allreduce, ps or ps-async.")] = None,
     bucket_mb: Annotated[float | None, typer.Option(
         help="DDP gradient bucket size in MiB.")] = None,
@@ -187,8 +194,10 @@ def train(
                          bucket_mb=bucket_mb, allreduce_algorithm=allreduce_algorithm,
                          max_staleness=max_staleness,
                          sequence_parallel=sequence_parallel, schedule=schedule,
-                         virtual_stages=virtual, recompute=recompute,
+                         virtual_stages=virtual, recompute=recompute, ep=ep,
                          stage_layout=stage_layout),
+        "model": dict(moe_experts=moe_experts, moe_top_k=moe_top_k,
+                      moe_capacity_factor=moe_capacity_factor),
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,

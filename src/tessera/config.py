@@ -79,6 +79,26 @@ class ModelConfig:
     """Share the token-embedding matrix with the LM head."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization of weight matrices."""
+    moe_experts: int = 0
+    """Experts E of each mixture-of-experts layer (``tessera.moe``); 0: a dense model."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (1: Switch Transformer, 2: GShard/Mixtral)."""
+    moe_every: int = 1
+    """Every this-many-th block is MoE (layers moe_every-1, 2·moe_every-1, ...); 1: all."""
+    moe_capacity_factor: float = 0.0
+    """C: each expert takes at most ceil(C·T·k/E) assignments per sequence, the rest are
+    dropped (priority: first choices, then position); 0: dropless."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of Switch Transformer's load-balancing loss E·Σ f·P (0: off)."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of ST-MoE's router z-loss, mean logsumexp(logits)² (0: off)."""
+    moe_router_bias_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: per-step update of each expert's routing
+    bias (0: no bias)."""
+    moe_shared_expert: bool = False
+    """Add a dense SwiGLU expert (ffn_hidden wide) that every token goes through."""
+    moe_ffn_hidden: int | None = None
+    """Each expert's SwiGLU inner size; None: ffn_hidden."""
 
     def __post_init__(self) -> None:
         _positive("model", self, "vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")
@@ -105,6 +125,32 @@ class ModelConfig:
         _positive("model", self, "rope_original_max_seq_len")
         _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
         _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        _require(isinstance(self.moe_experts, int) and self.moe_experts >= 0,
+                 "model.moe_experts", self.moe_experts, "must be an integer >= 0 (0: dense)")
+        if not self.moe_experts:
+            return
+        _positive("model", self, "moe_top_k", "moe_every")
+        _require(self.moe_top_k <= self.moe_experts, "model.moe_top_k", self.moe_top_k,
+                 f"must be <= model.moe_experts={self.moe_experts}")
+        _require(self.moe_capacity_factor >= 0, "model.moe_capacity_factor",
+                 self.moe_capacity_factor, "must be >= 0 (0: dropless)")
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_bias_rate"):
+            _require(getattr(self, name) >= 0, f"model.{name}", getattr(self, name),
+                     "must be >= 0")
+        if self.moe_ffn_hidden is not None:
+            _positive("model", self, "moe_ffn_hidden")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Is block `layer`'s feed-forward a mixture of experts?"""
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def moe_hidden(self) -> int:
+        """Each expert's SwiGLU inner size."""
+        return self.moe_ffn_hidden or self.ffn_hidden
 
     @property
     def head_dim(self) -> int:
@@ -155,7 +201,12 @@ class ParallelConfig:
     cp_ulysses: int = 2
     """Ulysses degree inside the cp group for cp_method='hybrid' (must divide cp)."""
     ep: int = 1
-    """Expert-parallel degree (mixture-of-experts); experts spread over blocks of the dp axis."""
+    """Expert-parallel degree (mixture-of-experts): the experts of each MoE layer are split
+    over blocks of ep consecutive dp ranks (``tessera.parallel.expert_parallel``);
+    dp = ep × expert-dp."""
+    ep_alltoall: str = "backend"
+    """All-to-all that dispatches tokens to experts: 'backend' (torch.distributed's) or
+    'pairwise' (ours, ``tessera.collectives.all_to_all_v``)."""
     zero_stage: int = 0
     """ZeRO stage: 0 plain DP, 1 shards optimizer state, 2 also gradients, 3 also parameters."""
     dp_mode: str = "allreduce"
@@ -197,6 +248,8 @@ class ParallelConfig:
                  f"must be one of {', '.join(CP_METHODS)}")
         _require(self.recompute in ("none", "selective", "full"), "parallel.recompute",
                  self.recompute, "must be one of none, selective, full")
+        _require(self.ep_alltoall in ("backend", "pairwise"), "parallel.ep_alltoall",
+                 self.ep_alltoall, "must be one of backend, pairwise")
         _require(self.dp % self.ep == 0, "parallel.ep", self.ep,
                  f"must divide parallel.dp={self.dp}")
         _require(not (self.zero_stage > 0 and self.dp_mode != "allreduce"), "parallel.zero_stage",
@@ -437,6 +490,33 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       tie_embeddings=True),
         "data": dict(seq_len=2048),
         "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
+    },
+    # The demo model with 16 fine-grained experts of a quarter of its MLP width, top-4
+    # (DeepSeekMoE, OLMoE): the same active parameters per token as "demo" (4 x 128 = 512
+    # SwiGLU units), 4x its MLP parameters; experts split over the two ranks (ep 2).
+    "moe-demo": {
+        "model": dict(d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256,
+                      moe_experts=16, moe_top_k=4, moe_ffn_hidden=128, moe_aux_loss_coef=0.01),
+        "data": dict(seq_len=128, val_tokens=65536),
+        "parallel": dict(dp=2, ep=2),
+        "train": dict(steps=400, micro_batch_size=16, lr=3e-3, warmup_steps=30,
+                      eval_interval=100, log_interval=25, sample_tokens=300),
+    },
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, every layer (for the planner).
+    "mixtral-8x7b": {
+        "model": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_hidden=14336, max_seq_len=32768, rope_theta=1e6, moe_experts=8,
+                      moe_top_k=2, moe_capacity_factor=0.0, moe_aux_loss_coef=0.02),
+        "data": dict(seq_len=4096),
+        "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
+    },
+    # OLMoE-1B-7B (Muennighoff et al. 2024): 64 experts of width 1024, top-8, z-loss.
+    "olmoe-1b-7b": {
+        "model": dict(vocab_size=50304, d_model=2048, n_layers=16, n_heads=16,
+                      ffn_hidden=1024, max_seq_len=4096, moe_experts=64, moe_top_k=8,
+                      moe_ffn_hidden=1024, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001),
+        "data": dict(seq_len=4096),
+        "train": dict(lr=4e-4, warmup_steps=2000, steps=100000),
     },
 }
 

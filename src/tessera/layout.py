@@ -53,9 +53,7 @@ def check_layout(cfg: Config) -> None:
                  "with sequence parallelism (each cp rank's tokens split over tp)")
         _require(p.dp_mode == "allreduce", "parallel.dp_mode", p.dp_mode,
                  "context parallelism reduces gradients over dp×cp with 'allreduce' only")
-    # Expert parallelism has no implementation yet.
-    _require(p.ep == 1, "parallel.ep", p.ep,
-             "expert parallelism is not in this build yet (must be 1)")
+    _check_moe(cfg)
     # The parameter server holds one model replica per server rank.
     if p.dp_mode != "allreduce":
         for name, value in (("tp", p.tp), ("pp", p.pp)):
@@ -107,3 +105,29 @@ def check_layout(cfg: Config) -> None:
                           "ZeRO-3 with tied embeddings needs the first and last chunks on "
                           f"different ranks or in one chunk (pp=1 with virtual_stages="
                           f"{p.virtual_stages} puts both on one rank)")
+
+
+def _check_moe(cfg: Config) -> None:
+    """Mixture of experts and expert parallelism (``tessera.moe``,
+    ``tessera.parallel.expert_parallel``)."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep > 1:
+        _require(m.moe_experts > 0, "parallel.ep", p.ep,
+                 "expert parallelism needs a mixture-of-experts model (model.moe_experts > 0)")
+        _require(m.moe_experts % p.ep == 0, "parallel.ep", p.ep,
+                 f"must divide model.moe_experts={m.moe_experts} (each ep rank holds "
+                 "moe_experts/ep experts)")
+        _require(p.dp % p.ep == 0, "parallel.ep", p.ep,
+                 f"must divide parallel.dp={p.dp} (ep groups are blocks of the dp ranks)")
+        _require(p.dp_mode == "allreduce", "parallel.dp_mode", p.dp_mode,
+                 "expert parallelism reduces expert gradients over their own replicas with "
+                 "'allreduce' only")
+        _require(cfg.train.precision == "fp32", "train.precision", cfg.train.precision,
+                 "expert parallelism is built and tested in fp32 only (bf16 not yet)")
+    if m.moe_experts:
+        _require(p.cp == 1, "parallel.cp", p.cp,
+                 "mixture-of-experts layers route per whole sequence (capacity and the "
+                 "balance loss are per sequence), which context parallelism splits; use cp=1")
+        _require(not p.sequence_parallel, "parallel.sequence_parallel", True,
+                 "mixture-of-experts layers need each sequence whole on a rank (per-sequence "
+                 "capacity), which sequence parallelism splits over tp")

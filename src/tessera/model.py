@@ -119,12 +119,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        """`layer`: the block's index in the model (which blocks are MoE, cfg.moe_every)."""
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.is_moe_layer(layer):
+            from tessera.moe import MoEFeedForward
+
+            self.feed_forward: nn.Module = MoEFeedForward(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -136,7 +142,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -178,7 +184,7 @@ def init_tensor(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...]
         return torch.ones(shape)
     std = cfg.init_std
     # GPT-2 style: scale the projections that write into the residual stream by 1/sqrt(2L).
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")):
         std = std / (2 * cfg.n_layers) ** 0.5
     return torch.randn(shape, generator=param_generator(seed, name)) * std
 
@@ -208,11 +214,29 @@ def param_count(cfg: ModelConfig) -> int:
     the final norm h and, untied, the LM head V·h. With kv = a and f = 4h this is the familiar
     12·L·h² + 2Vh of Kaplan et al. (2020) up to the norms.
     """
-    h, L, V, f, d = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.ffn_hidden, cfg.head_dim
+    h, L, V, d = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.head_dim
     attn = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d + cfg.n_heads * d * h
-    block = attn + 3 * h * f + 2 * h
+    mlps = sum(mlp_params(cfg, i) for i in range(L))
     head = 0 if cfg.tie_embeddings else V * h
-    return V * h + L * block + h + head
+    return V * h + L * (attn + 2 * h) + mlps + h + head
+
+
+def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    """Feed-forward parameters of block `layer`: SwiGLU 3·h·f, or for an MoE layer the router
+    E·h, E experts of 3·h·f_e (only k of them with `active`: what one token uses) and the
+    shared expert's 3·h·f."""
+    h = cfg.d_model
+    if not cfg.is_moe_layer(layer):
+        return 3 * h * cfg.ffn_hidden
+    used = cfg.moe_top_k if active else cfg.moe_experts
+    shared = 3 * h * cfg.ffn_hidden if cfg.moe_shared_expert else 0
+    return cfg.moe_experts * h + used * 3 * h * cfg.moe_hidden + shared
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: param_count with k of E experts per MoE layer (= N dense)."""
+    return param_count(cfg) - sum(mlp_params(cfg, i) - mlp_params(cfg, i, active=True)
+                                  for i in range(cfg.n_layers))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
@@ -223,8 +247,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     backward. N_matmul counts the weights used in matrix multiplies: all blocks' linears and the
     LM head (the embedding lookup and norms are not matmuls). Causal masking is not discounted,
     following the convention of PaLM and nanoGPT (6N + 12·L·H·Q·T).
+
+    Mixture of experts: only the active weights count (the router and k of E experts per
+    token, ``mlp_params(active=True)``), so MFU is not inflated by experts a token never uses.
     """
-    h, L, V, f, d = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.ffn_hidden, cfg.head_dim
+    h, L, V, d = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.head_dim
     attn = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d + cfg.n_heads * d * h
-    n_matmul = L * (attn + 3 * h * f) + V * h
+    n_matmul = L * attn + sum(mlp_params(cfg, i, active=True) for i in range(L)) + V * h
     return 6 * n_matmul + 12 * L * cfg.n_heads * d * seq_len

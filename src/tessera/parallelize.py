@@ -16,13 +16,18 @@ the chunks (each mechanism lives in its own module; this one only composes them)
    hybrid), and the chunk reads RoPE at its zig-zag tokens' global positions. Everything else
    in the chunk runs on the rank's T/cp tokens unchanged. Parameters are replicated over cp,
    so step 5's data-parallel group becomes dp × cp (``Topology`` axis 'dpcp').
-4. **activation recomputation** (``parallel.recompute``) per block or attention core.
-5. **data parallelism** per chunk over the dp (× cp) group: DDP buckets (``parallel.ddp``),
+4. **expert parallelism** (``parallel.expert_parallel``, ep > 1): every MoE layer keeps its ep
+   rank's slice of the experts and its dispatcher becomes an all-to-all over the ep group.
+   Under tp the MoE layers stay whole on every tp rank (step 2 splits only dense MLPs).
+5. **activation recomputation** (``parallel.recompute``) per block or attention core.
+6. **data parallelism** per chunk over the dp (× cp) group: DDP buckets (``parallel.ddp``),
    ZeRO-1/2/3 units (``parallel.zero``) or the parameter server
    (``parallel.parameter_server``). ZeRO-3 under a breadth-first schedule
    (``ScheduleSpec.breadth_first``) is *schedule-driven*: the step's schedule carries UNSHARD /
    RESHARD / REDUCE_GRAD actions (``sharded_schedule``) and the wrappers have no
-   per-micro-batch hooks; every other ZeRO layout uses the hooks.
+   per-micro-batch hooks; every other ZeRO layout uses the hooks. With expert parallelism
+   the wrapper is ``ExpertDataParallel``: dense parameters over dp, experts over their edp
+   replicas.
 
 Precision policy, every layout: ``fp32`` trains in float32. ``bf16`` keeps parameters and
 gradients in bfloat16 and fp32 master weights and Adam moments in the optimizer (Micikevicius
@@ -48,10 +53,19 @@ from torch import nn
 from tessera.config import Config, ConfigError, TrainConfig
 from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
+from tessera.moe import materialize_buffers
 from tessera.optim import adamw
 from tessera.parallel.comm import CommStats, all_reduce
 from tessera.parallel.context_parallel import CPContext, apply_context_parallel, hybrid_groups
 from tessera.parallel.ddp import DataParallel
+from tessera.parallel.expert_parallel import (
+    EPContext,
+    ExpertDataParallel,
+    apply_expert_parallel,
+    expert_units,
+    gather_experts,
+    is_expert_param,
+)
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
     ShardSpec,
@@ -116,6 +130,8 @@ class ParallelModel:
     """The parameter server (``dp_mode='ps'|'ps-async'``), else None."""
     cp: CPContext | None = None
     """The context-parallel attention context (cp > 1), else None."""
+    ep: EPContext | None = None
+    """The expert-parallel context (ep > 1), else None."""
 
     # -- what the rank holds -------------------------------------------------------------------
     @property
@@ -186,10 +202,14 @@ class ParallelModel:
         it is the squared norm of the single-device model's gradient, every element once."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if not self.sharded:
+            experts = torch.zeros((), dtype=torch.float64, device=self.device)
             for c, name, p in self.named_chunk_parameters():
                 if p.grad is not None and self._owned(c, name):
-                    sq += p.grad.double().pow(2).sum()
-            return sq
+                    part = experts if self.ep is not None and is_expert_param(name) else sq
+                    part += p.grad.double().pow(2).sum()
+            if self.ep is not None:  # each ep rank holds other experts: their squares add up
+                dist.all_reduce(experts, group=self.ep.group)
+            return sq + experts
         for c, z in zip(sorted(self.wrappers), self.zeros, strict=True):
             for u in z.units:
                 grad, base = u.dp_grad_slice(), u.lo
@@ -288,6 +308,11 @@ class ParallelModel:
                 else:
                     tensors = unflatten(u, gather_owned(z, u, u.master))
                 out[c].update(tensors)
+        if not grads:  # persistent buffers too (MoE routing biases), replicated everywhere
+            for c in sorted(self.chunks):
+                out[c].update({n: b.detach().float().clone()
+                               for n, b in self.chunks[c].state_dict(keep_vars=True).items()
+                               if not isinstance(b, nn.Parameter)})
         return out
 
     @torch.no_grad()
@@ -300,7 +325,10 @@ class ParallelModel:
             for name in sorted(tensors):
                 if chunk.tied_copy and name == "output.weight":
                     continue
-                full = gather_full(tensors[name], self.specs[c][name], self.tp)
+                spec = self.specs[c].get(name, ShardSpec())  # a buffer: replicated
+                full = gather_full(tensors[name], spec, self.tp)
+                if self.ep is not None and is_expert_param(name):
+                    full = gather_experts(full, self.ep.group)
                 local[chunk.reference_name(name)] = full.cpu()
         parts = [local]
         pp_group = self.topo.group("pp")
@@ -397,9 +425,10 @@ def initial_values(cfg: Config) -> Callable[[str, tuple[int, ...]], torch.Tensor
 
 
 def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Schedule,
-                 tp: TPContext, cp: CPContext | None = None) -> dict[int, Chunk]:
-    """Steps 1 to 4 of the module doc: this rank's chunks, TP-split, context-parallel and
-    recomputing."""
+                 tp: TPContext, cp: CPContext | None = None,
+                 ep: EPContext | None = None) -> dict[int, Chunk]:
+    """Steps 1 to 5 of the module doc: this rank's chunks, TP-split, context-parallel,
+    expert-parallel and recomputing."""
     pp_rank = topo.coords()["pp"]
     seed = cfg.train.seed
     initial = initial_values(cfg)
@@ -426,6 +455,7 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
                                                          cfg.model.max_seq_len,
                                                          cfg.model.rope_theta,
                                                          cfg.model.rope_scaling)
+            materialize_buffers(chunk)
             chunk.to(device)
             if tp.sequence_parallel:
                 chunk.seq_scale = tp.size
@@ -435,6 +465,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
         if cp is not None:
             apply_context_parallel(chunk, cp)
             chunk.context_parallel = (cp.size, cp.rank)
+        if ep is not None:
+            apply_expert_parallel(chunk, ep)
         apply_recompute(chunk, cfg.parallel.recompute)
         chunks[c] = chunk
     return chunks
@@ -443,7 +475,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
 def parallelize(cfg: Config, topo: Topology, device: torch.device,
                 schedule: Schedule | None = None, *, regather: bool = True,
                 tp_stats: CommStats | None = None,
-                cp_stats: CommStats | None = None) -> ParallelModel:
+                cp_stats: CommStats | None = None,
+                ep_stats: CommStats | None = None) -> ParallelModel:
     """This rank's part of the model with every mechanism of `cfg.parallel` applied (module
     doc). Every rank calls it (it creates groups and broadcasts initial weights over dp).
 
@@ -451,7 +484,9 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
     parallel.schedule; validated here, before any communication, and run for its own number of
     micro-batches (train.grad_accum is set to it). `regather` and `tp_stats` go to the
     tensor-parallel layers (``TPContext``): whether SP re-gathers inputs in backward, and where
-    the TP collectives are counted (benchmarks and tests)."""
+    the TP collectives are counted (benchmarks and tests); `cp_stats`, `ep_stats` likewise for
+    context and expert parallelism (ep_stats counts our pairwise all-to-all only; the token
+    all-to-alls of every algorithm are also counted in ``ParallelModel.ep.stats``)."""
     check_layout(cfg)
     if schedule is None:
         schedule = validate(training_schedule(cfg))
@@ -471,9 +506,10 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
             ulysses, ring = hybrid_groups(topo.all_groups("cp"), p.cp_ulysses, topo.rank)
         cp = CPContext(topo.group("cp"), p.cp_method, ulysses_group=ulysses, ring_group=ring,
                        stats=cp_stats)
-    chunks = build_chunks(cfg, topo, device, schedule, tp, cp)
+    ep = EPContext(topo.group("ep"), p.ep_alltoall, comm=ep_stats) if topo.ep > 1 else None
+    chunks = build_chunks(cfg, topo, device, schedule, tp, cp, ep)
     specs = {c: param_specs(chunk, tp) for c, chunk in chunks.items()}
-    model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs, cp=cp)
+    model = ParallelModel(cfg, topo, device, schedule, chunks, tp, specs, cp=cp, ep=ep)
     # Parameters are replicated over dp and cp; each cp rank's gradient covers its tokens, so
     # the mean over dp × cp is the gradient of the mean loss over the whole global batch.
     dp_group = topo.group("dpcp")
@@ -484,9 +520,20 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
         model.wrappers = dict(chunks)
     elif p.zero_stage > 0 or cfg.train.precision == "bf16":
         driven = schedule_driven_zero3(cfg, schedule)
-        model.wrappers = {c: ZeroModel(chunk, dp_group, stage=p.zero_stage,
-                                       dtype=model.compute_dtype, units=chunk_units(chunk),
-                                       schedule_driven=driven)
+        model.wrappers = {}
+        for c, chunk in chunks.items():
+            units, groups = chunk_units(chunk), None
+            if ep is not None:  # experts: units of their own over their replicas (edp)
+                experts = expert_units(chunk)
+                units = experts + units
+                groups = {name: (topo.group("edp"), topo.dp) for name, _ in experts}
+            model.wrappers[c] = ZeroModel(chunk, dp_group, stage=p.zero_stage,
+                                          dtype=model.compute_dtype, units=units,
+                                          schedule_driven=driven, unit_groups=groups)
+    elif ep is not None:  # dense parameters over dp, experts over their replicas (edp)
+        model.wrappers = {c: ExpertDataParallel(chunk, dp_group, topo.group("edp"), topo.ep,
+                                                bucket_mb=p.bucket_mb,
+                                                algorithm=p.allreduce_algorithm)
                           for c, chunk in chunks.items()}
     else:
         model.wrappers = {c: DataParallel(chunk, dp_group, bucket_mb=p.bucket_mb,

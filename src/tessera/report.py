@@ -12,11 +12,14 @@ What it shows, and where each number comes from:
 - memory per rank by category: parameters, gradients and optimizer state counted from the
   tensors each rank holds, and the peak of activations saved for backward, counted by the
   runtime on the last step;
-- where the timeline picture was written.
+- where the timeline picture was written;
+- for a mixture of experts, the run's tokens per expert (summed over MoE layers), the busiest
+  expert's load over the mean and the share of assignments dropped by capacity.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +67,15 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
                      hardware=load_hardware(hardware), gpus=world,
                      global_batch=t.micro_batch_size * t.grad_accum * p.dp,
                      seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False)
-        return estimate(w, layout).step_time, hardware
+        from tessera.planner.moe import MoESpec, active_spec, moe_terms
+
+        moe = MoESpec.from_model_config(cfg.model)
+        if moe is None:
+            return estimate(w, layout).step_time, hardware
+        # a mixture of experts: the active model, plus all-to-all and expert sync
+        active = estimate(dataclasses.replace(w, model=active_spec(w.model, moe)), layout)
+        extra = moe_terms(w, layout, w.model, moe, p.ep)
+        return active.step_time + extra.alltoall_time + extra.expert_sync_time, hardware
     except Exception as e:  # noqa: BLE001 - a summary line, never a failed run
         return None, f"the planner could not price this layout ({e})"
 
@@ -84,9 +95,12 @@ def gather_memory(executor) -> list[dict[str, Any]]:
 
 def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: float,
                   tokens_per_s: float, flops_per_s: float, mfu: float | None,
-                  timeline: dict | None, memory: list[dict[str, Any]]) -> list[str]:
+                  timeline: dict | None, memory: list[dict[str, Any]],
+                  moe: dict[str, Any] | None = None) -> list[str]:
     p, t = cfg.parallel, cfg.train
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}"
+    if p.ep > 1:
+        layout += f" ep={p.ep}"
     if p.pp > 1:
         layout += f" schedule={p.schedule} v={p.virtual_stages} m={t.grad_accum}"
     layout += f" zero={p.zero_stage} recompute={p.recompute} precision={t.precision}"
@@ -119,6 +133,15 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
             where += f" cp{c['cp']}"
         lines.append(f"  {where:<18}{m['params'] / MIB:7.2f} {m['grads'] / MIB:7.2f} "
                      f"{m['optimizer'] / MIB:10.2f} {m['activations'] / MIB:12.2f}")
+    if moe is not None:
+        m = cfg.model
+        load = " ".join(f"{v:.0f}" for v in moe["moe_tokens_per_expert"])
+        lines.append(f"experts     E={m.moe_experts} top-{m.moe_top_k} capacity "
+                     f"{m.moe_capacity_factor:g}: tokens per expert (all MoE layers, whole run) "
+                     f"{load}")
+        lines.append(f"            busiest/mean {moe['moe_max_load_ratio']:.2f}, dropped "
+                     f"{100 * moe['moe_dropped_fraction']:.2f}%, aux loss "
+                     f"{moe['moe_aux_loss']:.4f}")
     if timeline is not None:
         lines.append(f"timeline    {timeline['png']}")
     lines.append("=" * 72)

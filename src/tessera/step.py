@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from tessera.config import Config
 from tessera.model import cross_entropy
+from tessera.moe import set_loss_scale
 from tessera.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from tessera.parallelize import ParallelModel, sync_context, training_schedule
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
@@ -134,6 +135,7 @@ class Executor:
         gradients; returns the step's mean loss (the same on every rank)."""
         for chunk in self.model.chunks.values():
             chunk.train()
+            set_loss_scale(chunk, 1.0 / len(micro_batches))  # MoE auxiliary losses
         schedule = self.schedule_for(len(micro_batches))
         reduce_at = last_backwards(schedule, self.pp_rank)
         wrappers = self.model.wrappers

@@ -4,7 +4,8 @@ Ranks are laid out on a grid ``arange(world).view(pp, dp, cp, tp)``: tp varies f
 tensor-parallel group is a block of consecutive ranks (one node, on GPUs, where the fast links
 are), then cp, then dp, and pp slowest (pipeline sends cross nodes, which need least bandwidth).
 Expert parallelism folds into the dp axis: the ``ep`` group of a rank is the block of ``ep``
-consecutive dp indices that contains it, at the same (pp, cp, tp).
+consecutive dp indices that contains it, at the same (pp, cp, tp); its ``edp`` (expert-data)
+group is the dp ranks at its position in every ep block: the replicas of the same experts.
 
 There is no module-level state: every layer, optimizer and schedule that needs a group receives
 this object (or one of its groups) as an argument.
@@ -48,8 +49,9 @@ class Topology:
     mesh: Any = None
     """torch DeviceMesh with dims ('pp', 'dp', 'cp', 'tp'); None in a single process."""
     groups: dict[str, Any] = field(default_factory=dict)
-    """ProcessGroup of each axis ('pp', 'dp', 'cp', 'tp', 'ep', 'mp' = tp×pp, and 'dpcp' = dp×cp,
-    over which gradients are averaged under context parallelism) for this rank."""
+    """ProcessGroup of each axis ('pp', 'dp', 'cp', 'tp', 'ep', 'edp' = dp/ep replicas of the
+    same experts, 'mp' = tp×pp, and 'dpcp' = dp×cp, over which gradients are averaged under
+    context parallelism) for this rank."""
 
     @property
     def world_size(self) -> int:
@@ -80,6 +82,8 @@ class Topology:
         if axis == "ep":
             return [g[i:i + self.ep] for g in axis_groups(self.grid, "dp")
                     for i in range(0, self.dp, self.ep)]
+        if axis == "edp":  # the same position in every ep block
+            return [g[j::self.ep] for g in axis_groups(self.grid, "dp") for j in range(self.ep)]
         if axis == "mp":  # model-parallel: everything but dp and cp, i.e. one model replica
             g = self.grid.permute(1, 2, 0, 3).reshape(self.dp * self.cp, -1)
             return [row.tolist() for row in g]
@@ -93,7 +97,8 @@ class Topology:
         return self.groups.get(axis)
 
     def size(self, axis: str) -> int:
-        return {"ep": self.ep, "mp": self.tp * self.pp, "dpcp": self.dp * self.cp}.get(axis) \
+        return {"ep": self.ep, "edp": self.dp // self.ep, "mp": self.tp * self.pp,
+                "dpcp": self.dp * self.cp}.get(axis) \
             or getattr(self, axis)
 
     def local_rank_in(self, axis: str) -> int:
@@ -129,11 +134,14 @@ class Topology:
         topo.groups = {axis: topo.mesh.get_group(axis) for axis in AXES}
         # Groups that are not mesh axes; dist.new_group must be called by every rank for every
         # group, in the same order.
-        for axis in ("ep", "mp", "dpcp") if cfg.cp > 1 else ("ep", "mp"):
+        axes = ["ep", "mp"] + (["edp"] if cfg.ep > 1 else []) + (["dpcp"] if cfg.cp > 1 else [])
+        for axis in axes:
             for ranks in topo.all_groups(axis):
                 group = dist.new_group(ranks)
                 if topo.rank in ranks:
                     topo.groups[axis] = group
         if cfg.cp == 1:  # dp × 1 is the dp group itself
             topo.groups["dpcp"] = topo.groups["dp"]
+        if cfg.ep == 1:  # every dp rank holds every expert
+            topo.groups["edp"] = topo.groups["dp"]
         return topo

@@ -39,6 +39,7 @@ from tessera.metrics import (
     tensorboard_missing,
 )
 from tessera.model import Transformer, flops_per_token
+from tessera.moe import reduce_stats, summarize_load, update_router_bias
 from tessera.optim import lr_lambda
 from tessera.parallelize import parallelize
 from tessera.report import gather_memory, summary_lines
@@ -127,6 +128,8 @@ class RunResult:
     """The last step's measured pipeline timeline (schedule, bubble, picture path)."""
     memory: list[dict[str, Any]] = field(default_factory=list)
     """Per rank: parameter, gradient, optimizer and peak activation bytes."""
+    moe: dict[str, Any] | None = None
+    """Mixture of experts: the whole run's tokens per expert, busiest/mean, dropped share."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -236,6 +239,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     peak = cfg.train.peak_tflops or device_peak_tflops(device)
     result = RunResult(steps=cfg.train.steps, final_loss=float("nan"))
     step_times: list[float] = []
+    chunks = list(model.chunks.values())
+    moe_groups = [topo.group("dpcp"), topo.group("pp")]
+    moe_total: dict[str, torch.Tensor] = {}
 
     if start == 0:
         # Validation before the first step shows where the loss starts (~ln V for a fresh
@@ -269,6 +275,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         grad_norm = executor.clip_grad_norm_(cfg.train.grad_clip)
         optimizer.step()
         scheduler.step()
+        if cfg.model.moe_experts:  # DeepSeek-V3's routing bias, from this step's load
+            update_router_bias(chunks, topo.group("dpcp"))
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -285,6 +293,10 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         }
         if profiled:
             record["profiled"] = True
+        if cfg.model.moe_experts:  # this step's routing, summed over dp and layers
+            moe = reduce_stats(chunks, moe_groups, cfg.model.moe_experts)
+            record.update(summarize_load(moe))
+            moe_total = {k: moe[k] + moe_total.get(k, 0) for k in moe}
         last = step + 1 == cfg.train.steps
         every = cfg.train.eval_interval
         if last or (every and (step + 1) % every == 0):
@@ -299,6 +311,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             if record["mfu"] is not None:
                 line += f" | MFU {100 * record['mfu']:.1f}%"
             line += f" | peak mem {record['peak_mem_bytes'] / 2**20:.0f} MiB"
+            if "moe_max_load_ratio" in record:
+                line += (f" | experts max/mean {record['moe_max_load_ratio']:.2f} "
+                         f"drop {100 * record['moe_dropped_fraction']:.1f}%")
             if "val_loss" in record:
                 line += f" | val {record['val_loss']:.4f}"
             bar.write(line)
@@ -327,12 +342,13 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     # Outside any timed step: the last step's timeline, memory per rank, the summary.
     timeline = executor.write_timeline(out)
     memory = gather_memory(executor)
+    result.moe = summarize_load(moe_total) if moe_total else None
     if rank0:
         flops_per_s = flops_per_step / result.median_step_s
         lines = summary_lines(cfg, topo.world_size, device, result.median_step_s,
                               result.tokens_per_s,
                               flops_per_s, mfu(flops_per_s, peak, topo.world_size),
-                              timeline, memory)
+                              timeline, memory, moe=result.moe)
         print("\n".join(lines), flush=True)
         result.timeline = timeline
         result.memory = memory

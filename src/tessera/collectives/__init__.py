@@ -9,7 +9,7 @@ practice, and experience").
 - :mod:`~tessera.collectives.algorithms`: all-reduce (naive, parallel, ring, Rabenseifner),
   reduce-scatter and all-gather (ring, recursive).
 - :mod:`~tessera.collectives.rooted`: broadcast, reduce, scatter, gather (binomial trees) and
-  all-to-all (pairwise).
+  all-to-all (pairwise, also with variable split sizes).
 - :mod:`~tessera.collectives.cost_model`: predicted times, ``auto`` choice, measurement.
 
 Every function takes its process group as an argument (None = the default group) and keeps no
@@ -41,6 +41,7 @@ from tessera.collectives.rooted import (
     REDUCE_ALGORITHMS,
     SCATTER_ALGORITHMS,
     all_to_all,
+    all_to_all_v,
     broadcast,
     gather,
     reduce,
@@ -63,6 +64,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "all_to_all_v",
     "broadcast",
     "choose_algorithm",
     "default_model",

@@ -286,5 +286,42 @@ def all_to_all(input: torch.Tensor, group: dist.ProcessGroup | None = None,
     return out.view(input.shape)
 
 
+def all_to_all_v(input: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                 group: dist.ProcessGroup | None = None, algorithm: str = "pairwise",
+                 stats: CommStats | None = None) -> torch.Tensor:
+    """All-to-all with variable split sizes along dim 0: rows [sum(send_splits[:j]), ...) of
+    `input` go to group rank j; returns (sum(recv_splits), *input.shape[1:]) whose i-th block of
+    recv_splits[i] rows came from rank i (torch's ``all_to_all_single`` with split sizes).
+    ``pairwise``: in round k = 1..N-1 send to r+k and receive from r-k; empty blocks are not
+    sent."""
+    check_choice("algorithm", algorithm, ALL_TO_ALL_ALGORITHMS)
+    rest = tuple(input.shape[1:])
+    inp = input.contiguous()
+    out = inp.new_empty((sum(recv_splits), *rest))
+    if algorithm == "backend":
+        if stats is not None:
+            stats.calls += 1
+        dist.all_to_all_single(out, inp, output_split_sizes=list(recv_splits),
+                               input_split_sizes=list(send_splits), group=group)
+        return out
+    pg = PeerGroup(group, stats)
+    n, me = pg.size, pg.rank
+    send_at = [0]
+    for c in send_splits:
+        send_at.append(send_at[-1] + c)
+    recv_at = [0]
+    for c in recv_splits:
+        recv_at.append(recv_at[-1] + c)
+    flat_in, flat_out = inp.view(inp.shape[0], -1), out.view(out.shape[0], -1)
+    flat_out[recv_at[me]:recv_at[me + 1]] = flat_in[send_at[me]:send_at[me + 1]]
+    for step in range(1, n):
+        dst, src = (me + step) % n, (me - step) % n
+        send = flat_in[send_at[dst]:send_at[dst + 1]].reshape(-1)
+        recv = flat_out[recv_at[src]:recv_at[src + 1]].reshape(-1)
+        pg.round(sends=[(dst, send)] if send.numel() else [],
+                 recvs=[(src, recv)] if recv.numel() else [])
+    return out
+
+
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)

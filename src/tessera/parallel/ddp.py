@@ -162,10 +162,14 @@ class DataParallel(nn.Module):
     bucket_mb: bucket capacity in MiB (torch DDP's default is 25).
     algorithm: "backend" (torch.distributed) or one of tessera.collectives' all-reduce
     algorithms ("auto", "naive", "parallel", "ring", "rabenseifner").
+    params: reduce (and broadcast at start) only these of the module's parameters (default:
+    all); `buffers`: whether the module's buffers are broadcast at start too. Expert
+    parallelism wraps a chunk's dense and expert parameters separately, over different groups.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None,
-                 bucket_mb: float = 25.0, algorithm: str = "backend"):
+                 bucket_mb: float = 25.0, algorithm: str = "backend",
+                 params: list[nn.Parameter] | None = None, buffers: bool = True):
         super().__init__()
         if not bucket_mb > 0:
             raise ConfigError("parallel.bucket_mb", bucket_mb, "must be > 0")
@@ -184,7 +188,10 @@ class DataParallel(nn.Module):
 
             self.comm_stats = CommStats()
         self._sync = True
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._params = [p for p in (module.parameters() if params is None else params)
+                        if p.requires_grad]
+        self._broadcast = (list(module.parameters()) if params is None else list(params)) \
+            + (list(module.buffers()) if buffers else [])
         self.buckets = build_buckets(self._params, int(bucket_mb * MIB))
         self._slot: dict[nn.Parameter, tuple[Bucket, int]] = {
             p: (b, j) for b in self.buckets for j, p in enumerate(b.params)}
@@ -204,7 +211,7 @@ class DataParallel(nn.Module):
         if self.world == 1:
             return
         src = dist.get_global_rank(self.group, 0)
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
+        for t in self._broadcast:
             dist.broadcast(t, src=src, group=self.group)
 
     def forward(self, *args, **kwargs):

@@ -459,10 +459,12 @@ def parallelize_feed_forward(ff: FeedForward, tp: TPContext, full: FullTensor,
 
 def parallelize_block(block: Block, tp: TPContext, full: FullTensor, prefix: str = "") -> Block:
     """Swap a block's attention and MLP for their tensor-parallel versions (in place). The norms
-    stay: replicated, or under SP run on the local sequence chunk."""
+    stay: replicated, or under SP run on the local sequence chunk. A mixture-of-experts
+    feed-forward stays whole (replicated over tp; ``tessera.parallel.expert_parallel``)."""
     block.attention = parallelize_attention(block.attention, tp, full, prefix + "attention.")
-    block.feed_forward = parallelize_feed_forward(block.feed_forward, tp, full,
-                                                  prefix + "feed_forward.")
+    if isinstance(block.feed_forward, FeedForward):
+        block.feed_forward = parallelize_feed_forward(block.feed_forward, tp, full,
+                                                      prefix + "feed_forward.")
     return block
 
 

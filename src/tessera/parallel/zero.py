@@ -127,9 +127,15 @@ class FlatUnit:
 
     def __init__(self, name: str, modules: list[nn.Module], slots: list[Slot],
                  params: list[nn.Parameter], *, stage: int, world: int, rank: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, group: dist.ProcessGroup | None = None,
+                 divisor: int | None = None):
         self.name, self.modules, self.slots, self.params = name, modules, slots, params
         self.stage, self.dtype = stage, dtype
+        self.group = group
+        """The group this unit is sharded and reduced over."""
+        self.divisor = divisor or world
+        """The reduced gradient is the sum over the group divided by this (the group's size,
+        or dp for expert units reduced over their expert-data group)."""
         self.numel = sum(s.numel for s in slots)
         self.padded = math.ceil(self.numel / world) * world
         self.shard_numel = self.padded // world
@@ -194,7 +200,8 @@ class ZeroModel(nn.Module):
     def __init__(self, module: Transformer, group: dist.ProcessGroup | None, *, stage: int,
                  dtype: torch.dtype = torch.float32,
                  units: list[tuple[str, list[nn.Module]]] | None = None,
-                 schedule_driven: bool = False):
+                 schedule_driven: bool = False,
+                 unit_groups: dict[str, tuple[dist.ProcessGroup | None, int]] | None = None):
         super().__init__()
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero stage={stage!r}: must be 0, 1, 2 or 3")
@@ -211,6 +218,7 @@ class ZeroModel(nn.Module):
         "reduced" (waited for), "free" (its gathered parameters released). For tests of the
         prefetching, overlap and freeing promised above."""
         self.units: list[FlatUnit] = []
+        self.unit_groups = unit_groups or {}
         names = {id(p): n for n, p in module.named_parameters()}
         for name, modules in units or transformer_units(module):
             self.units.append(self._build_unit(name, modules, names))
@@ -234,20 +242,25 @@ class ZeroModel(nn.Module):
     @torch.no_grad()
     def _build_unit(self, name: str, modules: list[nn.Module], names: dict[int, str]) -> FlatUnit:
         params, slots, offset = [], [], 0
+        # A parameter belongs to the first unit that lists it (expert units come before their
+        # block's unit, which then holds the block's other parameters).
+        taken = {id(q) for v in self.units for q in v.params}
         for m in modules:
             for p in m.parameters():
-                if any(p is q for q in params):
+                if any(p is q for q in params) or id(p) in taken:
                     continue
                 params.append(p)
                 slots.append(Slot(names[id(p)], offset, p.shape, p.ndim >= 2))
                 offset += p.numel()
-        u = FlatUnit(name, modules, slots, params, stage=self.stage, world=self.world,
-                     rank=self.rank, dtype=self.dtype)
+        group, divisor = self.unit_groups.get(name, (self.group, None))
+        u = FlatUnit(name, modules, slots, params, stage=self.stage,
+                     world=dist.get_world_size(group), rank=dist.get_rank(group),
+                     dtype=self.dtype, group=group, divisor=divisor)
         full32 = torch.zeros(u.padded, dtype=torch.float32, device=params[0].device)
         for s, p in zip(slots, params, strict=True):
             full32[s.offset:s.offset + s.numel].copy_(p.reshape(-1))
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.broadcast(full32, src=src, group=self.group)
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(full32, src=src, group=group)
         u.full = full32 if self.dtype == torch.float32 else full32.to(self.dtype)
         for s, p in zip(slots, params, strict=True):
             p.data = u.full[s.offset:s.offset + s.numel].view(s.shape)
@@ -343,8 +356,8 @@ class ZeroModel(nn.Module):
         self.events.append(("backward", u.name))
         if self.stage < 2:
             if self._sync:
-                u.grad.div_(self.world)
-                work = dist.all_reduce(u.grad, group=self.group, async_op=True)
+                u.grad.div_(u.divisor)
+                work = dist.all_reduce(u.grad, group=u.group, async_op=True)
                 self._reduces.append((work, None, u.grad))
                 self._log_reduce(u)
             return
@@ -365,12 +378,12 @@ class ZeroModel(nn.Module):
         self._log_reduce(u)
         if u.grad_fresh:  # first micro-batch of the step: reduce straight into the shard
             u.grad_fresh = False
-            work = reduce_scatter_single(u.grad, full_grad, group=self.group, async_op=True)
-            self._reduces.append((work, lambda: u.grad.div_(self.world), full_grad))
+            work = reduce_scatter_single(u.grad, full_grad, group=u.group, async_op=True)
+            self._reduces.append((work, lambda: u.grad.div_(u.divisor), full_grad))
             return
         part = torch.empty_like(u.grad)
-        work = reduce_scatter_single(part, full_grad, group=self.group, async_op=True)
-        self._reduces.append((work, lambda: u.grad.add_(part, alpha=1 / self.world), full_grad))
+        work = reduce_scatter_single(part, full_grad, group=u.group, async_op=True)
+        self._reduces.append((work, lambda: u.grad.add_(part, alpha=1 / u.divisor), full_grad))
 
     def _drain(self, limit: int) -> None:
         """Finish the oldest reductions until at most `limit` are in flight."""
@@ -441,7 +454,7 @@ class ZeroModel(nn.Module):
     # -- gathering (stage 3) -------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.pending = all_gather_single(u.full, u.shard, group=self.group, async_op=True)
+        u.pending = all_gather_single(u.full, u.shard, group=u.group, async_op=True)
         self.events.append(("gather", u.name))
         gathered = sum(v.full.untyped_storage().nbytes() for v in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
@@ -503,6 +516,6 @@ class ZeroModel(nn.Module):
             if target.data_ptr() != u.master.data_ptr():
                 target.copy_(u.master)
             if self.stage in (1, 2):
-                works.append(all_gather_single(u.full, u.shard, group=self.group, async_op=True))
+                works.append(all_gather_single(u.full, u.shard, group=u.group, async_op=True))
         for w in works:
             w.wait()

@@ -125,7 +125,7 @@ def gather_owned(zero: ZeroModel, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
     if zero.stage == 0:
         return t.clone()
     out = torch.empty(u.padded, dtype=t.dtype, device=t.device)
-    all_gather_single(out, t.contiguous(), group=zero.group)
+    all_gather_single(out, t.contiguous(), group=u.group)
     return out
 
 

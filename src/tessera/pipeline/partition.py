@@ -28,6 +28,7 @@ from torch import nn
 
 from tessera.config import ModelConfig
 from tessera.model import Block, RMSNorm, cross_entropy, init_tensor, rope_tables
+from tessera.moe import materialize_buffers
 from tessera.pipeline.split import balance, block_split, layer_costs
 
 __all__ = ["Chunk", "ChunkSpec", "balance", "chunk_loss", "layer_costs", "partition"]
@@ -87,7 +88,7 @@ class Chunk(nn.Module):
         self.compute_dtype: torch.dtype | None = None
         if spec.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in spec.layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in spec.layers})
         # The head's weight when it is the embedding of another chunk on this rank.
         self._shared: list[nn.Module] = []
         if spec.has_head:
@@ -135,6 +136,7 @@ class Chunk(nn.Module):
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
                                self.cfg.rope_scaling)
         self.rope_cos, self.rope_sin = cos, sin
+        materialize_buffers(self)
         return self.to(device)
 
     def head_weight(self) -> torch.Tensor:

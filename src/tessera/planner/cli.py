@@ -12,6 +12,7 @@ Bad input (an unknown model or hardware, a request no layout can satisfy) prints
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -176,6 +177,7 @@ def plan(
     from tessera.planner.cost import Workload
     from tessera.planner.hardware import load_hardware
     from tessera.planner.models import load_model
+    from tessera.planner.moe import active_spec, ep_table, moe_for_model
     from tessera.planner.report import describe_workload, table, to_json
     from tessera.planner.report import explain as explain_plan
     from tessera.planner.report import plot as plot_plan
@@ -204,6 +206,12 @@ def plan(
             space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"),
                                 dp=_degrees(dp, "dp"), cp=_degrees(cp, "cp"),
                                 dp_mode=_modes(dp_mode), cp_method=_cp_methods(cp_method))
+            moe = moe_for_model(model)
+            if moe is not None:  # rank the active model's layouts with ep (tessera.planner.moe)
+                active = search(dataclasses.replace(w, model=active_spec(spec, moe)), space,
+                                top=max(top, 30))
+                print(ep_table(w, moe, [e.layout for e in active.ranked], top))
+                return
             result = search(w, space, top=max(top, 30) if plot else top)
     except (ConfigError, PlanError) as e:
         raise _fail(str(e)) from None

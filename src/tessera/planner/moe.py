@@ -1,0 +1,203 @@
+"""Mixture-of-experts terms of the planner: expert memory, all-to-all traffic, layouts with ep.
+
+The dense planner (``cost``, ``search``) prices a model by its shape. A mixture of experts is
+priced here in two parts:
+
+1. **the active model**: what one token computes and stores is a dense model whose MoE layers'
+   SwiGLU is k·f_e (+ the shared expert's f) wide (``active_spec``); the dense estimate of that
+   model on the layout gives compute, activations, tp/pp/dp traffic and the dense state;
+2. **MoE terms** (:func:`moe_terms`), added on top:
+
+   - expert memory: each rank holds E/ep experts of its stage's MoE layers whole (tessera
+     replicates experts over tp, ``tessera.parallel.expert_parallel``), 3·h·f_e parameters
+     each, at the workload's bytes of model state per parameter, which ZeRO shards over the
+     expert-data group (dp/ep · cp ranks) as tessera does; the k experts the active model
+     already counted (split over tp) are taken out (a rank with fewer than k experts holds
+     less than the active model counted: the term is then negative);
+   - all-to-all: per MoE layer and micro-batch, four all-to-alls (dispatch and combine, forward
+     and backward), each sending b·s·k·h activation bytes of which (ep−1)/ep leave the rank
+     (balanced routing; dropless, or ≤ C·k with capacity C). Pairwise exchange: (ep−1)·α +
+     bytes·β. The link is intra-node when the ep group (ep ranks tp·cp apart) fits in a node,
+     else the inter-node link (``cost.group_link``). Not overlapped with compute.
+   - expert gradient sync: the experts beyond the active model's are reduced over their
+     expert-data group (dp/ep·cp ranks, ep·tp·cp apart): one all-reduce of their gradient per
+     step, and under ZeRO-3 an all-gather of their parameters per micro-batch forward and
+     backward. Counted without overlap (the dense estimate overlaps only its own reduction).
+
+Layouts with ep are ranked by :func:`rank_ep_layouts`: every dense layout of the search times
+every ep dividing dp and E, fitting layouts first, then by step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tessera.config import ModelConfig
+from tessera.planner.cost import Layout, Workload, allgather_time, allreduce_time, group_link
+from tessera.planner.models import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """The mixture-of-experts part of a model's shape."""
+
+    experts: int
+    top_k: int
+    every: int = 1
+    """Every this-many-th layer is MoE."""
+    expert_hidden: int
+    """Each expert's SwiGLU inner size f_e."""
+    shared_hidden: int = 0
+    """The shared expert's inner size (0: none)."""
+    capacity_factor: float = 0.0
+    """0: dropless (each token sent k times); C: at most C·k copies per token on average."""
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> MoESpec | None:
+        if not cfg.moe_experts:
+            return None
+        return cls(experts=cfg.moe_experts, top_k=cfg.moe_top_k, every=cfg.moe_every,
+                   expert_hidden=cfg.moe_hidden,
+                   shared_hidden=cfg.ffn_hidden if cfg.moe_shared_expert else 0,
+                   capacity_factor=cfg.moe_capacity_factor)
+
+    def moe_layers(self, layers: int) -> int:
+        return layers // self.every
+
+    @property
+    def copies_per_token(self) -> float:
+        """Rows each token sends to experts: k, or at most C·k kept under capacity C < 1."""
+        k = self.top_k
+        return k if self.capacity_factor <= 0 else min(k, self.capacity_factor * k)
+
+
+def active_spec(spec: ModelSpec, moe: MoESpec) -> ModelSpec:
+    """The dense model that computes what one token of the MoE model computes: MoE layers'
+    MLPs k·f_e (+ shared) wide, averaged over the layers with the dense ones (the planner's
+    blocks are uniform)."""
+    moe_ffn = moe.top_k * moe.expert_hidden + moe.shared_hidden
+    dense_layers = spec.layers - moe.moe_layers(spec.layers)
+    ffn = (dense_layers * spec.ffn_hidden + moe.moe_layers(spec.layers) * moe_ffn) / spec.layers
+    return dataclasses.replace(spec, name=f"{spec.name} (active)", ffn_hidden=round(ffn))
+
+
+@dataclass(frozen=True)
+class MoETerms:
+    """What the MoE part adds to a layout's estimate (per rank, per optimizer step)."""
+
+    expert_bytes: float
+    """Model-state bytes of the experts minus what the active model counted for them."""
+    alltoall_bytes: float
+    """Bytes this rank sends in token all-to-alls."""
+    alltoall_time: float
+    expert_sync_time: float
+    """Reduction (and ZeRO-3 gathers) of the expert parameters the active model leaves out."""
+    intra_node: bool
+    """The ep group fits in one node."""
+
+
+def moe_terms(w: Workload, L: Layout, spec: ModelSpec, moe: MoESpec, ep: int) -> MoETerms:
+    """Expert memory and all-to-all cost of MoE `moe` on layout `L` with expert degree `ep`
+    (module doc for the formulas)."""
+    h, f_e = spec.hidden, moe.expert_hidden
+    p_bytes, g_bytes, o_bytes, a_bytes = w.bytes
+    state = p_bytes + g_bytes + o_bytes
+    layers_here = moe.moe_layers(spec.layers) / L.pp  # MoE layers on the fullest stage
+    if L.zero > 0:  # ZeRO shards expert units over their expert-data group (dp/ep · cp)
+        n = L.dp // ep * L.cp
+        state = (p_bytes / (n if L.zero >= 3 else 1) + g_bytes / (n if L.zero >= 2 else 1)
+                 + o_bytes / n)
+    held = moe.experts / ep * 3 * h * f_e
+    counted = moe.top_k * 3 * h * f_e / L.tp  # already in the active model's estimate
+    expert_bytes = layers_here * (held - counted) * state
+    m = L.microbatches(w.global_batch)
+    rows = L.micro_batch * w.seq_len / L.cp * moe.copies_per_token
+    per_exchange = rows * h * a_bytes * (ep - 1) / ep
+    exchanges = 4 * layers_here * m
+    stride = L.tp * L.cp
+    link = group_link(w.hardware, ep * stride, stride)
+    one = (ep - 1) * link.alpha + per_exchange * link.beta if ep > 1 else 0.0
+    extra = layers_here * max(held - counted, 0.0)  # expert parameters beyond the active
+    edp = L.dp // ep * L.cp
+    edp_link = group_link(w.hardware, L.dp * stride, ep * stride)
+    sync = allreduce_time(extra * g_bytes, edp, edp_link)
+    if L.zero == 3:
+        sync += 2 * m * allgather_time(extra * p_bytes, edp, edp_link)
+    return MoETerms(expert_bytes=expert_bytes, alltoall_bytes=exchanges * per_exchange,
+                    alltoall_time=exchanges * one, expert_sync_time=sync,
+                    intra_node=ep * stride <= w.hardware.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class EPPlan:
+    """One ranked layout: the dense layout, ep, and the MoE-adjusted prediction."""
+
+    layout: Layout
+    ep: int
+    step_time: float
+    memory_bytes: float
+    terms: MoETerms
+    fits: bool
+
+    def describe(self) -> str:
+        where = "intra-node" if self.terms.intra_node else "inter-node"
+        return (f"{self.layout.describe()} ep={self.ep}: step {self.step_time * 1e3:.1f} ms "
+                f"(all-to-all {self.terms.alltoall_time * 1e3:.1f} ms, {where}; expert sync "
+                f"{self.terms.expert_sync_time * 1e3:.1f} ms), "
+                f"{self.memory_bytes / 2**30:.1f} GiB/rank"
+                + ("" if self.fits else " (does not fit)"))
+
+
+def ep_degrees(dp: int, experts: int) -> list[int]:
+    """The expert-parallel degrees a layout allows: divisors of dp that divide E."""
+    return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
+
+
+def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout],
+                    estimate: Callable | None = None) -> list[EPPlan]:
+    """Every (layout, ep) with ep dividing dp and E, priced as the active model's estimate
+    plus the MoE terms; fitting layouts first, then by predicted step time. `estimate(w, L)`
+    returns an object with ``step_time`` and ``memory.total`` (default: the planner's
+    ``search.estimate``); layouts it refuses (PlanError, ConfigError) are skipped."""
+    if estimate is None:
+        from tessera.planner.search import estimate
+    from tessera.config import ConfigError
+    from tessera.planner.search import PlanError
+
+    active = dataclasses.replace(w, model=active_spec(w.model, moe))
+    plans = []
+    capacity = w.hardware.memory_bytes
+    for L in layouts:
+        try:
+            est = estimate(active, L)
+        except (PlanError, ConfigError):
+            continue
+        for ep in ep_degrees(L.dp, moe.experts):
+            t = moe_terms(w, L, w.model, moe, ep)
+            memory = est.memory.total + t.expert_bytes
+            time = est.step_time + t.alltoall_time + t.expert_sync_time
+            plans.append(EPPlan(L, ep, time, memory, t, fits=memory <= capacity))
+    return sorted(plans, key=lambda p: (not p.fits, p.step_time))
+
+
+def moe_for_model(name: str | None) -> MoESpec | None:
+    """The MoE part of a tessera preset named `name` (``tessera plan --model moe-demo``), or
+    None for a dense or unknown model."""
+    from tessera.config import PRESETS, make_config
+
+    key = (name or "").lower()
+    if key not in PRESETS:
+        return None
+    return MoESpec.from_model_config(make_config(key).model)
+
+
+def ep_table(w: Workload, moe: MoESpec, layouts: Iterable[Layout], top: int) -> str:
+    """The `top` (layout, ep) plans of `layouts`, one line each, best first."""
+    plans = rank_ep_layouts(w, moe, layouts)
+    head = (f"mixture of experts: E={moe.experts} top-{moe.top_k}, every {moe.every} layer(s); "
+            f"layouts of the active model with every ep dividing dp and E, priced with expert "
+            f"memory and all-to-all time (tessera.planner.moe)")
+    return "\n".join([head, *(f"{i + 1:3d}. {p.describe()}" for i, p in
+                              enumerate(plans[:top]))])
