@@ -130,16 +130,18 @@ class ModelConfig:
     def _check_moe(self) -> None:
         _require(isinstance(self.moe_experts, int) and self.moe_experts >= 0,
                  "model.moe_experts", self.moe_experts, "must be an integer >= 0 (0: dense)")
-        if not self.moe_experts:
-            return
-        _positive("model", self, "moe_top_k", "moe_every")
-        _require(self.moe_top_k <= self.moe_experts, "model.moe_top_k", self.moe_top_k,
-                 f"must be <= model.moe_experts={self.moe_experts}")
+        # The ranges hold for a dense model too: a value that could never work is refused
+        # whether or not it is used yet.
         _require(self.moe_capacity_factor >= 0, "model.moe_capacity_factor",
                  self.moe_capacity_factor, "must be >= 0 (0: dropless)")
         for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_router_bias_rate"):
             _require(getattr(self, name) >= 0, f"model.{name}", getattr(self, name),
                      "must be >= 0")
+        if not self.moe_experts:
+            return
+        _positive("model", self, "moe_top_k", "moe_every")
+        _require(self.moe_top_k <= self.moe_experts, "model.moe_top_k", self.moe_top_k,
+                 f"must be <= model.moe_experts={self.moe_experts}")
         if self.moe_ffn_hidden is not None:
             _positive("model", self, "moe_ffn_hidden")
 
@@ -577,8 +579,10 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
     if "int" in kinds and isinstance(value, int) and not isinstance(value, bool):
         return value
     if "float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
-        # No field means anything by infinity (TOML's inf, YAML's .inf, --set x=1e400).
-        _require(not math.isinf(value), name, value, "must be finite")
+        # No field means anything by infinity or NaN (TOML's inf/nan, YAML's .inf/.nan,
+        # --set x=1e400): a NaN would also slip through every range check (nan >= 0 is False,
+        # but so is nan < 0).
+        _require(math.isfinite(value), name, value, "must be finite")
         return float(value)
     if "str" in kinds and isinstance(value, str):
         return value
