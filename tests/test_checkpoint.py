@@ -5,8 +5,7 @@ that saved at step 3, and a second run resumed from that step-3 checkpoint, must
 loss and gradient norm at steps 4-6 and end with the same full model (tolerance 0: the same
 kernels run on the same numbers in the same order). Shown for
 one process, dp=2 (DDP), dp=2 with ZeRO-3 (fp32 shards) and ZeRO-2 in bf16 (fp32 masters
-apart from the bf16 weights), the synchronous parameter server, tp=2, pp=2 (1F1B) and a
-mixture-of-experts model with ep=2 (experts and routing biases). The
+apart from the bf16 weights), the synchronous parameter server, tp=2 and pp=2 (1F1B). The
 asynchronous parameter server is refused: its in-flight gradients are not saved.
 """
 
@@ -73,10 +72,6 @@ LAYOUTS = {
         "train.precision": "bf16"},
     # Context parallelism: replicas over dp × cp, ZeRO shards over that group.
     "dp=2 cp=2 ring zero-2": dict(dp=2, cp=2, cp_method="ring", zero_stage=2),
-    # Experts split over ep (each rank writes its half of the stacked (E, ...) tensors) and
-    # the routing bias, which changes every step: a resume that lost it routes differently.
-    "dp=2 ep=2 moe": {"dp": 2, "ep": 2, "model.moe_experts": 4, "model.moe_ffn_hidden": 32,
-                      "model.moe_router_bias_rate": 0.01},
 }
 
 
