@@ -37,8 +37,9 @@ case per mechanism:
   ep rank's slice is one more origin term on dim 0 (``Experts.first``, the reference index of
   its first expert; :func:`expert_placement`). Its replicas are the edp × cp ranks (the same
   position in every ep block), not dp × cp: the writer is chosen among those, and ZeRO's
-  expert units own ranges of a flat buffer sharded over edp. A step count is one per
-  parameter: written by the ep rank holding expert 0.
+  expert units own ranges of a flat buffer sharded over edp (MoE refuses cp > 1 today; with
+  it, those ranges would be replicated over cp and need a writer chosen there too). A step
+  count is one per parameter: written by the ep rank holding expert 0.
 - **persistent buffers** (the MoE routing bias ``expert_bias``): ``buffer.<ref>``, whole,
   replicated over every rank of the chunk's pp stage, written by one replica on tp rank 0.
 
