@@ -5,8 +5,9 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
 
 - ``__<rank>_0.distcp`` … one file per rank with the boxes of global tensors that rank holds
   and writes, in reference names (``tessera.sharded_state``: ``model.<ref>``, ``master.<ref>``
-  under bf16, ``optim.exp_avg.<ref>``, ``optim.exp_avg_sq.<ref>``, ``optim.step.<ref>``, and
-  ``rng.rank-NNNNN``); a replicated box is written once, by one replica;
+  under bf16, ``optim.exp_avg.<ref>``, ``optim.exp_avg_sq.<ref>``, ``optim.step.<ref>``,
+  ``buffer.<ref>`` (MoE routing biases) and ``rng.rank-NNNNN``); experts are boxes of the
+  stacked (E, ...) tensors, whatever the ep degree; a replicated box is written once;
 - ``.metadata``: DCP's index, every tensor's global shape and which file holds which box;
 - ``extra.json``: the step, the learning-rate schedule's position, and the data loader's
   position in global samples;
@@ -19,7 +20,7 @@ most the size of one of its boxes. Writing goes to ``step-0000100.tmp``, renamed
 after every rank has written and rank 0 has written the manifest: a crash never leaves a
 directory that looks complete.
 
-Resuming works from any layout to any other (dp, tp, pp, v, cp, ZeRO stage, the parameter
+Resuming works from any layout to any other (dp, tp, pp, v, cp, ep, ZeRO stage, the parameter
 server, fp32 or bf16 training): each rank asks DCP for the boxes it holds in the new layout and
 DCP reads the overlapping saved boxes (reshard on load; no rank ever holds the whole model).
 The master weights come from ``master.<ref>`` when the checkpoint has them, else from
@@ -561,8 +562,10 @@ def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     saved = set(read_metadata(path).state_dict_metadata)
     refs = sorted(k.removeprefix("model.") for k in saved if k.startswith("model."))
     keys = [_weight_source(f"model.{ref}", saved, False) for ref in refs]
-    tensors = load_tensors(path, keys)
+    buffers = sorted(k for k in saved if k.startswith("buffer."))  # MoE routing biases
+    tensors = load_tensors(path, keys + buffers)
     state = {ref: tensors[key].float() for ref, key in zip(refs, keys, strict=True)}
+    state |= {key.removeprefix("buffer."): tensors[key].float() for key in buffers}
     if model_cfg.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
     from tessera.model import Transformer

@@ -201,6 +201,9 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def save_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], path: str | Path) -> Path:
     """Write `state` as a Hugging Face Llama directory (config.json + model.safetensors)."""
+    if cfg.moe_experts:
+        raise HFError(f"model.moe_experts={cfg.moe_experts}: a mixture-of-experts model has no "
+                      "Llama layout to export to; use tessera checkpoint export --format torch")
     from safetensors.torch import save_file
 
     path = Path(path)

@@ -8,6 +8,7 @@ Every tensor of a run's state has a name in the reference model's terms and a gl
     optim.exp_avg.<ref>      AdamW's first moment (fp32)
     optim.exp_avg_sq.<ref>   AdamW's second moment (fp32)
     optim.step.<ref>         AdamW's step count for that parameter (0-d int64)
+    buffer.<ref>             a persistent buffer (the MoE routing bias), in its own dtype
 
 where <ref> is the parameter's name in ``Transformer.named_parameters()`` (a tied head is the
 embedding). A rank holds some boxes of each: a :class:`Piece` is one box, ``offsets`` into the
@@ -32,9 +33,15 @@ case per mechanism:
   (DCP then records every box of a tensor exactly once and checks that they tile it). Every
   replica reads what it holds, so a resumed run in any layout asks for its own boxes and DCP
   reads the overlaps from the saved ones.
-- **experts** (when expert parallelism lands): an (E, ...) tensor sharded over the ep group
-  along dim 0 is one more origin term (``ep_rank · E/ep`` on dim 0) in :func:`tp_placement`'s
-  result; nothing else changes.
+- **experts** (``layers.{i}.feed_forward.experts.w1|w3|w2``, stacked (E, ...) tensors): an
+  ep rank's slice is one more origin term on dim 0 (``Experts.first``, the reference index of
+  its first expert; :func:`expert_placement`). Its replicas are the edp × cp ranks (the same
+  position in every ep block), not dp × cp: the writer is chosen among those, and ZeRO's
+  expert units own ranges of a flat buffer sharded over edp (MoE refuses cp > 1 today; with
+  it, those ranges would be replicated over cp and need a writer chosen there too). A step
+  count is one per parameter: written by the ep rank holding expert 0.
+- **persistent buffers** (the MoE routing bias ``expert_bias``): ``buffer.<ref>``, whole,
+  replicated over every rank of the chunk's pp stage, written by one replica on tp rank 0.
 
 Nothing here communicates; the model's groups are read only for ranks and sizes.
 """
@@ -47,7 +54,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from tessera.parallel.expert_parallel import is_expert_param
 from tessera.parallel.tensor_parallel import ShardSpec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -111,6 +120,14 @@ def tp_placement(local_shape: tuple[int, ...], spec: ShardSpec, tp_rank: int, tp
     return tuple(global_shape), tuple(origin)
 
 
+def expert_placement(global_shape: tuple[int, ...], origin: tuple[int, ...], first: int,
+                     n_experts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, origin) of an ep rank's (E/ep, ...) slice of a stacked expert tensor
+    whose first expert is `first` in the reference's (E, ...) tensor, from the placement
+    :func:`tp_placement` gave its local shape (experts are never TP-split: dim 0 is free)."""
+    return (n_experts, *global_shape[1:]), (origin[0] + first, *origin[1:])
+
+
 def _place(box: Box, origin: tuple[int, ...], global_shape: tuple[int, ...]
            ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """A local box moved to the global tensor and clipped to it: (global offsets, kept sizes),
@@ -147,21 +164,38 @@ class _Param:
     copy: bool
     """A tied head holding a copy of the embedding: loads it, never writes it."""
     tp_owner: bool
+    expert: bool = False
+    """A stacked expert tensor: replicated over edp × cp, not dp × cp."""
+
+    @property
+    def counts_step(self) -> bool:
+        """Holds the parameter's first element along the expert dim (one step count each)."""
+        return not self.expert or self.origin[0] == 0
 
 
 def _param(model, c: int, name: str, local_shape: tuple[int, ...]) -> _Param:
     chunk = model.chunks[c]
     spec = model.specs[c][name]
     global_shape, origin = tp_placement(tuple(local_shape), spec, model.tp.rank, model.tp.size)
+    expert = is_expert_param(name)
+    if expert:
+        first = chunk.get_submodule(name.rpartition(".")[0]).first
+        global_shape, origin = expert_placement(global_shape, origin, first,
+                                                model.cfg.model.moe_experts)
     return _Param(chunk.reference_name(name), global_shape, origin,
                   chunk.tied_copy and name == "output.weight",
-                  spec.owns(model.tp.rank, model.tp.size))
+                  spec.owns(model.tp.rank, model.tp.size), expert)
 
 
-def _replica(model) -> tuple[int, int]:
-    """(this rank's index among its dp × cp replicas, how many there are)."""
+def _replica(model, expert: bool = False) -> tuple[int, int]:
+    """(this rank's index among the replicas of what it holds, how many there are): the dp × cp
+    ranks, or for experts the edp × cp ranks (dp index // ep: the same position in every ep
+    block holds the same experts)."""
     coords, topo = model.topo.coords(), model.topo
-    return coords["dp"] * topo.cp + coords["cp"], topo.dp * topo.cp
+    dp_index, dp_size = coords["dp"], topo.dp
+    if expert:
+        dp_index, dp_size = dp_index // topo.ep, dp_size // topo.ep
+    return dp_index * topo.cp + coords["cp"], dp_size * topo.cp
 
 
 def _writes(model, key: str, p: _Param, replicated_over_dp: bool) -> bool:
@@ -169,7 +203,7 @@ def _writes(model, key: str, p: _Param, replicated_over_dp: bool) -> bool:
         return False
     if not replicated_over_dp:
         return True
-    index, n = _replica(model)
+    index, n = _replica(model, p.expert)
     return chosen(key, n) == index
 
 
@@ -177,9 +211,24 @@ def model_pieces(model, optimizer) -> list[Piece]:
     """Every piece of state `model` (a ``ParallelModel``) and its `optimizer` hold on this
     rank, in reference names (module docstring). Parameter-server workers hold no optimizer
     state; the servers (dp rank 0) do."""
+    buffers = list(_buffer_pieces(model))
     if model.sharded:
-        return list(_sharded_pieces(model, optimizer))
-    return list(_replicated_pieces(model, optimizer))
+        return list(_sharded_pieces(model, optimizer)) + buffers
+    return list(_replicated_pieces(model, optimizer)) + buffers
+
+
+def _buffer_pieces(model) -> Iterator[Piece]:
+    """Persistent buffers (MoE routing biases): whole and identical on every rank holding the
+    chunk (every replica applies the same update), written by one replica on tp rank 0."""
+    index, n = _replica(model)
+    for c in sorted(model.chunks):
+        chunk = model.chunks[c]
+        for name, b in chunk.state_dict(keep_vars=True).items():
+            if isinstance(b, nn.Parameter):
+                continue
+            key = f"buffer.{chunk.reference_name(name)}"
+            yield Piece(key, tuple(b.shape), (0,) * b.dim(), b.detach(),
+                        model.tp.rank == 0 and chosen(key, n) == index)
 
 
 def _replicated_pieces(model, optimizer) -> Iterator[Piece]:
@@ -207,7 +256,8 @@ def _replicated_pieces(model, optimizer) -> Iterator[Piece]:
         key = f"optim.step.{p.ref}"
         # One count per parameter, not per TP shard: tp rank 0 holds a piece of every one.
         yield _step_piece(key, int(state["step"]),
-                          _writes_optimizer_state(model, key, p) and model.tp.rank == 0,
+                          _writes_optimizer_state(model, key, p) and model.tp.rank == 0
+                          and p.counts_step,
                           lambda t, state=state: state.update(step=torch.tensor(float(t))))
 
 
@@ -260,7 +310,7 @@ def _sharded_pieces(model, optimizer) -> Iterator[Piece]:
                 key = f"optim.step.{p.ref}"
                 first = u.own_lo <= s.offset < u.own_hi
                 yield _step_piece(key, int(state["step"]),
-                                  first and model.tp.rank == 0
+                                  first and model.tp.rank == 0 and p.counts_step
                                   and _writes(model, key, p, zero.stage == 0),
                                   lambda t, state=state: state.update(step=int(t)))
 
@@ -273,4 +323,5 @@ def _linear(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
     return index
 
 
-__all__ = ["Piece", "flat_range_boxes", "tp_placement", "model_pieces", "chosen"]
+__all__ = ["Piece", "flat_range_boxes", "tp_placement", "expert_placement", "model_pieces",
+           "chosen"]
