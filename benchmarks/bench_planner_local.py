@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -45,6 +46,12 @@ class Case:
     microbatches: int = 1
     measured: list[float] = field(default_factory=list)
     idle: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    """Per step: rank 0's summed waits on DP collectives (the measured exposed DP time)."""
+    rest: list[float] = field(default_factory=list)
+    """Per step: step time minus rank 0's compute actions (waits, optimizer, clipping)."""
+    load: list[float] = field(default_factory=list)
+    """os.getloadavg()[0] just before each of its runs."""
 
 
 CASES = [
@@ -106,6 +113,14 @@ def predict(case: Case, hw_path: str) -> float:
     return estimate(*workload_and_layout(case, hw_path)).step_time
 
 
+def predict_exposed_dp(case: Case, hw_path: str) -> float:
+    """The planner's exposed data-parallel communication per step (its breakdown's
+    dp_exposed: all-reduce buckets, ZeRO gathers and reduce-scatters compute did not hide)."""
+    from tessera.planner.search import estimate
+
+    return estimate(*workload_and_layout(case, hw_path)).breakdown()["dp_exposed"]
+
+
 def idle_fraction(seconds: float = 2.0) -> float:
     """Fraction of this machine's CPU time that was idle over the next `seconds` (/proc/stat)."""
     def sample() -> tuple[int, int]:
@@ -129,9 +144,9 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.9) -> float:
     return idle
 
 
-def measure(case: Case, steps: int, data: str) -> list[float]:
-    """Per-step seconds of one `tessera train` run (all ranks' steps end together; rank 0's
-    metrics.jsonl), without the first two steps."""
+def measure(case: Case, steps: int, data: str) -> list[dict]:
+    """Per-step records of one `tessera train` run (all ranks' steps end together; rank 0's
+    metrics.jsonl: step_s, comm_wait_s, compute_s), without the first two steps."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "tessera", "train", "--preset", "demo", "--nproc",
                str(case.nproc), "--steps", str(steps), "--data", data, "--out", out,
@@ -144,8 +159,33 @@ def measure(case: Case, steps: int, data: str) -> list[float]:
         if run.returncode != 0:
             raise RuntimeError(f"{case.name}: tessera train failed:\n{run.stderr[-2000:]}")
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
-        steps_s = [r["step_s"] for r in map(json.loads, lines) if "step_s" in r]
-        return steps_s[2:]
+        records = [r for r in map(json.loads, lines) if "step_s" in r]
+        return records[2:]
+
+
+def overlap_table(cases: list[Case], hw_path: str) -> list[str]:
+    """Exposed DP communication, predicted against measured from the runtime's timestamps
+    (tessera.parallel.comm_timing): per step, the seconds rank 0 blocked on its DP
+    collectives; medians over the steps. Target: within ±15% (OVERLAP_TARGET)."""
+    if not cases:
+        return []
+    out = ["", "exposed DP communication per step (rank 0's waits on collective handles, "
+           "timestamped by the runtime; medians over the steps)",
+           f"{'layout':<24} {'predicted ms':>12} {'measured ms':>11} {'spread':>13} "
+           f"{'ratio':>6} {'step-compute ms':>15} {'load':>5}"]
+    for c in cases:
+        pred = predict_exposed_dp(c, hw_path)
+        meas = statistics.median(c.waits)
+        q = statistics.quantiles(c.waits, n=4)
+        ratio = pred / meas if meas > 0 else math.inf
+        mark = "" if abs(ratio - 1) <= OVERLAP_TARGET else "  <-- outside ±15%"
+        out.append(f"{c.name:<24} {1e3 * pred:>12.1f} {1e3 * meas:>11.1f} "
+                   f"{1e3 * q[0]:>6.1f}-{1e3 * q[2]:<6.1f} {ratio:>6.2f} "
+                   f"{1e3 * statistics.median(c.rest):>15.1f} {max(c.load):>5.1f}{mark}")
+    out.append("ratio: predicted / measured; step-compute: the step minus rank 0's compute "
+               "actions (waits, optimizer, clipping, loss reduction); load: the highest "
+               "1-minute load average just before one of its runs")
+    return out
 
 
 def main() -> None:
@@ -188,7 +228,11 @@ def main() -> None:
         for c in (runnable if r % 2 == 0 else reversed(runnable)):
             idle = wait_for_quiet(args.quiet_wait)
             c.idle.append(idle)
-            c.measured += measure(c, args.steps, args.data)
+            c.load.append(os.getloadavg()[0])
+            records = measure(c, args.steps, args.data)
+            c.measured += [r["step_s"] for r in records]
+            c.waits += [r["comm_wait_s"] for r in records]
+            c.rest += [r["step_s"] - r["compute_s"] for r in records]
             print(f"round {r + 1}: {c.name}: median so far "
                   f"{statistics.median(c.measured):.3f} s ({100 * idle:.0f}% idle at start)",
                   flush=True)
@@ -214,6 +258,7 @@ def main() -> None:
     table.append("spread: interquartile range of the measured steps; idle: the lowest idle "
                  "share of the CPUs just before one of its runs started")
     lines += table
+    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
