@@ -11,6 +11,10 @@
    ``tessera data prepare --out data/stdlib``); the measured step time is the median over all
    steps after the second, pooled over --rounds runs taken alternately with the other layouts.
 4. It prints predicted, measured and the error, and the target: within ±25%.
+5. For the DDP and ZeRO-3 rows (OVERLAP_ROWS) it also prints the exposed data-parallel
+   communication: the planner's (``Estimate.breakdown()["dp_exposed"]``) against the runtime's
+   own timestamps (``tessera.parallel.comm_timing``: per step, the seconds rank 0 blocked on
+   its DP collectives, logged as ``comm_wait_s``), medians over the steps; target ±15%.
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
 reference is tessera's own measured step.
