@@ -87,6 +87,10 @@ CASES = [
     Case("dp=4, zero=3 (4 ranks)", 4, {"dp": 4, "zero-stage": 3}, dict(dp=4, zero=3)),
 ]
 OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks)")
+# The compute-only step of one dp rank (same micro-batch, one thread, no collectives): a
+# 2-rank row's step minus this one is all its data parallelism costs, waits or not.
+CASES.append(Case("dp=1 (reference)", 1, {"dp": 1}, dict(dp=1)))
+REFERENCE = "dp=1 (reference)"
 OVERLAP_TARGET = 0.15
 
 
@@ -167,16 +171,19 @@ def measure(case: Case, steps: int, data: str) -> list[dict]:
         return records[2:]
 
 
-def overlap_table(cases: list[Case], hw_path: str) -> list[str]:
+def overlap_table(cases: list[Case], hw_path: str, reference: Case | None) -> list[str]:
     """Exposed DP communication, predicted against measured from the runtime's timestamps
     (tessera.parallel.comm_timing): per step, the seconds rank 0 blocked on its DP
-    collectives; medians over the steps. Target: within ±15% (OVERLAP_TARGET)."""
+    collectives; medians over the steps. Target: within ±15% (OVERLAP_TARGET). Beside it, for
+    2-rank rows, the step minus the compute-only step of `reference` (dp=1, same micro-batch):
+    everything data parallelism costs, including collectives that slowed compute instead of
+    making it wait (on 2 cores, gloo's threads share the cores with backward)."""
     if not cases:
         return []
     out = ["", "exposed DP communication per step (rank 0's waits on collective handles, "
            "timestamped by the runtime; medians over the steps)",
            f"{'layout':<24} {'predicted ms':>12} {'measured ms':>11} {'spread':>13} "
-           f"{'ratio':>6} {'step-compute ms':>15} {'load':>5}"]
+           f"{'ratio':>6} {'step-compute ms':>15} {'step-dp1 ms':>11} {'load':>5}"]
     for c in cases:
         pred = predict_exposed_dp(c, hw_path)
         meas = statistics.median(c.waits)
@@ -185,11 +192,20 @@ def overlap_table(cases: list[Case], hw_path: str) -> list[str]:
         mark = "" if abs(ratio - 1) <= OVERLAP_TARGET else "  <-- outside ±15%"
         out.append(f"{c.name:<24} {1e3 * pred:>12.1f} {1e3 * meas:>11.1f} "
                    f"{1e3 * q[0]:>6.1f}-{1e3 * q[2]:<6.1f} {ratio:>6.2f} "
-                   f"{1e3 * statistics.median(c.rest):>15.1f} {max(c.load):>5.1f}{mark}")
+                   f"{1e3 * statistics.median(c.rest):>15.1f} {over_reference(c, reference):>11} "
+                   f"{max(c.load):>5.1f}{mark}")
     out.append("ratio: predicted / measured; step-compute: the step minus rank 0's compute "
-               "actions (waits, optimizer, clipping, loss reduction); load: the highest "
-               "1-minute load average just before one of its runs")
+               "actions (waits outside them, optimizer, clipping, loss reduction; ZeRO-3's "
+               "gather waits are inside its actions); step-dp1: the step minus the dp=1 "
+               "reference step (2-rank rows; at 4 ranks the cores are time-shared); load: the "
+               "highest 1-minute load average just before one of its runs")
     return out
+
+
+def over_reference(c: Case, reference: Case | None) -> str:
+    if reference is None or not reference.measured or c.nproc != 2:
+        return "-"
+    return f"{1e3 * (statistics.median(c.measured) - statistics.median(reference.measured)):.1f}"
 
 
 def main() -> None:
@@ -262,7 +278,8 @@ def main() -> None:
     table.append("spread: interquartile range of the measured steps; idle: the lowest idle "
                  "share of the CPUs just before one of its runs started")
     lines += table
-    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path)
+    reference = next((c for c in runnable if c.name == REFERENCE), None)
+    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path, reference)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
