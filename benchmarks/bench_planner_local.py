@@ -11,6 +11,10 @@
    ``tessera data prepare --out data/stdlib``); the measured step time is the median over all
    steps after the second, pooled over --rounds runs taken alternately with the other layouts.
 4. It prints predicted, measured and the error, and the target: within ±25%.
+5. For the DDP and ZeRO-3 rows (OVERLAP_ROWS) it also prints the exposed data-parallel
+   communication: the planner's (``Estimate.breakdown()["dp_exposed"]``) against the runtime's
+   own timestamps (``tessera.parallel.comm_timing``: per step, the seconds rank 0 blocked on
+   its DP collectives, logged as ``comm_wait_s``), medians over the steps; target ±15%.
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
 reference is tessera's own measured step.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -45,6 +50,12 @@ class Case:
     microbatches: int = 1
     measured: list[float] = field(default_factory=list)
     idle: list[float] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    """Per step: rank 0's summed waits on DP collectives (the measured exposed DP time)."""
+    rest: list[float] = field(default_factory=list)
+    """Per step: step time minus rank 0's compute actions (waits, optimizer, clipping)."""
+    load: list[float] = field(default_factory=list)
+    """os.getloadavg()[0] just before each of its runs."""
 
 
 CASES = [
@@ -76,6 +87,10 @@ CASES = [
     Case("dp=4, zero=3 (4 ranks)", 4, {"dp": 4, "zero-stage": 3}, dict(dp=4, zero=3)),
 ]
 OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks)")
+# The compute-only step of one dp rank (same micro-batch, one thread, no collectives): a
+# 2-rank row's step minus this one is all its data parallelism costs, waits or not.
+CASES.append(Case("dp=1 (reference)", 1, {"dp": 1}, dict(dp=1)))
+REFERENCE = "dp=1 (reference)"
 OVERLAP_TARGET = 0.15
 
 
@@ -106,6 +121,14 @@ def predict(case: Case, hw_path: str) -> float:
     return estimate(*workload_and_layout(case, hw_path)).step_time
 
 
+def predict_exposed_dp(case: Case, hw_path: str) -> float:
+    """The planner's exposed data-parallel communication per step (its breakdown's
+    dp_exposed: all-reduce buckets, ZeRO gathers and reduce-scatters compute did not hide)."""
+    from tessera.planner.search import estimate
+
+    return estimate(*workload_and_layout(case, hw_path)).breakdown()["dp_exposed"]
+
+
 def idle_fraction(seconds: float = 2.0) -> float:
     """Fraction of this machine's CPU time that was idle over the next `seconds` (/proc/stat)."""
     def sample() -> tuple[int, int]:
@@ -129,9 +152,9 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.9) -> float:
     return idle
 
 
-def measure(case: Case, steps: int, data: str) -> list[float]:
-    """Per-step seconds of one `tessera train` run (all ranks' steps end together; rank 0's
-    metrics.jsonl), without the first two steps."""
+def measure(case: Case, steps: int, data: str) -> list[dict]:
+    """Per-step records of one `tessera train` run (all ranks' steps end together; rank 0's
+    metrics.jsonl: step_s, comm_wait_s, compute_s), without the first two steps."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "tessera", "train", "--preset", "demo", "--nproc",
                str(case.nproc), "--steps", str(steps), "--data", data, "--out", out,
@@ -144,8 +167,45 @@ def measure(case: Case, steps: int, data: str) -> list[float]:
         if run.returncode != 0:
             raise RuntimeError(f"{case.name}: tessera train failed:\n{run.stderr[-2000:]}")
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
-        steps_s = [r["step_s"] for r in map(json.loads, lines) if "step_s" in r]
-        return steps_s[2:]
+        records = [r for r in map(json.loads, lines) if "step_s" in r]
+        return records[2:]
+
+
+def overlap_table(cases: list[Case], hw_path: str, reference: Case | None) -> list[str]:
+    """Exposed DP communication, predicted against measured from the runtime's timestamps
+    (tessera.parallel.comm_timing): per step, the seconds rank 0 blocked on its DP
+    collectives; medians over the steps. Target: within ±15% (OVERLAP_TARGET). Beside it, for
+    2-rank rows, the step minus the compute-only step of `reference` (dp=1, same micro-batch):
+    everything data parallelism costs, including collectives that slowed compute instead of
+    making it wait (on 2 cores, gloo's threads share the cores with backward)."""
+    if not cases:
+        return []
+    out = ["", "exposed DP communication per step (rank 0's waits on collective handles, "
+           "timestamped by the runtime; medians over the steps)",
+           f"{'layout':<24} {'predicted ms':>12} {'measured ms':>11} {'spread':>13} "
+           f"{'ratio':>6} {'step-compute ms':>15} {'step-dp1 ms':>11} {'load':>5}"]
+    for c in cases:
+        pred = predict_exposed_dp(c, hw_path)
+        meas = statistics.median(c.waits)
+        q = statistics.quantiles(c.waits, n=4)
+        ratio = pred / meas if meas > 0 else math.inf
+        mark = "" if abs(ratio - 1) <= OVERLAP_TARGET else "  <-- outside ±15%"
+        out.append(f"{c.name:<24} {1e3 * pred:>12.1f} {1e3 * meas:>11.1f} "
+                   f"{1e3 * q[0]:>6.1f}-{1e3 * q[2]:<6.1f} {ratio:>6.2f} "
+                   f"{1e3 * statistics.median(c.rest):>15.1f} {over_reference(c, reference):>11} "
+                   f"{max(c.load):>5.1f}{mark}")
+    out.append("ratio: predicted / measured; step-compute: the step minus rank 0's compute "
+               "actions (waits outside them, optimizer, clipping, loss reduction; ZeRO-3's "
+               "gather waits are inside its actions); step-dp1: the step minus the dp=1 "
+               "reference step (2-rank rows; at 4 ranks the cores are time-shared); load: the "
+               "highest 1-minute load average just before one of its runs")
+    return out
+
+
+def over_reference(c: Case, reference: Case | None) -> str:
+    if reference is None or not reference.measured or c.nproc != 2:
+        return "-"
+    return f"{1e3 * (statistics.median(c.measured) - statistics.median(reference.measured)):.1f}"
 
 
 def main() -> None:
@@ -188,7 +248,11 @@ def main() -> None:
         for c in (runnable if r % 2 == 0 else reversed(runnable)):
             idle = wait_for_quiet(args.quiet_wait)
             c.idle.append(idle)
-            c.measured += measure(c, args.steps, args.data)
+            c.load.append(os.getloadavg()[0])
+            records = measure(c, args.steps, args.data)
+            c.measured += [r["step_s"] for r in records]
+            c.waits += [r["comm_wait_s"] for r in records]
+            c.rest += [r["step_s"] - r["compute_s"] for r in records]
             print(f"round {r + 1}: {c.name}: median so far "
                   f"{statistics.median(c.measured):.3f} s ({100 * idle:.0f}% idle at start)",
                   flush=True)
@@ -214,6 +278,8 @@ def main() -> None:
     table.append("spread: interquartile range of the measured steps; idle: the lowest idle "
                  "share of the CPUs just before one of its runs started")
     lines += table
+    reference = next((c for c in runnable if c.name == REFERENCE), None)
+    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path, reference)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,9 @@ element counted once: each rank sums the squares it owns (``ParallelModel.local_
 TP-sharded pieces everywhere, TP-replicated ones on their first holder, a tied copy never,
 ZeRO's dp slice) and the sum is all-reduced over tp and pp (and dp where ZeRO shards).
 
-Timing: the runtime stamps every compute action and wait; the last step's record gives the
+Timing: the runtime stamps every compute action and wait, and the data-parallel wrappers every
+collective's start and every wait on one (``tessera.parallel.comm_timing``; their sum is
+``last_comm_wait_s``, the measured exposed DP communication); the last step's record gives the
 measured bubble and the timeline picture (``write_timeline``, called after training, outside
 any timed step).
 """
@@ -102,6 +104,9 @@ class Executor:
             activation_dtype=model.compute_dtype,
             seq_divisor=tp.size if tp.sequence_parallel else 1)
         self.last_record: StepRecord | None = None
+        self.last_comm_wait_s = 0.0
+        """The last step's measured exposed data-parallel communication: seconds this rank
+        blocked on its wrappers' collectives (``tessera.parallel.comm_timing``)."""
 
     # -- what the trainer and checkpoints use --------------------------------------------------
     def parameters(self) -> list[torch.Tensor]:
@@ -139,6 +144,9 @@ class Executor:
         schedule = self.schedule_for(len(micro_batches))
         reduce_at = last_backwards(schedule, self.pp_rank)
         wrappers = self.model.wrappers
+        logs = [w.comm_log for w in wrappers.values() if hasattr(w, "comm_log")]
+        for log in logs:
+            log.clear()
 
         def around(a: Action) -> contextlib.AbstractContextManager:
             if a.kind is not Kind.B:
@@ -153,6 +161,7 @@ class Executor:
             return server.exchange(float(record.loss), self.model)
         for c in sorted(wrappers):
             wrappers[c].finish_gradient_sync()
+        self.last_comm_wait_s = sum(log.exposed() for log in logs)
         self.model.sync_model_parallel_grads()
         (loss,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
         (loss,) = all_reduce_sum([loss], self.dp_group, self.device)

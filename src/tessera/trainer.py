@@ -290,6 +290,9 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             "model_flops_per_s": flops_per_step / dt,
             "mfu": mfu(flops_per_step / dt, peak, topo.world_size),
             "peak_mem_bytes": peak_memory_bytes(device),
+            # this rank's waits on DP collectives and its compute actions' time (step.py)
+            "comm_wait_s": executor.last_comm_wait_s,
+            "compute_s": executor.last_record.busy if executor.last_record else 0.0,
         }
         if profiled:
             record["profiled"] = True

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ALLREDUCE_ALGORITHMS, ConfigError
+from tessera.parallel.comm_timing import CommLog
 
 MIB = 2**20
 
@@ -187,6 +188,9 @@ class DataParallel(nn.Module):
             from tessera.collectives import CommStats
 
             self.comm_stats = CommStats()
+        self.comm_log = CommLog()
+        """Bucket launches, the end of backward and the waits on the all-reduces, timestamped
+        (tessera.parallel.comm_timing): the measured exposed communication of the step."""
         self._sync = True
         self._params = [p for p in (module.parameters() if params is None else params)
                         if p.requires_grad]
@@ -270,6 +274,7 @@ class DataParallel(nn.Module):
         for view, was_used in zip(bucket.views, used, strict=True):
             if not was_used:
                 view.zero_()  # a stale slot must not leak into the sum
+        self.comm_log.mark("launch", f"bucket{bucket.index}")
         if self.algorithm == "backend":
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
         else:
@@ -295,14 +300,16 @@ class DataParallel(nn.Module):
         """Average every gradient over the dp group (call after the step's last backward)."""
         if self.world == 1 or not self._sync:
             return
+        self.comm_log.mark("backward_end")
         for bucket in self.buckets[self._next_launch:]:
             bucket.pending = 0  # unused parameters: their slots go in as zeros
         self._launch_ready_buckets()
         for bucket in self.buckets:
-            if isinstance(bucket.work, Future):
-                wait_for(bucket.work.result(), bucket.flat)
-            else:
-                bucket.work.wait()
+            with self.comm_log.wait(f"bucket{bucket.index}"):
+                if isinstance(bucket.work, Future):
+                    wait_for(bucket.work.result(), bucket.flat)
+                else:
+                    bucket.work.wait()
             bucket.flat[:bucket.numel].div_(self.world)
             flags = bucket.flat[bucket.numel:].tolist()
             for j, p in enumerate(bucket.params):

@@ -65,6 +65,7 @@ from torch import nn
 
 from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 from tessera.model import Transformer
+from tessera.parallel.comm_timing import CommLog
 
 
 def chunk_units(chunk: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -217,6 +218,10 @@ class ZeroModel(nn.Module):
         gradient arrived), "backward" (its last), "reduce" (its gradient reduction started),
         "reduced" (waited for), "free" (its gathered parameters released). For tests of the
         prefetching, overlap and freeing promised above."""
+        self.comm_log = CommLog()
+        """The same steps as `events`, timestamped, plus every wait on a gather or reduction
+        handle (tessera.parallel.comm_timing); kept over the whole step (the executor clears
+        it), unlike `events`, which restarts at each forward."""
         self.units: list[FlatUnit] = []
         self.unit_groups = unit_groups or {}
         names = {id(p): n for n, p in module.named_parameters()}
@@ -389,17 +394,20 @@ class ZeroModel(nn.Module):
         """Finish the oldest reductions until at most `limit` are in flight."""
         while len(self._reduces) > limit:
             work, on_done, _keep_alive = self._reduces.popleft()
-            work.wait()
+            with self.comm_log.wait(self._reducing[0]):
+                work.wait()
             if on_done is not None:
                 on_done()
             self.events.append(("reduced", self._reducing.popleft()))
 
     def _log_reduce(self, u: FlatUnit) -> None:
         self.events.append(("reduce", u.name))
+        self.comm_log.mark("reduce", u.name)
         self._reducing.append(u.name)  # names of self._reduces' entries, same order
 
     def finish_gradient_sync(self) -> None:
         """Wait for every gradient reduction of the step (call after the last backward)."""
+        self.comm_log.mark("backward_end")
         self._drain(0)
         if self.schedule_driven:
             left = [u.name for u in self.units if any(p.grad is not None for p in u.params)]
@@ -456,6 +464,7 @@ class ZeroModel(nn.Module):
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         u.pending = all_gather_single(u.full, u.shard, group=u.group, async_op=True)
         self.events.append(("gather", u.name))
+        self.comm_log.mark("gather", u.name)
         gathered = sum(v.full.untyped_storage().nbytes() for v in self.units)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
@@ -464,12 +473,14 @@ class ZeroModel(nn.Module):
             return
         if u.pending is None:
             self._start_gather(u)
-        u.pending.wait()
+        with self.comm_log.wait(u.name):
+            u.pending.wait()
         u.pending, u.resident = None, True
 
     def _free(self, u: FlatUnit) -> None:
         if u.pending is not None:
-            u.pending.wait()
+            with self.comm_log.wait(u.name):
+                u.pending.wait()
             u.pending = None
         if u.full.untyped_storage().nbytes():
             self.events.append(("free", u.name))
