@@ -1,6 +1,6 @@
 """Mixture of experts on CPU/gloo: quality against the dense model, and expert-parallel timing.
 
-    python benchmarks/bench_moe.py [--part quality|timing|both] [--quality-steps 200]
+    python benchmarks/bench_moe.py [--part quality|timing|balance|both] [--quality-steps 200]
                                    [--pairs 5] [--data data/stdlib]
 
 Quality: the ``demo`` preset (dense, SwiGLU 512 wide) and the ``moe-demo`` preset (16 experts of
@@ -17,6 +17,12 @@ token all-to-alls (dispatch and combine, forward and backward; ``A2AStats.second
 ranks; it includes waiting there for the slower peer, so it bounds the cost of the exchange
 from above). Ratios are ep / single per pair; the median and spread over pairs are printed. At 4
 ranks on 2 cores wall time includes waiting for a core (BENCHMARKING.md): read the CPU time.
+
+Balance (``--part balance``): the ``moe-demo`` preset on the demo corpus, one process, 200 steps
+(its learning-rate schedule) three times: with its Switch auxiliary loss (coefficient 0.01),
+with no balancing at all, and with DeepSeek-V3's routing bias instead (rate 1e-3, no aux loss).
+Printed per run: for each MoE layer the busiest expert's tokens over the mean, counted over the
+last 20 steps, and the largest over layers (the issue's line: under 1.5x with balancing).
 """
 
 from __future__ import annotations
@@ -83,6 +89,54 @@ def quality(data: str, steps: int) -> list[str]:
     verdict = "lower" if moe < dense else "NOT lower"
     lines.append(f"  final validation loss: moe-demo {moe:.4f} vs demo {dense:.4f} "
                  f"({moe - dense:+.4f} nats/byte; MoE {verdict})")
+    return lines
+
+
+# -- balance -----------------------------------------------------------------------------------
+
+def _busiest_per_layer(data: str, steps: int, last: int, **moe: float) -> list[float]:
+    from tessera.data.loader import BatchLoader, TokenDataset
+    from tessera.moe import moe_layers, update_router_bias
+    from tessera.optim import lr_lambda
+
+    preset = make_config("moe-demo")
+    # One process holds what the preset's dp ranks hold: the same global batch, accumulated.
+    accum = preset.parallel.dp * preset.train.grad_accum
+    cfg = make_config("moe-demo", overrides=[f"data.path={data}"], model=dict(**moe),
+                      parallel=dict(dp=1, ep=1), train=dict(steps=steps, grad_accum=accum))
+    executor = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+    opt = executor.optimizer(cfg.train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
+    loader = BatchLoader(TokenDataset(cfg.data.path).train, cfg.data.seq_len,
+                         cfg.train.micro_batch_size, cfg.train.grad_accum, 0, 1, cfg.data.seed)
+    chunks = list(executor.model.chunks.values())
+    layers = [m for c in chunks for m in moe_layers(c)]
+    for step in range(steps):
+        if step == steps - last:
+            for m in layers:
+                m.stats.reset()
+        opt.zero_grad(set_to_none=True)
+        executor.forward_backward(next(loader))
+        executor.clip_grad_norm_(cfg.train.grad_clip)
+        opt.step()
+        sched.step()
+        update_router_bias(chunks)
+    return [float(m.stats.tokens_per_expert.max() / m.stats.tokens_per_expert.mean())
+            for m in layers]
+
+
+def balance(data: str, steps: int = 200, last: int = 20) -> list[str]:
+    lines = [f"balance: moe-demo on {data}, one process, {steps} steps; busiest expert's tokens "
+             f"/ mean per MoE layer over the last {last} steps"]
+    runs = {"Switch aux loss 0.01": dict(moe_aux_loss_coef=0.01),
+            "no balancing": dict(moe_aux_loss_coef=0.0),
+            "routing bias 1e-3, no aux": dict(moe_aux_loss_coef=0.0, moe_router_bias_rate=1e-3)}
+    for name, moe in runs.items():
+        start = time.perf_counter()
+        ratios = _busiest_per_layer(data, steps, last, **moe)
+        lines.append(f"  {name:27s} max {max(ratios):.2f}  per layer "
+                     + " ".join(f"{r:.2f}" for r in ratios)
+                     + f"  ({time.perf_counter() - start:.0f} s)")
     return lines
 
 
@@ -177,7 +231,7 @@ def timing(pairs: int, eps: list[int]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("quality", "timing", "both"), default="both")
+    parser.add_argument("--part", choices=("quality", "timing", "balance", "both"), default="both")
     parser.add_argument("--quality-steps", type=int, default=200)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
@@ -196,6 +250,10 @@ def main() -> None:
         q = quality(args.data, args.quality_steps)
         print("\n".join(q), flush=True)
         lines += q
+    if args.part == "balance":
+        b = balance(args.data)
+        print("\n".join(b), flush=True)
+        lines += b
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
