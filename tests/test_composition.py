@@ -48,12 +48,11 @@ from tessera.layout import check_layout
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw
 from tessera.step import build_executor
-from tessera.testing import assert_close_summed, run_ranks
+from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
 from tessera.topology import Topology
 
 STEPS, GLOBAL_BATCH, SEQ, CLIP, LR = 10, 8, 16, 0.5, 1e-3
 N_TOKENS = GLOBAL_BATCH * SEQ
-LOSS_RTOL = 1e-5
 BF16_U = 2.0 ** -8  # bf16 unit round-off
 PARAM_ATOL = 5e-5
 
@@ -177,8 +176,11 @@ def _check(name: str, rank: int, got: dict[str, Any], ref: dict[str, Any]) -> No
         assert got["losses"] == pytest.approx(ref["losses"], rel=0.01), name
         assert got["losses"][-1] < got["losses"][0], name
         return
-    assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL), name
-    assert got["norms"] == pytest.approx(ref["norms"], rel=LOSS_RTOL), name
+    # Free-running curves: step k reorders k global batches' sums (tessera.testing).
+    assert_curves_close(got["losses"], ref["losses"], terms_per_step=N_TOKENS,
+                        msg=f"{name} losses")
+    assert_curves_close(got["norms"], ref["norms"], terms_per_step=N_TOKENS,
+                        msg=f"{name} grad norms")
     assert ref["norms"][0] > CLIP  # clipping is exercised
     for k, want in ref["params"].items():
         torch.testing.assert_close(got["params"][k], want, rtol=0, atol=PARAM_ATOL,
