@@ -15,6 +15,10 @@
    communication: the planner's (``Estimate.breakdown()["dp_exposed"]``) against the runtime's
    own timestamps (``tessera.parallel.comm_timing``: per step, the seconds rank 0 blocked on
    its DP collectives, logged as ``comm_wait_s``), medians over the steps; target ±15%.
+   Beside it, what data parallelism costs the step in all: the row's step minus the step of
+   N independent single-rank runs started together (CONTROLS: same micro-batch, same cores
+   shared the same way, no collectives). On shared CPU cores a collective that runs beside
+   compute slows it instead of making it wait, which the waits do not see.
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
 reference is tessera's own measured step.
@@ -56,6 +60,8 @@ class Case:
     """Per step: step time minus rank 0's compute actions (waits, optimizer, clipping)."""
     load: list[float] = field(default_factory=list)
     """os.getloadavg()[0] just before each of its runs."""
+    independent: bool = False
+    """A control: `nproc` single-rank runs at once (no collectives), not one N-rank run."""
 
 
 CASES = [
@@ -86,7 +92,25 @@ CASES = [
     Case("dp=4 (4 ranks)", 4, {"dp": 4}, dict(dp=4)),
     Case("dp=4, zero=3 (4 ranks)", 4, {"dp": 4, "zero-stage": 3}, dict(dp=4, zero=3)),
 ]
-OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks)")
+# The same four at micro-batch 2: compute per step shrinks 8x, so the collectives are a
+# large share of the step (and ZeRO-3's gathers no longer hide behind one block's compute).
+CASES += [
+    Case("dp=2, b=2", 2, {"dp": 2, "micro-batch-size": 2}, dict(dp=2), micro_batch=2),
+    Case("dp=2, zero=3, b=2", 2, {"dp": 2, "zero-stage": 3, "micro-batch-size": 2},
+         dict(dp=2, zero=3), micro_batch=2),
+    Case("dp=4, b=2 (4 ranks)", 4, {"dp": 4, "micro-batch-size": 2}, dict(dp=4),
+         micro_batch=2),
+    Case("dp=4, zero=3, b=2 (4)", 4, {"dp": 4, "zero-stage": 3, "micro-batch-size": 2},
+         dict(dp=4, zero=3), micro_batch=2),
+]
+OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks)",
+                "dp=2, b=2", "dp=2, zero=3, b=2", "dp=4, b=2 (4 ranks)",
+                "dp=4, zero=3, b=2 (4)")
+# Controls for the overlap rows: N single-rank runs at once, keyed by (N, micro-batch).
+CONTROLS = {(n, b): Case(f"{n} x dp=1, b={b} (control)", n, {"dp": 1, "micro-batch-size": b},
+                         dict(dp=1), micro_batch=b, independent=True)
+            for n in (2, 4) for b in (16, 2)}
+CASES += list(CONTROLS.values())
 # The compute-only step of one dp rank (same micro-batch, one thread, no collectives): a
 # 2-rank row's step minus this one is all its data parallelism costs, waits or not.
 CASES.append(Case("dp=1 (reference)", 1, {"dp": 1}, dict(dp=1)))
@@ -154,51 +178,74 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.9) -> float:
 
 def measure(case: Case, steps: int, data: str) -> list[dict]:
     """Per-step records of one `tessera train` run (all ranks' steps end together; rank 0's
-    metrics.jsonl: step_s, comm_wait_s, compute_s), without the first two steps."""
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "tessera", "train", "--preset", "demo", "--nproc",
-               str(case.nproc), "--steps", str(steps), "--data", data, "--out", out,
-               "--no-progress", "--set", "train.eval_interval=0", "--set",
-               "train.sample_tokens=0", "--set", "data.val_tokens=4096"]
-        for key, value in case.flags.items():
-            cmd += [f"--{key}"] + ([] if value is None else [str(value)])
+    metrics.jsonl: step_s, comm_wait_s, compute_s), without the first two steps. A control
+    (``case.independent``) starts `nproc` single-rank runs at once and pools their steps."""
+    copies = case.nproc if case.independent else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"run{i}" for i in range(copies)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if run.returncode != 0:
-            raise RuntimeError(f"{case.name}: tessera train failed:\n{run.stderr[-2000:]}")
-        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
-        records = [r for r in map(json.loads, lines) if "step_s" in r]
-        return records[2:]
+        procs = []
+        for out in outs:
+            cmd = [sys.executable, "-m", "tessera", "train", "--preset", "demo", "--nproc",
+                   "1" if case.independent else str(case.nproc), "--steps", str(steps),
+                   "--data", data, "--out", str(out), "--no-progress", "--set",
+                   "train.eval_interval=0", "--set", "train.sample_tokens=0", "--set",
+                   "data.val_tokens=4096"]
+            for key, value in case.flags.items():
+                cmd += [f"--{key}"] + ([] if value is None else [str(value)])
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+        records = []
+        for proc, out in zip(procs, outs, strict=True):
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"{case.name}: tessera train failed:\n{err[-2000:]}")
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            records += [r for r in map(json.loads, lines) if "step_s" in r][2:]
+        return records
 
 
-def overlap_table(cases: list[Case], hw_path: str, reference: Case | None) -> list[str]:
+def overlap_table(cases: list[Case], hw_path: str, reference: Case | None,
+                  controls: dict[tuple[int, int], Case]) -> list[str]:
     """Exposed DP communication, predicted against measured from the runtime's timestamps
     (tessera.parallel.comm_timing): per step, the seconds rank 0 blocked on its DP
     collectives; medians over the steps. Target: within ±15% (OVERLAP_TARGET). Beside it, for
     2-rank rows, the step minus the compute-only step of `reference` (dp=1, same micro-batch):
     everything data parallelism costs, including collectives that slowed compute instead of
-    making it wait (on 2 cores, gloo's threads share the cores with backward)."""
+    making it wait (on 2 cores, gloo's threads share the cores with backward); and for every
+    row the step minus its control's (N single-rank runs at once, the same micro-batch): the
+    same, at 4 ranks too, since the control time-shares the cores as the row does."""
     if not cases:
         return []
     out = ["", "exposed DP communication per step (rank 0's waits on collective handles, "
            "timestamped by the runtime; medians over the steps)",
            f"{'layout':<24} {'predicted ms':>12} {'measured ms':>11} {'spread':>13} "
-           f"{'ratio':>6} {'step-compute ms':>15} {'step-dp1 ms':>11} {'load':>5}"]
+           f"{'ratio':>6} {'step-compute ms':>15} {'step-dp1 ms':>11} {'step-control ms':>15} "
+           f"{'ratio':>6} {'load':>5}"]
     for c in cases:
         pred = predict_exposed_dp(c, hw_path)
         meas = statistics.median(c.waits)
         q = statistics.quantiles(c.waits, n=4)
         ratio = pred / meas if meas > 0 else math.inf
-        mark = "" if abs(ratio - 1) <= OVERLAP_TARGET else "  <-- outside ±15%"
+        mark = "" if abs(ratio - 1) <= OVERLAP_TARGET else "  <-- waits outside ±15%"
+        control = controls.get((c.nproc, c.micro_batch))
+        cost = (statistics.median(c.measured) - statistics.median(control.measured)
+                if control is not None and control.measured else math.nan)
+        cost_ratio = pred / cost if cost > 0 else math.inf
+        if abs(cost_ratio - 1) > OVERLAP_TARGET:
+            mark += "  <-- cost outside ±15%"
         out.append(f"{c.name:<24} {1e3 * pred:>12.1f} {1e3 * meas:>11.1f} "
                    f"{1e3 * q[0]:>6.1f}-{1e3 * q[2]:<6.1f} {ratio:>6.2f} "
                    f"{1e3 * statistics.median(c.rest):>15.1f} {over_reference(c, reference):>11} "
-                   f"{max(c.load):>5.1f}{mark}")
+                   f"{1e3 * cost:>15.1f} {cost_ratio:>6.2f} {max(c.load):>5.1f}{mark}")
     out.append("ratio: predicted / measured; step-compute: the step minus rank 0's compute "
                "actions (waits outside them, optimizer, clipping, loss reduction; ZeRO-3's "
                "gather waits are inside its actions); step-dp1: the step minus the dp=1 "
-               "reference step (2-rank rows; at 4 ranks the cores are time-shared); load: the "
-               "highest 1-minute load average just before one of its runs")
+               "reference step (2-rank rows; at 4 ranks the cores are time-shared); step-control: "
+               "the step minus the median step of its control (N single-rank runs at once, "
+               "same micro-batch), everything data parallelism costs, and its ratio "
+               "predicted / that; load: the highest 1-minute load average just before one of "
+               "its runs")
     return out
 
 
@@ -239,7 +286,7 @@ def main() -> None:
     cases = [c for c in CASES if not args.only or c.name in args.only]
     runnable = []
     for c in cases:
-        why = supported(c, hw_path)
+        why = None if c.independent else supported(c, hw_path)
         if why:
             lines.append(f"# skipped {c.name}: {why}")
         else:
@@ -251,7 +298,7 @@ def main() -> None:
             c.load.append(os.getloadavg()[0])
             records = measure(c, args.steps, args.data)
             c.measured += [r["step_s"] for r in records]
-            c.waits += [r["comm_wait_s"] for r in records]
+            c.waits += [r.get("comm_wait_s", 0.0) for r in records]
             c.rest += [r["step_s"] - r["compute_s"] for r in records]
             print(f"round {r + 1}: {c.name}: median so far "
                   f"{statistics.median(c.measured):.3f} s ({100 * idle:.0f}% idle at start)",
@@ -262,6 +309,8 @@ def main() -> None:
     table = [head]
     errors = []
     for c in runnable:
+        if c.independent:
+            continue
         pred = predict(c, hw_path)
         meas = statistics.median(c.measured)
         q = statistics.quantiles(c.measured, n=4)
@@ -279,7 +328,8 @@ def main() -> None:
                  "share of the CPUs just before one of its runs started")
     lines += table
     reference = next((c for c in runnable if c.name == REFERENCE), None)
-    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path, reference)
+    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path, reference,
+                           {key: c for key, c in CONTROLS.items() if any(c is r for r in runnable)})
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
