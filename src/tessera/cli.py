@@ -153,7 +153,9 @@ def train(
     ] = None,
     virtual: Annotated[int | None, typer.Option(help="Virtual stages per pipeline rank.")] = None,
     stage_layout: Annotated[str | None, typer.Option(
-        help="Blocks per pipeline chunk, e.g. '7,8*14,7' (default: cost-balanced).")] = None,
+        help="Blocks per pipeline chunk, e.g. '7,8*14,7', or in Megatron-LM's "
+             "--pipeline-model-parallel-layout form, 'Et*7|(t*8|)*14t*7L' (default: "
+             "cost-balanced).")] = None,
     recompute: Annotated[str | None, typer.Option(
         help="Activation recomputation: none, selective (attention core), full (each block).")
     ] = None,

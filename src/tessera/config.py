@@ -231,7 +231,9 @@ class ParallelConfig:
     stage_layout: str = ""
     """Blocks in each of the pp*virtual_stages pipeline chunks, comma-separated, `N*k` for k
     chunks of N (Llama 3 405B: '7,8*14,7', the first and last stages one block fewer for the
-    embedding and the head); empty: tessera's cost-balanced split."""
+    embedding and the head), or the same in Megatron-LM's --pipeline-model-parallel-layout
+    form, 'Et*7|(t*8|)*14t*7L' (chunks split by |; E embedding, t block, L loss head);
+    empty: tessera's cost-balanced split."""
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "dp", "tp", "pp", "cp", "ep", "virtual_stages",

@@ -5,7 +5,8 @@ The split balances an estimated forward cost per token (matmul FLOPs, as in
 the embedding lookup h (a copy, no FLOPs). Among contiguous splits with at least one block per
 chunk, the one with the smallest most-expensive chunk is chosen, ties broken by the least sum
 of squared chunk costs (two exact dynamic programmes, O(chunks·L²)), so a heavy LM head pushes
-blocks towards the earlier chunks. The user can give the split instead, as blocks per chunk.
+blocks towards the earlier chunks. The user can give the split instead, as blocks per chunk
+('7,8*14,7') or as a Megatron-LM pipeline layout string ('Et*7|(t*8|)*14t*7L').
 
 Plain Python (no torch): ``tessera.pipeline.partition`` builds the chunks from it, and the
 planner asks it what tessera would build.
@@ -14,6 +15,7 @@ planner asks it what tessera would build.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tessera.config import ConfigError, ModelConfig
 
@@ -69,7 +71,10 @@ def balance(costs: Sequence[float], n_chunks: int, first_extra: float = 0.0,
 
 
 def parse_stage_layout(text: str, field: str = "parallel.stage_layout") -> tuple[int, ...]:
-    """'7,8*14,7' -> (7, 8, ..., 8, 7): blocks per chunk, `N*k` repeating N k times."""
+    """'7,8*14,7' -> (7, 8, ..., 8, 7): blocks per chunk, `N*k` repeating N k times; or the
+    same split in Megatron-LM's layout form, 'Et*7|(t*8|)*14t*7L' (`parse_megatron_layout`)."""
+    if is_megatron_layout(text):
+        return parse_megatron_layout(text, field)
     sizes: list[int] = []
     for part in text.replace(" ", "").split(","):
         count, star, times = part.partition("*")
@@ -83,6 +88,121 @@ def parse_stage_layout(text: str, field: str = "parallel.stage_layout") -> tuple
                               "k >= 1 in N*k)")
         sizes += [n] * k
     return tuple(sizes)
+
+
+def is_megatron_layout(text: str) -> bool:
+    """Whether `text` is written in Megatron-LM's layout form (it names layers: |, E, L, t)
+    rather than as block counts ('first-last-fewer', the planner's keyword, is not)."""
+    return text.strip() != "first-last-fewer" and any(c in text for c in "|ELt")
+
+
+MEGATRON_LETTERS = {"E": "the embedding", "t": "a transformer block", "L": "the loss head"}
+OTHER_MEGATRON_LETTERS = {"m": "Megatron's multi-token prediction layer, which tessera does "
+                               "not build"}
+MAX_EXPANDED = 1_000_000  # a typo such as t*99999999 is refused, not expanded
+
+
+def parse_megatron_layout(text: str, field: str = "parallel.stage_layout") -> tuple[int, ...]:
+    """Megatron-LM's ``--pipeline-model-parallel-layout`` as blocks per chunk.
+
+    'Et*7|(t*8|)*14t*7L' -> (7, 8, ..., 8, 7). Chunks are separated by `|` in virtual-stage
+    order (chunk c on pipeline rank c mod pp, as in tessera); a chunk names its layers, `E` the
+    embedding, `t` a transformer block, `L` the loss head; `x*N` repeats a letter and `(...)*N`
+    a group, which may hold `|` and other groups. Spaces and commas are ignored (Megatron
+    drops commas as cosmetic). tessera always embeds on the first chunk and computes the loss
+    on the last, so `E` must open the first chunk and `L` close the last, once each, and every
+    chunk needs at least one `t`. The grammar::
+
+        layout := item*
+        item   := atom ('*' count)?
+        atom   := letter | '|' | '(' layout ')'
+        count  := digit+              (at least 1)
+        letter := 'E' | 't' | 'L'     (any other character is refused, named)
+    """
+    chunks = _expand_megatron(text, field).split("|")
+
+    def refuse(rule: str) -> NoReturn:
+        raise ConfigError(field, text, rule)
+
+    for letter in "".join(chunks):
+        if letter not in MEGATRON_LETTERS:
+            what = OTHER_MEGATRON_LETTERS.get(letter, "not a layer letter")
+            refuse(f"layer {letter!r} is {what}; a chunk holds E (the embedding), t (a "
+                   "transformer block) and L (the loss head)")
+    for letter in "EL":
+        count = sum(chunk.count(letter) for chunk in chunks)
+        if count != 1:
+            refuse(f"needs exactly one {letter} ({MEGATRON_LETTERS[letter]}), found {count}")
+    if not chunks[0].startswith("E"):
+        refuse("E (the embedding) must open the first chunk: tessera embeds on the first "
+               "chunk, before its blocks")
+    if not chunks[-1].endswith("L"):
+        refuse("L (the loss head) must close the last chunk: tessera computes the loss on the "
+               "last chunk, after its blocks")
+    for c, chunk in enumerate(chunks):
+        if "t" not in chunk:
+            refuse(f"chunk {c} ({chunk!r}) holds no t; every chunk needs at least one block")
+    return tuple(chunk.count("t") for chunk in chunks)
+
+
+def _expand_megatron(text: str, field: str) -> str:
+    """Unroll the repeats of a Megatron layout: '(tt|)*2t*3' -> 'tt|tt|ttt' (recursive descent
+    over the grammar in `parse_megatron_layout`)."""
+    pos = 0
+
+    def refuse(rule: str) -> NoReturn:
+        raise ConfigError(field, text, rule)
+
+    def skip_ignored() -> str:  # the next meaningful character, or '' at the end
+        nonlocal pos
+        while pos < len(text) and text[pos] in " ,":
+            pos += 1
+        return text[pos] if pos < len(text) else ""
+
+    def count() -> int:
+        nonlocal pos
+        if skip_ignored() != "*":
+            return 1
+        pos += 1
+        star = pos  # 1-based position of the '*'
+        skip_ignored()
+        start = pos
+        while pos < len(text) and text[pos].isdigit():
+            pos += 1
+        if pos == start or int(text[start:pos]) < 1:
+            refuse(f"'*' at character {star} must be followed by a repeat count >= 1 "
+                   "(t*3, (tt|)*29)")
+        return int(text[start:pos])
+
+    def layout() -> str:  # items up to the end or the ')' closing the enclosing group
+        nonlocal pos
+        out: list[str] = []
+        size = 0
+        while (c := skip_ignored()) not in ("", ")"):
+            at = pos + 1  # 1-based, for the messages
+            pos += 1
+            if c == "(":
+                atom = layout()
+                if skip_ignored() != ")":
+                    refuse(f"unbalanced parenthesis: the '(' at character {at} is never "
+                           "closed")
+                pos += 1
+            elif c == "*" or c.isdigit():
+                refuse(f"{c!r} at character {at} must follow a layer letter or a group, as "
+                       "in t*3 or (tt|)*29")
+            else:
+                atom = c
+            times = count()
+            size += len(atom) * times
+            if size > MAX_EXPANDED:
+                refuse(f"expands to more than {MAX_EXPANDED} layers")
+            out.append(atom * times)
+        return "".join(out)
+
+    flat = layout()
+    if pos < len(text):
+        refuse(f"unbalanced parenthesis: the ')' at character {pos + 1} closes no '('")
+    return flat
 
 
 def first_last_fewer(layers: int, n_chunks: int) -> tuple[int, ...]:

@@ -63,12 +63,20 @@ LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual",
 INT_KEYS = ("dp", "tp", "pp", "cp", "virtual", "micro_batch", "zero")
 
 
+def _continues_stages(token: str) -> bool:
+    """Whether a token after `stages=` is more of its value: the stage layouts hold commas
+    ('7,8*14,7'; Megatron's cosmetic ones, 'Et*3|(tt|)*29,tL'), and no key starts with a
+    digit or is spelt only in layout characters."""
+    return token[:1].isdigit() or set(token) <= set("0123456789*|() ELtm")
+
+
 def parse_layout(text: str, gpus: int, layers: int):
     """``--layout "dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp"`` as a Layout.
 
     Keys: dp, tp, pp, cp, v, mb (or b), zero, recompute, schedule, sp (a flag, or sp=0/1),
-    cp_method, dp_mode, stages (blocks per chunk, '7,8*14,7', or 'first-last-fewer'). dp
-    defaults to what the GPUs leave, the schedule to interleaved when v > 1, else 1f1b."""
+    cp_method, dp_mode, stages (blocks per chunk, '7,8*14,7', Megatron-LM's layout form
+    'Et*7|(t*8|)*14t*7L', or 'first-last-fewer'). dp defaults to what the GPUs leave, the
+    schedule to interleaved when v > 1, else 1f1b."""
     from tessera.pipeline.split import first_last_fewer, parse_stage_layout
     from tessera.planner.cost import Layout
 
@@ -77,7 +85,7 @@ def parse_layout(text: str, gpus: int, layers: int):
     for token in (t.strip() for t in text.split(",") if t.strip()):
         key, eq, value = token.partition("=")
         key = key.strip().lower()
-        if not eq and last == "stage_layout" and key[:1].isdigit():
+        if not eq and last == "stage_layout" and _continues_stages(token):
             fields["stage_layout"] = f"{fields['stage_layout']},{token}"  # '7,8*14,7'
             continue
         if key not in LAYOUT_KEYS:
