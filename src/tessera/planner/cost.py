@@ -510,6 +510,20 @@ def allgather_time(nbytes: float, n: int, link: Link) -> float:
     return ((n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta) / link.gather_efficiency
 
 
+def time_shared(w: Workload) -> bool:
+    """More ranks on a machine than CPU cores (``hardware.cores``): they take turns on them."""
+    ranks = min(w.gpus, w.hardware.gpus_per_node)
+    return w.hardware.cores > 0 and ranks > w.hardware.cores
+
+
+def rank_skew(w: Workload, n: int, busy: float) -> float:
+    """The wait for the slowest of `n` ranks at a collective (:func:`straggler_time`), except
+    where ranks time-share cores: there a rank that arrives early leaves its core to the late
+    ones, so the skew costs nothing beyond :func:`shared_cpu_bound`'s count of all the work
+    (and a calibration's wall-time jitter at that rank count measures the turn-taking)."""
+    return 0.0 if time_shared(w) else straggler_time(w.hardware, n, busy)
+
+
 def straggler_time(hw: Hardware, n: int, busy: float) -> float:
     """Expected wait at a collective of `n` ranks after `busy` seconds of compute on each:
     σ·E[max of n standard normals] with σ = jitter·√busy (module docstring)."""
@@ -570,18 +584,27 @@ class BlockCosts:
 
 
 def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
-                     optimizer_time: float) -> float:
+                     optimizer_time: float, exposed_dp: float = 0.0,
+                     sync_time: float = 0.0) -> float:
     """Ranks that share CPU cores (``hardware.cores``) cannot finish a step before the cores
     have done all their work: ranks per machine · (a pipeline's work / p) / cores. A rank
     waiting in a bubble or on a message leaves its core to another rank, so this bound, not
-    a uniform slow-down, is what oversubscription adds (0 on GPUs)."""
+    a uniform slow-down, is what oversubscription adds (0 on GPUs).
+
+    Data-parallel collectives are the exception: every rank of the group waits on the same
+    one (ZeRO's per-unit gathers and reductions, DDP's buckets after the last backward, the
+    step's scalar reductions), so while it blocks them there is no other rank's compute to
+    fill the cores: their exposed time (`exposed_dp` from the schedule's simulation, the
+    chunks' ZeRO exposures, `sync_time`) is added once, not stretched by ranks / cores."""
     hw = w.hardware
-    ranks = min(w.gpus, hw.gpus_per_node)
-    if hw.cores <= 0 or ranks <= hw.cores:
+    if not time_shared(w):
         return 0.0
+    ranks = min(w.gpus, hw.gpus_per_node)
     m = L.microbatches(w.global_batch)
-    pipeline_work = m * sum(c.forward + c.backward for c in chunks) + L.pp * optimizer_time
-    return ranks * pipeline_work / L.pp / hw.cores
+    zero = m * sum(c.zero_forward + c.zero_backward for c in chunks)
+    pipeline_work = m * sum(c.forward + c.backward for c in chunks) - zero + \
+        L.pp * optimizer_time
+    return ranks * pipeline_work / L.pp / hw.cores + zero / L.pp + exposed_dp + sync_time
 
 
 def context_parallel_times(w: Workload, t: int, cp: int, b: int, method: str, link: Link
@@ -669,8 +692,8 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     # ends a stretch of compute, and waits for the slowest rank of the group.
     syncs = 4 if sp else 2
     bwd = back + redo
-    tp_fwd += syncs * straggler_time(hw, t, fwd / syncs)
-    tp_bwd += syncs * straggler_time(hw, t, bwd / syncs)
+    tp_fwd += syncs * rank_skew(w, t, fwd / syncs)
+    tp_bwd += syncs * rank_skew(w, t, bwd / syncs)
     cp_fwd, cp_bwd, cp_hidden_ok = context_parallel_times(w, t, cp, b, cp_method, cp_link)
     act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
     work = full_bytes
@@ -764,6 +787,13 @@ class LayoutCosts:
     ps_time: float = 0.0
     """Parameter server: seconds its exchanges (and, asynchronous, its extra updates) add to a
     step after the backward."""
+    sync: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """tessera's per-step scalar all-reduces (:func:`scalar_sync_times`), seconds over the
+    (dp·cp, tp, pp) groups."""
+
+    @property
+    def sync_time(self) -> float:
+        return sum(self.sync)
 
     @property
     def uniform_middle(self) -> bool:
@@ -796,7 +826,25 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
                        p2p_bytes=p2p_bytes, p2p_bandwidth=p2p_bandwidth,
                        dp_overlap=w.hardware.dp_overlap > 0, optimizer_time=optimizer_time,
                        dp_time=dp_time, ps_time=_parameter_server_time(w, L, chunks,
-                                                                       optimizer_time))
+                                                                       optimizer_time),
+                       sync=scalar_sync_times(w, L) if w.tessera_engine else (0.0, 0.0, 0.0))
+
+
+def scalar_sync_times(w: Workload, L: Layout) -> tuple[float, float, float]:
+    """Seconds of the scalar all-reduces every tessera step makes after its backward
+    (``tessera.step.Executor``): the mean loss over pp, then over dp·cp; the squared gradient
+    norm over dp·cp where ZeRO shards the gradients or the optimizer (``norm_groups``), over tp
+    and over pp. 8 bytes each, so each costs its group's latency: 2(n−1)·α as a ring, which on
+    a calibrated CPU is what gloo's small all-reduce takes. Returns (dp·cp, tp, pp) parts."""
+    hw = w.hardware
+    if L.dp_mode != "allreduce":  # a parameter server reduces the loss with its exchange
+        return 0.0, 0.0, 0.0
+    dpcp, t, p = L.dp * L.cp, L.tp, L.pp
+    dp_link = group_link(hw, t * L.cp * L.dp, stride=t * L.cp)
+    dp = allreduce_time(8, dpcp, dp_link) * (2 if L.zero >= 1 else 1)
+    tp = allreduce_time(8, t, group_link(hw, t))
+    pp = 2 * allreduce_time(8, p, group_link(hw, t * L.cp * L.dp * p, stride=t * L.cp * L.dp))
+    return dp, tp, pp
 
 
 def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
@@ -817,7 +865,7 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
         return (L.dp - 1) * (exchange + optimizer_time)
     m = L.microbatches(w.global_batch)
     work = m * sum(c.forward + c.backward for c in chunks)
-    return (L.dp - 1) * exchange + straggler_time(hw, L.dp, work)
+    return (L.dp - 1) * exchange + rank_skew(w, L.dp, work)
 
 
 @lru_cache(maxsize=65536)
@@ -932,7 +980,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         units = _units_of(ch, sizes, chunks)
         # The reduction waits for the slowest replica: after the step's backward (ZeRO-0/1),
         # after each micro-batch (ZeRO-2/3).
-        wait = straggler_time(hw, dp_group, (m if zero <= 1 else 1) * (ch.forward
+        wait = rank_skew(w, dp_group, (m if zero <= 1 else 1) * (ch.forward
                                                                        + ch.backward))
         fwd, bwd = ovl * ch.forward, ovl * ch.backward  # compute that collectives can hide under
         if zero <= 1:

@@ -84,7 +84,7 @@ def breakdown(e: Estimate) -> dict[str, float]:
     return {
         "compute": b["compute"], "recompute": b["recompute"],
         "bubble": b["bubble"] - pp - gathers,
-        "tp_comm": b["tp_comm"], "cp_comm": b["cp_comm"], "pp_comm": pp,
+        "tp_comm": b["tp_comm"], "cp_comm": b["cp_comm"], "pp_comm": pp + b["pp_sync"],
         "dp_comm": b["dp_exposed"] + gathers, "optimizer": b["optimizer"],
         "time_sharing": b["time_sharing"],
         "tp_hidden": b["tp_hidden"], "cp_hidden": b["cp_hidden"], "dp_hidden": b["dp_hidden"],

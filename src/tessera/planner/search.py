@@ -164,21 +164,23 @@ class Estimate:
         m = self.m
         compute = m * sum(c.forward_compute + c.backward_compute - c.recompute for c in ch)
         recompute = m * sum(c.recompute for c in ch)
-        tp = m * sum(c.tp_forward + c.tp_backward for c in ch)
+        sync_dp, sync_tp, sync_pp = self.costs.sync
+        tp = m * sum(c.tp_forward + c.tp_backward for c in ch) + sync_tp
         cp = m * sum(c.cp_forward + c.cp_backward for c in ch)
         zero = m * sum(c.zero_forward + c.zero_backward for c in ch)
         dp_total = sum(self.costs.chunks[c].dp_total for c in ranks)
         return {
             "compute": compute, "recompute": recompute, "tp_comm": tp, "cp_comm": cp,
             "bubble": self.makespan - self.busy,
-            "dp_exposed": self.exposed_dp + zero + self.costs.ps_time,
+            "dp_exposed": self.exposed_dp + zero + self.costs.ps_time + sync_dp,
+            "pp_sync": sync_pp,
             "dp_hidden": max(0.0, dp_total - self.exposed_dp - zero),
             "tp_hidden": m * sum(c.tp_hidden for c in ch),
             "cp_hidden": m * sum(c.cp_hidden for c in ch),
             "optimizer": self.costs.optimizer_time,
             "time_sharing": self.step_time - (self.makespan + self.exposed_dp
                                               + self.costs.optimizer_time
-                                              + self.costs.ps_time),
+                                              + self.costs.ps_time + self.costs.sync_time),
             "pp_ranks": float(L.pp),
         }
 
@@ -221,8 +223,10 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True) 
     m = L.microbatches(w.global_batch)
     held = inflight(L.schedule, L.pp, m, L.virtual) if _pipelined(L) else (1,)
     memory = _memory(w, L, costs, held, m)
-    bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time + costs.ps_time,
-                shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time))
+    bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time + costs.ps_time
+                + costs.sync_time,
+                shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time,
+                                 sync_time=costs.sync_time))
     est = Estimate(workload=w, layout=L, costs=costs, memory=memory, inflight=held,
                    lower_bound=bound)
     if simulate:
@@ -296,8 +300,10 @@ def run_simulation(est: Estimate, with_p2p: bool = True, with_gathers: bool = Tr
         unshard=[ch.unshard if with_gathers else 0.0 for ch in costs.chunks])
     schedule = L.schedule if _pipelined(L) else "1f1b"
     timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs, sharded=_sharded(est))
-    est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time,
-                        shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time))
+    est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time
+                        + costs.sync_time,
+                        shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time,
+                                         timing.exposed_dp, costs.sync_time))
     est.makespan = timing.makespan
     est.busy = timing.compute_time
     est.exposed_dp = timing.exposed_dp
