@@ -1,10 +1,13 @@
 """Local truth for the planner: predicted vs measured step time of layouts tessera can run here.
 
     flock /tmp/tessera-bench.lock python benchmarks/bench_planner_local.py \
-        [--steps 16] [--rounds 2] [--hardware FILE] [--out benchmarks/results/planner_local.txt]
+        [--steps 16] [--rounds 2] [--hardware FILE] [--hardware4 FILE] [--only NAME ...]
+        [--out benchmarks/results/planner_local.txt]
 
-1. ``tessera plan calibrate`` measures this machine at the demo model's shapes (unless
-   --hardware gives an earlier calibration) and writes benchmarks/results/local_hardware.toml.
+1. ``tessera plan calibrate`` measures this machine at the demo model's shapes, with 2 ranks
+   and with 4 (unless --hardware / --hardware4 give earlier calibrations), and writes
+   benchmarks/results/local_hardware.toml and local_hardware_4.toml; each row is predicted
+   with the calibration of its rank count.
 2. For each layout that this build's engines support (``tessera.layout.check_layout``), the
    planner predicts the step time of the demo preset (fp32, micro-batch b, m micro-batches).
 3. ``tessera train --preset demo --nproc N ...`` runs it on the real corpus (prepared with
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,7 +209,8 @@ def measure(case: Case, steps: int, data: str) -> list[dict]:
         return records
 
 
-def overlap_table(cases: list[Case], hw_path: str, reference: Case | None,
+def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str],
+                  reference: Case | None,
                   controls: dict[tuple[int, int], Case]) -> list[str]:
     """Exposed DP communication, predicted against measured from the runtime's timestamps
     (tessera.parallel.comm_timing): per step, the seconds rank 0 blocked on its DP
@@ -223,7 +228,7 @@ def overlap_table(cases: list[Case], hw_path: str, reference: Case | None,
            f"{'ratio':>6} {'step-compute ms':>15} {'step-dp1 ms':>11} {'step-control ms':>15} "
            f"{'ratio':>6} {'load':>5}"]
     for c in cases:
-        pred = predict_exposed_dp(c, hw_path)
+        pred = predict_exposed_dp(c, hw_path_of(c))
         meas = statistics.median(c.waits)
         q = statistics.quantiles(c.waits, n=4)
         ratio = pred / meas if meas > 0 else math.inf
@@ -259,7 +264,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--hardware", help="an existing calibration (skips calibrate)")
+    ap.add_argument("--hardware", help="an existing 2-rank calibration (skips calibrate)")
+    ap.add_argument("--hardware4", help="an existing 4-rank calibration, for the 4-rank rows "
+                    "(default: calibrate with --ranks 4)")
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--only", nargs="+", help="case names to run (quote each)")
     ap.add_argument("--out", default="benchmarks/results/planner_local.txt")
@@ -269,24 +276,32 @@ def main() -> None:
 
     subprocess.run([sys.executable, "-m", "tessera", "data", "prepare", "--out", args.data,
                     "--if-missing"], cwd=ROOT, check=True, capture_output=True)
-    hw_path = args.hardware
     lines = [f"# bench_planner_local.py, {time.strftime('%Y-%m-%d %H:%M')}, "
              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
              f"(each run waits for idle CPUs: see the idle column)"]
-    if hw_path is None:
-        hw_path = str(ROOT / "benchmarks/results/local_hardware.toml")
-        wait_for_quiet(args.quiet_wait)
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "tessera", "plan", "calibrate", "--model", "demo",
-                        "--micro-batch", "16", "--out", hw_path], cwd=ROOT, check=True,
-                       capture_output=True)
-        lines.append(f"# calibrated in {time.perf_counter() - t0:.1f} s -> {hw_path}")
-    lines.append("# " + Path(hw_path).read_text().replace("\n", "\n# ").rstrip("# "))
+    # The machine is calibrated as each run uses it: 2 ranks at once for the 2-rank rows, 4
+    # (time-sharing the 2 cores) for the 4-rank rows (``plan calibrate --ranks``).
+    given = {2: args.hardware, 4: args.hardware4}
+    for ranks, name in ((2, "local_hardware.toml"), (4, "local_hardware_4.toml")):
+        if given[ranks] is None:
+            given[ranks] = str(ROOT / "benchmarks/results" / name)
+            wait_for_quiet(args.quiet_wait)
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "tessera", "plan", "calibrate", "--model",
+                            "demo", "--micro-batch", "16", "--ranks", str(ranks), "--out",
+                            given[ranks]], cwd=ROOT, check=True, capture_output=True)
+            lines.append(f"# calibrated {ranks} ranks in {time.perf_counter() - t0:.1f} s -> "
+                         f"{given[ranks]}")
+        lines.append(f"# {ranks}-rank calibration:")
+        lines.append("# " + Path(given[ranks]).read_text().replace("\n", "\n# ").rstrip("# "))
+
+    def hw_path_of(case: Case) -> str:
+        return given[4] if case.nproc > 2 else given[2]
 
     cases = [c for c in CASES if not args.only or c.name in args.only]
     runnable = []
     for c in cases:
-        why = None if c.independent else supported(c, hw_path)
+        why = None if c.independent else supported(c, hw_path_of(c))
         if why:
             lines.append(f"# skipped {c.name}: {why}")
         else:
@@ -311,7 +326,7 @@ def main() -> None:
     for c in runnable:
         if c.independent:
             continue
-        pred = predict(c, hw_path)
+        pred = predict(c, hw_path_of(c))
         meas = statistics.median(c.measured)
         q = statistics.quantiles(c.measured, n=4)
         err = pred / meas - 1
@@ -328,7 +343,7 @@ def main() -> None:
                  "share of the CPUs just before one of its runs started")
     lines += table
     reference = next((c for c in runnable if c.name == REFERENCE), None)
-    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path, reference,
+    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path_of, reference,
                            {key: c for key, c in CONTROLS.items() if any(c is r for r in runnable)})
     text = "\n".join(lines) + "\n"
     print(text)
