@@ -12,9 +12,12 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from cli_errors import cli_error
 from tessera.config import make_config
+from tessera.parallelize import parallelize
 from tessera.report import summary_lines
 from tessera.testing import run_ranks
+from tessera.topology import Topology
 from tessera.trainer import run, train
+from tessera.weights import load_weights
 
 TINY = ["train", "--preset", "tiny", "--set", "data.seq_len=16", "--set", "data.val_tokens=512"]
 
@@ -105,3 +108,23 @@ def test_full_recompute_counts_each_routing_once(tiny_data, tmp_path):
         assert full == plain and full_total == plain_total, f"early_stop={early_stop}"
         for step in full:  # top-2 over the step's 2·2·16 tokens, one MoE layer of 2
             assert sum(step) == 2 * (2 * 2 * 16)
+
+
+def test_init_from_starts_from_the_saved_routing_bias(tiny_data, tmp_path):
+    """The routing bias is a buffer that training moves outside the optimizer: a run started
+    from a checkpoint's weights (train.init_from) takes the saved bias with them, not zeros."""
+    data = [f"data.path={tiny_data}", "data.seq_len=16", "data.val_tokens=512"]
+    moe = dict(moe_experts=4, moe_top_k=2, moe_every=2, moe_router_bias_rate=1e-2)
+    first = make_config("tiny", overrides=data, model=moe,
+                        train=dict(steps=3, checkpoint_interval=3, eval_interval=0,
+                                   sample_tokens=0, out_dir=str(tmp_path / "a")))
+    run(first, progress=False)
+    saved = {k: v for k, v in load_weights(tmp_path / "a")[1].items()
+             if k.endswith("expert_bias")}
+    assert saved and all(v.abs().sum() > 0 for v in saved.values())
+    second = make_config("tiny", overrides=data, model=moe,
+                         train=dict(init_from=str(tmp_path / "a")))
+    model = parallelize(second, Topology.build(second.parallel), torch.device("cpu"))
+    state = model.full_state_dict()
+    for name, bias in saved.items():  # the same float32 values, copied
+        assert torch.equal(state[name], bias), name
