@@ -354,3 +354,83 @@ def test_background_save_writes_the_state_at_the_save(tiny_data, tmp_path):
     assert got["blocking"].keys() == got["background"].keys()
     for key, value in got["blocking"].items():
         assert torch.equal(got["background"][key], value), key
+
+
+def _one_process_state(data: str, root: Path) -> tuple:
+    """(cfg, executor, optimizer, scheduler, loader) of a one-process run: what save and
+    restore take."""
+    from tessera.data.loader import BatchLoader, TokenDataset
+    from tessera.optim import lr_lambda
+    from tessera.parallelize import parallelize
+    from tessera.step import Executor
+    from tessera.topology import Topology
+
+    cfg = _cfg(data, str(root))
+    executor = Executor(parallelize(cfg, Topology.build(cfg.parallel), torch.device("cpu")))
+    optimizer = executor.optimizer(cfg.train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    loader = BatchLoader(TokenDataset(data).train, 16, 8, 2, 0, 1)
+    return cfg, executor, optimizer, scheduler, loader
+
+
+class FakeCudaRng:
+    """torch.cuda.get_rng_state / set_rng_state of one pretend GPU (this machine has none):
+    a 16-byte state, as CUDA's Philox generator keeps (seed and offset)."""
+
+    def __init__(self) -> None:
+        self.state = torch.arange(16, dtype=torch.uint8)
+        self.sets: list[tuple[torch.Tensor, torch.device]] = []
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        assert torch.device(device) == torch.device("cuda", 0)
+        return self.state.clone()
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
+        self.state = state.clone()
+        self.sets.append((state.clone(), torch.device(device)))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_rng_states_saved_and_restored_per_device(tiny_data, tmp_path, monkeypatch):
+    """Each rank saves its CPU generator (``rng.rank-N``) and, when it computes on a GPU, that
+    device's CUDA generator (``rng.cuda.rank-N``); resuming in the same layout restores both.
+
+    Exercised for real here: the CPU generator's round trip through DCP, that a CPU run writes
+    no CUDA entry, and that a checkpoint without one (a CPU run's, or one written before CUDA
+    states were saved) still resumes on a GPU run, its CUDA generator left as it was. Not
+    exercised (no GPU on this machine): torch.cuda's own get/set; the rank's device is set to
+    cuda:0 and torch.cuda.get_rng_state / set_rng_state are replaced by :class:`FakeCudaRng`,
+    so what is checked is which state is saved under which key and that resuming hands it back
+    to the set function with the rank's device."""
+    from tessera import checkpoint
+    from tessera.checkpoint import load_tensors, read_metadata
+
+    cfg, executor, optimizer, scheduler, loader = _one_process_state(tiny_data, tmp_path)
+    args = (cfg, executor, optimizer, scheduler, loader, 0, 1)
+    torch.manual_seed(123)
+    cpu_state = torch.get_rng_state()
+    cpu_run = checkpoint.save(tmp_path / "cpu", 1, *args)
+    keys = set(read_metadata(cpu_run).state_dict_metadata)
+    assert "rng.rank-00000" in keys and not any(k.startswith("rng.cuda.") for k in keys)
+
+    fake = FakeCudaRng()
+    monkeypatch.setattr(torch.cuda, "get_rng_state", fake.get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", fake.set_rng_state)
+    monkeypatch.setattr(executor.model, "device", torch.device("cuda", 0))
+    gpu_run = checkpoint.save(tmp_path / "gpu", 1, *args)
+    saved = load_tensors(gpu_run, ["rng.rank-00000", "rng.cuda.rank-00000"])
+    assert torch.equal(saved["rng.rank-00000"], cpu_state)
+    assert torch.equal(saved["rng.cuda.rank-00000"], torch.arange(16, dtype=torch.uint8))
+
+    torch.manual_seed(999)
+    fake.state = torch.zeros(16, dtype=torch.uint8)
+    checkpoint.restore(gpu_run, *args[:5])
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    assert len(fake.sets) == 1 and fake.sets[0][1] == torch.device("cuda", 0)
+    assert torch.equal(fake.state, torch.arange(16, dtype=torch.uint8))
+
+    # No CUDA entry: the CPU state is restored, the GPU's generator is left alone.
+    torch.manual_seed(999)
+    checkpoint.restore(cpu_run, *args[:5])
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    assert len(fake.sets) == 1

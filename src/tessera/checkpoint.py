@@ -6,7 +6,8 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
 - ``__<rank>_0.distcp`` … one file per rank with the boxes of global tensors that rank holds
   and writes, in reference names (``tessera.sharded_state``: ``model.<ref>``, ``master.<ref>``
   under bf16, ``optim.exp_avg.<ref>``, ``optim.exp_avg_sq.<ref>``, ``optim.step.<ref>``,
-  ``buffer.<ref>`` (MoE routing biases) and ``rng.rank-NNNNN``); experts are boxes of the
+  ``buffer.<ref>`` (MoE routing biases), ``rng.rank-NNNNN`` (the CPU generator) and, on a
+  GPU, ``rng.cuda.rank-NNNNN`` (the rank's CUDA generator)); experts are boxes of the
   stacked (E, ...) tensors, whatever the ep degree; a replicated box is written once;
 - ``.metadata``: DCP's index, every tensor's global shape and which file holds which box;
 - ``extra.json``: the step, the learning-rate schedule's position, and the data loader's
@@ -27,10 +28,11 @@ The master weights come from ``master.<ref>`` when the checkpoint has them, else
 ``model.<ref>`` (an fp32 run's weights are its masters). The loader continues at the same
 global sample, so a changed dp degree sees exactly the next unseen samples; a changed global
 batch (dp × micro-batches × micro-batch size) is refused, since the sampler draws each step's
-windows as one batch of that size. RNG states are per rank and belong to a layout: they are
-restored only into the same layout and world size; otherwise every rank keeps the state its
-seed gave it (training itself draws no random numbers: no dropout, the sampler has its own
-generator).
+windows as one batch of that size. RNG states (CPU, and CUDA on a GPU) are per rank and belong
+to a layout: they are restored only into the same layout and world size; otherwise every rank
+keeps the state its seed gave it (training itself draws no random numbers: no dropout, the
+sampler has its own generator). A checkpoint without a CUDA state (written on CPUs, or before
+CUDA states were saved) leaves the GPU's generator as the seed made it.
 
 Loading checks everything before anything is read into the run, on every rank and before any
 collective (:func:`verify`): the manifest parses, the model, batches and data seed match this
@@ -48,6 +50,7 @@ checkpoint (``tessera checkpoint inspect``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -236,10 +239,19 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
 # Saving
 
 
-def _rng_piece(rank: int) -> Piece:
-    state = torch.get_rng_state()
-    return Piece(f"rng.rank-{rank:05d}", tuple(state.shape), (0,), state, True,
-                 on_load=torch.set_rng_state)
+def _rng_pieces(rank: int, device: torch.device, saved: set[str] | None = None) -> list[Piece]:
+    """This rank's generator states: the CPU generator's (``rng.rank-N``) and, when the rank
+    computes on a GPU, that device's CUDA generator's (``rng.cuda.rank-N``). `saved`: the keys
+    of the checkpoint being restored; a state it lacks (a CPU run's CUDA state, or one from
+    before CUDA states were saved) is left as this run's seed made it."""
+    cpu = torch.get_rng_state()
+    pieces = [Piece(f"rng.rank-{rank:05d}", tuple(cpu.shape), (0,), cpu, True,
+                    on_load=torch.set_rng_state)]
+    if device.type == "cuda":
+        cuda = torch.cuda.get_rng_state(device)
+        pieces.append(Piece(f"rng.cuda.rank-{rank:05d}", tuple(cuda.shape), (0,), cuda, True,
+                            on_load=functools.partial(torch.cuda.set_rng_state, device=device)))
+    return [p for p in pieces if saved is None or p.key in saved]
 
 
 def _engine_model(engine):
@@ -291,7 +303,8 @@ def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(world, group)
-    pieces = [p for p in (*model_pieces(_engine_model(engine), optimizer), _rng_piece(rank))
+    model = _engine_model(engine)
+    pieces = [p for p in (*model_pieces(model, optimizer), *_rng_pieces(rank, model.device))
               if p.write]
     extra = {"step": step, "samples": loader.step * loader.global_batch_size,
              "global_batch": loader.global_batch_size, "data_seed": loader.seed,
@@ -447,7 +460,7 @@ def restore(path: str | Path, cfg: Config, engine, optimizer, scheduler, loader,
             requests.append((source, piece))
     same_layout = meta.get("layout") == _layout(cfg, world)
     if same_layout:
-        requests.append((f"rng.rank-{rank:05d}", _rng_piece(rank)))
+        requests += [(p.key, p) for p in _rng_pieces(rank, model.device, saved)]
     dcp.load({}, storage_reader=reader, planner=_PieceLoadPlanner(path, requests),
              process_group=group)
     for _, piece in requests:

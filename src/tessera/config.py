@@ -351,8 +351,9 @@ class TrainConfig:
 
     init_from: str = ""
     """Start from these weights instead of the random initialization: a checkpoint (step
-    directory, checkpoint root or run directory: its weights) or a Hugging Face Llama directory.
-    The model section is taken from them; the optimizer starts fresh."""
+    directory, checkpoint root or run directory: its weights and MoE routing biases) or a
+    Hugging Face Llama directory. The model section is taken from them; the optimizer starts
+    fresh."""
     profile_steps: str = ""
     """'A:B': record steps A to B (1-based, both included) with torch.profiler and write one
     Chrome/Perfetto trace per rank to <out_dir>/profile/; empty: no profiling. Profiled steps

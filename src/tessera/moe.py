@@ -153,6 +153,10 @@ class MoEFeedForward(nn.Module):
         self.stats = MoEStats(cfg.moe_experts)
         self.step_load = torch.zeros(cfg.moe_experts, dtype=torch.float64, device="cpu")
         """Assignments per expert since the last router-bias update."""
+        self.replaying = False
+        """True while activation recomputation runs this forward again in backward
+        (``tessera.parallel.recompute`` sets it): the replay routes the same tokens again and
+        records nothing, so the statistics and the load count each real forward once."""
 
     def capacity(self, seq_len: int) -> int | None:
         """Assignments one expert takes per sequence; None when dropless."""
@@ -217,7 +221,8 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def _record(self, r: dict[str, torch.Tensor], balance: torch.Tensor,
                 z: torch.Tensor) -> None:
-        if not self.training:  # evaluation passes do not count in the training load
+        # Evaluation passes do not count in the training load, replays count in the forward's.
+        if not self.training or self.replaying:
             return
         load = torch.bincount(r["experts"].reshape(-1), minlength=self.n_experts).double().cpu()
         s = self.stats

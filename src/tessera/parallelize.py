@@ -408,7 +408,8 @@ def _tie_group(topo: Topology, owner: tuple[int, ...]) -> dist.ProcessGroup | No
 def initial_values(cfg: Config) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
     """(reference name, shape) -> the parameter's full starting value: the reference
     initializer's, or with train.init_from the loaded model's (every rank loads it whole and
-    cuts its own shards, as from the initializer)."""
+    cuts its own shards, as from the initializer; its persistent buffers too, through
+    :func:`load_buffers`)."""
     if not cfg.train.init_from:
         return lambda name, shape: init_tensor(cfg.model, name, shape, cfg.train.seed)
     from tessera.weights import load_weights
@@ -422,6 +423,16 @@ def initial_values(cfg: Config) -> Callable[[str, tuple[int, ...]], torch.Tensor
         return state[name].float()
 
     return loaded
+
+
+@torch.no_grad()
+def load_buffers(chunk: Chunk, initial: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
+    """Copy `initial`'s value into each persistent buffer of `chunk` (the MoE routing biases):
+    with train.init_from the loaded model's, since training moves them outside the optimizer
+    and a checkpoint saves them with the weights. A fresh run keeps the zeros it built."""
+    for name, b in chunk.state_dict(keep_vars=True).items():
+        if not isinstance(b, nn.Parameter):
+            b.copy_(initial(chunk.reference_name(name), tuple(b.shape)))
 
 
 def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Schedule,
@@ -461,6 +472,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
                 chunk.seq_scale = tp.size
         else:
             chunk.materialize(seed, device, initial)
+        if cfg.train.init_from:
+            load_buffers(chunk, initial)
         chunk.compute_dtype = dtype
         if cp is not None:
             apply_context_parallel(chunk, cp)

@@ -18,6 +18,12 @@ so dropout would repeat): every :class:`tessera.model.Block` (full) or every
 reference model, tensor-parallel blocks (``ParallelAttention`` has the same core) and pipeline
 chunks alike. Parameters, names and state dicts are unchanged; the model code does not know.
 
+A replayed forward repeats the forward's side effects too. Modules with a ``replaying``
+attribute (MoE layers, whose routing statistics must count each real forward once) find it
+True while checkpoint replays them in backward: the wrapper hands checkpoint a recompute-only
+context (its ``context_fn``) that sets it, so the model code needs no global flag and does not
+depend on where torch stops a replay (after the last saved tensor, by default).
+
 Under tensor parallelism the recomputed forward issues its collectives again (two more
 all-reduces per block for ``full``), as in Megatron; ZeRO-3 gathers a block before its
 backward, which is when the recomputation runs.
@@ -25,7 +31,9 @@ backward, which is when the recomputation runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -51,7 +59,30 @@ def apply_recompute(module: nn.Module, mode: str) -> int:
             if getattr(sub, "recompute", None) is not None:
                 raise ValueError(f"{type(sub).__name__} already recomputes ({sub.recompute})")
             plain = sub.forward
-            sub.forward = functools.partial(checkpoint, plain, use_reentrant=False)
+            sub.forward = functools.partial(checkpoint, plain, use_reentrant=False,
+                                            context_fn=functools.partial(_contexts, sub))
             sub.recompute = mode
             count += 1
     return count
+
+
+def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager,
+                                          contextlib.AbstractContextManager]:
+    """checkpoint's ``context_fn``: nothing around the forward, :func:`replaying` around its
+    replay in backward."""
+    return contextlib.nullcontext(), replaying(module)
+
+
+@contextlib.contextmanager
+def replaying(module: nn.Module) -> Iterator[None]:
+    """Set ``replaying`` on every module inside `module` that has the attribute, restoring the
+    previous values on exit."""
+    marked = [m for m in module.modules() if hasattr(m, "replaying")]
+    before = [m.replaying for m in marked]
+    for m in marked:
+        m.replaying = True
+    try:
+        yield
+    finally:
+        for m, was in zip(marked, before, strict=True):
+            m.replaying = was
