@@ -176,6 +176,7 @@ def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
                 "bw": 1.0,
                 "overhead": 0.0,
                 "passes": 1.0,
+                "optimizer": 0.0,
                 "jitter": 0.0,
                 "mm_large": 1.0,
                 "mm_tail": 0.0,

@@ -27,6 +27,8 @@ def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     assert 1e-3 < hw.attention_tflops < 10
     assert 0.01 < hw.intra_node_gbs < 1000 and 0 <= hw.intra_node_alpha_us < 50_000
     assert hw.memory_gb > 0.1 and hw.memory_bw_gbs > 0.1 and hw.op_overhead_us > 0
+    # the optimizer's loop costs at least nothing and less than 10 ms per tensor
+    assert 0 <= hw.optimizer_tensor_us < 10_000
     assert hw.gpus_per_node >= 1 and hw.dp_overlap == 0.0
     assert 0.01 < hw.gather_efficiency <= 1.0
     w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,

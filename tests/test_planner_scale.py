@@ -428,3 +428,73 @@ def test_time_shared_ranks_pay_data_parallel_waits_once():
         assert wide.step_time == pytest.approx(work + wb["bubble"] + wb["dp_exposed"],
                                                rel=1e-6)
         assert wb["dp_exposed"] > b["dp_exposed"]
+
+
+def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
+    """A tessera step's optimizer time is its traffic over the memory bandwidth plus a fixed
+    cost per parameter tensor. Traffic: AdamW over the parameters it steps (states read and
+    written, gradient read, parameter read and written: 2·8 + 4 + 2·4 bytes in fp32) and the
+    gradient norm over the gradient elements the rank holds, with tessera's fp64 sum (4 + 32)
+    and the clipping's read and write (2·4). The per-tensor cost is the calibrated
+    optimizer_tensor_us where there is one, else 12 kernels at op_overhead_us. ZeRO-1 steps
+    half the parameters at dp 2 but still norms every gradient; fused kernels (Megatron-LM's
+    multi-tensor norm) only read the gradient."""
+    from tessera.planner.cost import OPS_PER_TENSOR_ADAMW, layout_costs
+
+    for calibrated in (0.0, 50.0):
+        hw = _local_cpu(op_overhead_us=4.0, optimizer_tensor_us=calibrated)
+        per_tensor = (calibrated or OPS_PER_TENSOR_ADAMW * 4.0) * 1e-6
+        for layout, gpus, stepped_share in ((dict(dp=1), 1, 1.0),
+                                            (dict(dp=2, zero=1), 2, 0.5)):
+            w, L = _demo(hw, gpus, **layout)
+            costs = layout_costs(w, L)
+            params = sum(ch.params for ch in costs.chunks)
+            tensors = sum(ch.tensors for ch in costs.chunks)
+            traffic = params * (4 + 32 + 2 * 4) + stepped_share * params * (2 * 8 + 4 + 2 * 4)
+            want = traffic / hw.memory_bw + tensors * per_tensor
+            assert costs.optimizer_time == pytest.approx(want, rel=1e-12), (calibrated, layout)
+    # Fused kernels: the norm reads each gradient once, no fp64 copy, no Python loop priced.
+    hw = _local_cpu(op_overhead_us=0.0)
+    w = Workload(model=load_model("llama3-8b"), hardware=hw, gpus=1, global_batch=1,
+                 seq_len=128, kernels="fused", precision="bf16")
+    costs = layout_costs(w, Layout(dp=1, micro_batch=1))
+    params = sum(ch.params for ch in costs.chunks)
+    assert costs.optimizer_time == pytest.approx(params * (2 + 2 * 12 + 2 + 2 * 2)
+                                                 / hw.memory_bw, rel=1e-12)
+
+
+def test_tessera_data_parallel_pays_its_bucket_copies():
+    """tessera's DataParallel copies each fresh gradient into its bucket during backward and
+    divides the buckets by dp after the all-reduce: two reads and two writes of every
+    gradient byte plus 3 kernels per tensor, exposed (its own thread does it). Only DDP (ZeRO
+    0) at dp > 1 pays it; with no overlap and no jitter the chunk's reduction is exactly the
+    all-reduce of its buckets plus that."""
+    import math
+
+    from tessera.planner.cost import (
+        OPS_PER_TENSOR_BUCKET,
+        allreduce_time,
+        group_link,
+        layout_costs,
+    )
+
+    hw = _local_cpu(op_overhead_us=4.0, jitter=0.0)
+    w, L = _demo(hw, 2, dp=2)
+    costs = layout_costs(w, L)
+    link = group_link(hw, 2, stride=1)
+    for ch in {id(c): c for c in costs.chunks}.values():
+        grads = 4 * ch.params
+        n = max(1, math.ceil(grads / (w.bucket_mb * 2**20)))
+        book = 4 * grads / hw.memory_bw + ch.tensors * OPS_PER_TENSOR_BUCKET * 4e-6
+        assert ch.dp_reduce == pytest.approx(n * allreduce_time(grads / n, 2, link) + book,
+                                             rel=1e-12)
+    # ZeRO-3 and one replica pay no bucket copies
+    for layout, gpus in ((dict(dp=2, zero=3), 2), (dict(dp=1), 1)):
+        w, L = _demo(hw, gpus, **layout)
+        zero_book = _local_cpu(op_overhead_us=4.0, jitter=0.0, memory_bw_gbs=1e6)
+        fast = layout_costs(*_demo(zero_book, gpus, **layout))
+        slow = layout_costs(w, L)
+        def dp(costs):
+            return [(c.dp_reduce, c.dp_total, c.zero_forward, c.zero_backward)
+                    for c in costs.chunks]
+        assert dp(slow) == dp(fast), layout

@@ -27,6 +27,9 @@ What is measured:
   more);
 - the per-kernel overhead: the time of an elementwise op on a one-element tensor with autograd
   recording (dispatch, allocation, graph bookkeeping);
+- the optimizer's per-tensor cost: tessera's gradient norm and AdamW step over one block's
+  parameters, less their memory traffic, per parameter tensor (``optimizer_tensor_us``; the
+  single-tensor AdamW loop on a CPU costs several times its kernels' ``op_overhead_us``);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -53,6 +56,7 @@ are wall times after a ``torch.cuda.synchronize()``.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -63,9 +67,11 @@ import torch.nn.functional as F
 
 from tessera.planner.cost import (
     OPS_PER_LAYER_FORWARD,
+    PRECISIONS,
     allgather_time,
     layer_activation_bytes,
     layer_forward_flops,
+    optimizer_traffic,
 )
 from tessera.planner.hardware import Hardware, Link
 from tessera.planner.models import ModelSpec
@@ -180,15 +186,27 @@ def memory_bandwidth(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     return 3 * 4 * n / seconds
 
 
+def _block_config(spec: ModelSpec, seq: int):
+    from tessera.config import ModelConfig
+
+    return ModelConfig(vocab_size=spec.vocab_size, d_model=spec.hidden, n_layers=1,
+                       n_heads=spec.heads, n_kv_heads=spec.kv_heads,
+                       ffn_hidden=spec.ffn_hidden, max_seq_len=seq)
+
+
+def _block(spec: ModelSpec, seq: int) -> torch.nn.Module:
+    """One block of tessera's reference model at the model's shapes."""
+    from tessera.model import Block
+
+    return Block(_block_config(spec, seq))
+
+
 def _block_step(spec: ModelSpec, seq: int, micro_batch: int) -> Callable[[], None]:
     """Forward + backward of one block of tessera's reference model at the model's shapes."""
-    from tessera.config import ModelConfig
-    from tessera.model import Block, rope_tables
+    from tessera.model import rope_tables
 
-    cfg = ModelConfig(vocab_size=spec.vocab_size, d_model=spec.hidden, n_layers=1,
-                      n_heads=spec.heads, n_kv_heads=spec.kv_heads,
-                      ffn_hidden=spec.ffn_hidden, max_seq_len=seq)
-    block = Block(cfg)
+    cfg = _block_config(spec, seq)
+    block = _block(spec, seq)
     cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta)
     x = torch.randn(micro_batch, seq, spec.hidden, requires_grad=True)
     grad = torch.randn(micro_batch, seq, spec.hidden)
@@ -225,6 +243,41 @@ def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, a
     stored = layer_activation_bytes(spec, micro_batch, seq, e=4, flash=True)
     rest = block_seconds(spec, seq, micro_batch) - explained
     return max(0.5, rest / (3 * stored / bw))
+
+
+def optimizer_tensor_seconds(spec: ModelSpec, seq: int, bw: float) -> float:
+    """Seconds per parameter tensor of a step's gradient norm and AdamW update beyond their
+    memory traffic: tessera's own loops (``ParallelModel.local_grad_sq``'s fp64 Σ g², the
+    clipping's scale and ``tessera.optim.adamw``) timed over the parameters of as many blocks
+    at the model's shapes as move 64 MiB (out of cache, as a step's update is; at most the
+    model's blocks), minus
+    what :func:`~tessera.planner.cost.optimizer_traffic` moves at `bw`, over the tensor count
+    (at least 0)."""
+    from tessera.config import TrainConfig
+    from tessera.optim import adamw
+
+    per_block = optimizer_traffic(spec.layer_params, spec.layer_params, PRECISIONS["fp32"],
+                                  tessera=True)
+    blocks = max(1, min(spec.layers, math.ceil(64 * 2**20 / per_block)))
+    params = [p for _ in range(blocks) for p in _block(spec, seq).parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = adamw(params, TrainConfig())
+
+    @torch.no_grad()
+    def run() -> None:
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            sq += p.grad.double().pow(2).sum()
+        scale = 1.0 / (float(sq.sqrt()) + 1.0)  # clipped, as early in training
+        for p in params:
+            p.grad.mul_(scale)
+        optimizer.step()
+
+    numel = sum(p.numel() for p in params)
+    traffic = optimizer_traffic(numel, numel, PRECISIONS["fp32"], tessera=True)
+    seconds = _typical_time(run, repeats=9)
+    return max(0.0, (seconds - traffic / bw) / len(params))
 
 
 def op_overhead() -> float:
@@ -274,11 +327,12 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         bw = memory_bandwidth(spec, seq, micro_batch)
         overhead = op_overhead()
         passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
+        optimizer = optimizer_tensor_seconds(spec, seq, bw)
         noise = jitter(spec, seq, micro_batch)
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
-            "jitter": noise, "mm_large": large, "mm_tail": tail}
+            "optimizer": optimizer, "jitter": noise, "mm_large": large, "mm_tail": tail}
 
 
 def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
@@ -347,7 +401,8 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
     results = run_ranks(_calibration_worker, ranks, args=(spec, seq, micro_batch, device),
                         timeout=600, backend=backend)
     out = dict(results[0])
-    for key in ("mm", "attn", "bw", "overhead", "passes", "jitter", "mm_large", "mm_tail"):
+    for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter", "mm_large",
+                "mm_tail"):
         out[key] = statistics.median(r[key] for r in results)
     return out
 
@@ -375,7 +430,8 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         inter_node_alpha_us=alpha * 1e6, p2p_alpha_us=p2p_alpha * 1e6,
         p2p_gbs=1.0 / p2p_beta / 1e9,
         link_efficiency=1.0, gather_efficiency=r["gather_efficiency"],
-        op_overhead_us=overhead * 1e6, elementwise_passes=passes, jitter=r["jitter"],
+        op_overhead_us=overhead * 1e6, optimizer_tensor_us=r["optimizer"] * 1e6,
+        elementwise_passes=passes, jitter=r["jitter"],
         dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, {ranks} ranks measuring at once, fp32, {device}, {backend}, "

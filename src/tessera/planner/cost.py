@@ -112,6 +112,11 @@ OPS_PER_LAYER_FORWARD = 70
 (tessera's reference block, counted with torch.profiler); backward runs about twice as many."""
 OPS_PER_TENSOR_ADAMW = 12
 """Kernels per parameter tensor in one single-tensor (foreach=False) AdamW update."""
+TESSERA_NORM_BYTES = 32
+"""Bytes per gradient element that tessera's gradient norm moves besides reading the gradient:
+Σ g² accumulated in fp64 over a cast copy (write 8, read 8, write 8, read 8:
+``tessera.parallelize.ParallelModel.local_grad_sq``); a fused multi-tensor norm (Megatron-LM)
+only reads the gradient."""
 
 PRECISIONS = {
     # name: (parameter, gradient, optimizer-state bytes per parameter; activation bytes)
@@ -988,8 +993,11 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             per_bucket = (allreduce_time(grads / n_buckets, dp_group, dp_link) if zero == 0
                           else allgather_time(grads / n_buckets, dp_group, dp_link))
             gather_after = allgather_time(weights, dp_group, dp_link) if zero == 1 else 0.0
-            ch.dp_total = n_buckets * per_bucket + gather_after + wait
-            ch.dp_reduce = exposed_behind(per_bucket, n_buckets, bwd, 0) + gather_after + wait
+            ddp = zero == 0 and tessera and dp_group > 1
+            book = ddp_bucket_time(hw, grads, ch.tensors) if ddp else 0.0
+            ch.dp_total = n_buckets * per_bucket + gather_after + wait + book
+            ch.dp_reduce = (exposed_behind(per_bucket, n_buckets, bwd, 0) + gather_after + wait
+                            + book)
         else:
             ag = allgather_time(weights / units, dp_group, dp_link)
             rs = allgather_time(grads / units, dp_group, dp_link)
@@ -1069,6 +1077,45 @@ def _layer_tensors(spec: ModelSpec) -> int:
     return matrices * (2 if spec.bias else 1) + 2 * (2 if spec.norm == "layernorm" else 1)
 
 
+OPS_PER_TENSOR_BUCKET = 3
+"""Kernels per parameter tensor in tessera's DataParallel gradient hook (the copy into the
+bucket, the gradient re-pointed at its slot, the used flag)."""
+
+
+def ddp_bucket_time(hw: Hardware, grad_bytes: float, tensors: int) -> float:
+    """Seconds tessera's DataParallel spends on its buckets besides the all-reduce: each
+    freshly allocated gradient copied into its slot during backward (the trainer zeroes
+    gradients with set_to_none, as torch DDP's bucket views are also refilled by a copy) and
+    the buckets divided by dp after the wait: two reads and two writes of every gradient
+    byte, plus the hook's kernels per tensor. Compute cannot hide it: it runs on the rank's
+    own thread."""
+    kernels = tensors * OPS_PER_TENSOR_BUCKET * hw.op_overhead_us * 1e-6
+    return 4 * grad_bytes / hw.memory_bw + kernels
+
+
+def optimizer_traffic(stepped: float, normed: float, nbytes: tuple[int, int, int, int],
+                      tessera: bool) -> float:
+    """Bytes one rank's optimizer step moves: the gradient norm over the `normed` gradient
+    elements it holds (one read; tessera's fp64 sum moves TESSERA_NORM_BYTES more per element,
+    and tessera prices the clipping too, a read and a write of each, as a step whose norm is
+    above train.grad_clip), then AdamW over the `stepped` parameters (reads and writes its
+    states, reads the gradient, writes the parameter)."""
+    pb, gb, ob, _ = nbytes
+    norm = 3 * gb + TESSERA_NORM_BYTES if tessera else gb
+    return normed * norm + stepped * (2 * ob + gb + 2 * pb)
+
+
+def optimizer_step_time(hw: Hardware, stepped: float, normed: float, tensors: int,
+                        nbytes: tuple[int, int, int, int], tessera: bool) -> float:
+    """Seconds of one rank's gradient norm and optimizer step: memory-bound traffic plus a
+    fixed cost per parameter tensor (``hw.optimizer_tensor_us`` where calibrate measured
+    tessera's per-parameter loops, else OPS_PER_TENSOR_ADAMW kernels at ``op_overhead_us``)."""
+    per_tensor = (hw.optimizer_tensor_us if hw.optimizer_tensor_us > 0
+                  else OPS_PER_TENSOR_ADAMW * hw.op_overhead_us) * 1e-6
+    return (optimizer_traffic(stepped, normed, nbytes, tessera) / hw.memory_bw
+            + tensors * per_tensor)
+
+
 def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> RankState:
     """Pipeline rank `rank`'s model state (it holds chunks rank, rank + p, ... of `chunks`).
 
@@ -1082,10 +1129,9 @@ def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> R
     tensors = sum(ch.tensors for ch in mine)
     shard = L.dp * L.cp
     stepped = params / (shard if L.zero >= 1 else 1)
-    # Adam reads and writes its states, reads the gradient, writes the parameter.
-    traffic = stepped * (2 * ob + gb + 2 * pb)
-    hw = w.hardware
-    opt_time = traffic / hw.memory_bw + tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
+    normed = params / (shard if L.zero >= 2 else 1)  # the gradient elements this rank holds
+    opt_time = optimizer_step_time(w.hardware, stepped, normed, tensors, w.bytes,
+                                   w.tessera_engine)
     if w.tessera_engine and L.cp == 1:
         state = engine.model_state_bytes(w, L, rank)
         largest = sorted(n for n, _ in engine.rank_units(w, L, rank))[-2:]

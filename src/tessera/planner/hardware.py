@@ -104,6 +104,10 @@ class Hardware:
     op_overhead_us: float = 0.0
     """Fixed cost per kernel (launch, dispatch): negligible on GPUs at these sizes, but
     dominant for small models on a CPU, where calibrate measures it."""
+    optimizer_tensor_us: float = 0.0
+    """Fixed cost per parameter tensor of a step's gradient norm and optimizer update beyond
+    their memory traffic: what tessera's per-parameter loops cost on a CPU, which calibrate
+    measures. 0: OPS_PER_TENSOR_ADAMW kernels at op_overhead_us each."""
     elementwise_passes: float = 2.0
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
@@ -138,7 +142,7 @@ class Hardware:
         if not 0.0 <= self.dp_overlap <= 1.0:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
-                  "elementwise_passes", "jitter", "matmul_tail_us"):
+                  "optimizer_tensor_us", "elementwise_passes", "jitter", "matmul_tail_us"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
