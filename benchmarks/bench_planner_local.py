@@ -255,7 +255,9 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str],
 
 
 def over_reference(c: Case, reference: Case | None) -> str:
-    if reference is None or not reference.measured or c.nproc != 2:
+    """The step minus the dp=1 reference's: 2-rank rows at the reference's micro-batch only."""
+    if (reference is None or not reference.measured or c.nproc != 2
+            or c.micro_batch != reference.micro_batch):
         return "-"
     return f"{1e3 * (statistics.median(c.measured) - statistics.median(reference.measured)):.1f}"
 
