@@ -14,14 +14,14 @@
    ``tessera data prepare --out data/stdlib``); the measured step time is the median over all
    steps after the second, pooled over --rounds runs taken alternately with the other layouts.
 4. It prints predicted, measured and the error, and the target: within ±25%.
-5. For the DDP and ZeRO-3 rows (OVERLAP_ROWS) it also prints the exposed data-parallel
-   communication: the planner's (``Estimate.breakdown()["dp_exposed"]``) against the runtime's
-   own timestamps (``tessera.parallel.comm_timing``: per step, the seconds rank 0 blocked on
-   its DP collectives, logged as ``comm_wait_s``), medians over the steps; target ±15%.
-   Beside it, what data parallelism costs the step in all: the row's step minus the step of
-   N independent single-rank runs started together (CONTROLS: same micro-batch, same cores
-   shared the same way, no collectives). On shared CPU cores a collective that runs beside
-   compute slows it instead of making it wait, which the waits do not see.
+5. For the DDP and ZeRO-3 rows (OVERLAP_ROWS) it measures what data parallelism costs the step,
+   with its control inside the same run (``benchmarks/dp_cost.py``): the N ranks hold the
+   layout and a one-rank copy each (no collectives: N independent runs), and alternate blocks
+   of steps of the two; the median over pairs of (DP step - control step) is the measured cost,
+   against the planner's: its step for the layout minus its step for the control (one rank
+   alone, times ranks/cores where ranks time-share the cores). Target ±15% (OVERLAP_TARGET).
+   Beside it, the exposed DP communication the runtime timestamps (``comm_wait_s``: the seconds
+   the compute thread blocked on DP collective handles) against the planner's ``dp_exposed``.
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
 reference is tessera's own measured step.
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # dp_cost.py, beside this file
 TARGET = 0.25
 
 
@@ -58,14 +59,10 @@ class Case:
     microbatches: int = 1
     measured: list[float] = field(default_factory=list)
     idle: list[float] = field(default_factory=list)
-    waits: list[float] = field(default_factory=list)
-    """Per step: rank 0's summed waits on DP collectives (the measured exposed DP time)."""
-    rest: list[float] = field(default_factory=list)
-    """Per step: step time minus rank 0's compute actions (waits, optimizer, clipping)."""
     load: list[float] = field(default_factory=list)
     """os.getloadavg()[0] just before each of its runs."""
-    independent: bool = False
-    """A control: `nproc` single-rank runs at once (no collectives), not one N-rank run."""
+    paired: object = None
+    """dp_cost.PairedResult of the overlap rows: DP steps, control steps, waits."""
 
 
 CASES = [
@@ -110,15 +107,7 @@ CASES += [
 OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks)",
                 "dp=2, b=2", "dp=2, zero=3, b=2", "dp=4, b=2 (4 ranks)",
                 "dp=4, zero=3, b=2 (4)")
-# Controls for the overlap rows: N single-rank runs at once, keyed by (N, micro-batch).
-CONTROLS = {(n, b): Case(f"{n} x dp=1, b={b} (control)", n, {"dp": 1, "micro-batch-size": b},
-                         dict(dp=1), micro_batch=b, independent=True)
-            for n in (2, 4) for b in (16, 2)}
-CASES += list(CONTROLS.values())
-# The compute-only step of one dp rank (same micro-batch, one thread, no collectives): a
-# 2-rank row's step minus this one is all its data parallelism costs, waits or not.
-CASES.append(Case("dp=1 (reference)", 1, {"dp": 1}, dict(dp=1)))
-REFERENCE = "dp=1 (reference)"
+CASES.append(Case("dp=1", 1, {"dp": 1}, dict(dp=1)))
 OVERLAP_TARGET = 0.15
 
 
@@ -182,84 +171,77 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.9) -> float:
 
 def measure(case: Case, steps: int, data: str) -> list[dict]:
     """Per-step records of one `tessera train` run (all ranks' steps end together; rank 0's
-    metrics.jsonl: step_s, comm_wait_s, compute_s), without the first two steps. A control
-    (``case.independent``) starts `nproc` single-rank runs at once and pools their steps."""
-    copies = case.nproc if case.independent else 1
+    metrics.jsonl: step_s, comm_wait_s, compute_s), without the first two steps."""
     with tempfile.TemporaryDirectory() as tmp:
-        outs = [Path(tmp) / f"run{i}" for i in range(copies)]
+        out = Path(tmp) / "run"
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = []
-        for out in outs:
-            cmd = [sys.executable, "-m", "tessera", "train", "--preset", "demo", "--nproc",
-                   "1" if case.independent else str(case.nproc), "--steps", str(steps),
-                   "--data", data, "--out", str(out), "--no-progress", "--set",
-                   "train.eval_interval=0", "--set", "train.sample_tokens=0", "--set",
-                   "data.val_tokens=4096"]
-            for key, value in case.flags.items():
-                cmd += [f"--{key}"] + ([] if value is None else [str(value)])
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))
-        records = []
-        for proc, out in zip(procs, outs, strict=True):
-            _, err = proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError(f"{case.name}: tessera train failed:\n{err[-2000:]}")
-            lines = (out / "metrics.jsonl").read_text().splitlines()
-            records += [r for r in map(json.loads, lines) if "step_s" in r][2:]
-        return records
+        cmd = [sys.executable, "-m", "tessera", "train", "--preset", "demo", "--nproc",
+               str(case.nproc), "--steps", str(steps), "--data", data, "--out", str(out),
+               "--no-progress", "--set", "train.eval_interval=0", "--set",
+               "train.sample_tokens=0", "--set", "data.val_tokens=4096"]
+        for key, value in case.flags.items():
+            cmd += [f"--{key}"] + ([] if value is None else [str(value)])
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{case.name}: tessera train failed:\n{proc.stderr[-2000:]}")
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "step_s" in r][2:]
 
 
-def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str],
-                  reference: Case | None,
-                  controls: dict[tuple[int, int], Case]) -> list[str]:
-    """Exposed DP communication, predicted against measured from the runtime's timestamps
-    (tessera.parallel.comm_timing): per step, the seconds rank 0 blocked on its DP
-    collectives; medians over the steps. Target: within ±15% (OVERLAP_TARGET). Beside it, for
-    2-rank rows, the step minus the compute-only step of `reference` (dp=1, same micro-batch):
-    everything data parallelism costs, including collectives that slowed compute instead of
-    making it wait (on 2 cores, gloo's threads share the cores with backward); and for every
-    row the step minus its control's (N single-rank runs at once, the same micro-batch): the
-    same, at 4 ranks too, since the control time-shares the cores as the row does."""
+def predict_cost(case: Case, hw_path: str) -> float:
+    """The planner's DP cost of `case`: its step minus the control's, one rank alone at the
+    same micro-batch, times ranks/cores where the N ranks time-share fewer cores (what N
+    independent runs at once take; the planner's own rule, ``cost.shared_cpu_bound``)."""
+    from tessera.planner.hardware import load_hardware
+
+    control = Case("control", 1, {}, dict(dp=1), micro_batch=case.micro_batch)
+    cores = load_hardware(hw_path).cores or case.nproc
+    sharing = max(1.0, case.nproc / cores)
+    return predict(case, hw_path) - sharing * predict(control, hw_path)
+
+
+def measure_cost(case: Case, blocks: int) -> object:
+    """dp_cost.measure_paired for an overlap row (dp = nproc, its ZeRO stage, micro-batch)."""
+    from dp_cost import measure_paired
+
+    return measure_paired(case.nproc, int(case.flags.get("zero-stage", 0)), case.micro_batch,
+                          blocks=blocks)
+
+
+def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[str]:
+    """What data parallelism costs a step, predicted against measured with the control in the
+    same run (dp_cost.py; target ±15%, OVERLAP_TARGET), and the exposed DP communication the
+    runtime timestamps (every rank's waits on DP collective handles, averaged)
+    against the planner's dp_exposed. Medians over pairs with their 95% intervals."""
+    from dp_cost import median_interval
+
     if not cases:
         return []
-    out = ["", "exposed DP communication per step (rank 0's waits on collective handles, "
-           "timestamped by the runtime; medians over the steps)",
-           f"{'layout':<24} {'predicted ms':>12} {'measured ms':>11} {'spread':>13} "
-           f"{'ratio':>6} {'step-compute ms':>15} {'step-dp1 ms':>11} {'step-control ms':>15} "
-           f"{'ratio':>6} {'load':>5}"]
+    out = ["", "what data parallelism costs a step: the DP step minus the control step of the "
+           "same run (N one-rank models, no collectives), medians over pairs [95% interval]",
+           f"{'layout':<24} {'predicted ms':>12} {'measured ms':>11} {'interval':>13} "
+           f"{'ratio':>6} {'exposed pred':>12} {'waits ms':>9} {'interval':>13} {'pairs':>5}"]
     for c in cases:
-        pred = predict_exposed_dp(c, hw_path_of(c))
-        meas = statistics.median(c.waits)
-        q = statistics.quantiles(c.waits, n=4)
-        ratio = pred / meas if meas > 0 else math.inf
-        mark = "" if abs(ratio - 1) <= OVERLAP_TARGET else "  <-- waits outside ±15%"
-        control = controls.get((c.nproc, c.micro_batch))
-        cost = (statistics.median(c.measured) - statistics.median(control.measured)
-                if control is not None and control.measured else math.nan)
-        cost_ratio = pred / cost if cost > 0 else math.inf
-        if abs(cost_ratio - 1) > OVERLAP_TARGET:
-            mark += "  <-- cost outside ±15%"
-        out.append(f"{c.name:<24} {1e3 * pred:>12.1f} {1e3 * meas:>11.1f} "
-                   f"{1e3 * q[0]:>6.1f}-{1e3 * q[2]:<6.1f} {ratio:>6.2f} "
-                   f"{1e3 * statistics.median(c.rest):>15.1f} {over_reference(c, reference):>11} "
-                   f"{1e3 * cost:>15.1f} {cost_ratio:>6.2f} {max(c.load):>5.1f}{mark}")
-    out.append("ratio: predicted / measured; step-compute: the step minus rank 0's compute "
-               "actions (waits outside them, optimizer, clipping, loss reduction; ZeRO-3's "
-               "gather waits are inside its actions); step-dp1: the step minus the dp=1 "
-               "reference step (2-rank rows; at 4 ranks the cores are time-shared); step-control: "
-               "the step minus the median step of its control (N single-rank runs at once, "
-               "same micro-batch), everything data parallelism costs, and its ratio "
-               "predicted / that; load: the highest 1-minute load average just before one of "
-               "its runs")
+        r = c.paired
+        pred = predict_cost(c, hw_path_of(c))
+        cost, lo, hi = median_interval(r.cost_s)
+        waits, wlo, whi = median_interval(r.waits_s)
+        ratio = pred / cost if cost > 0 else math.inf
+        mark = "" if abs(ratio - 1) <= OVERLAP_TARGET else "  <-- outside ±15%"
+        exposed = predict_exposed_dp(c, hw_path_of(c))
+        out.append(f"{c.name:<24} {1e3 * pred:>12.1f} {1e3 * cost:>11.1f} "
+                   f"{1e3 * lo:>6.1f}-{1e3 * hi:<6.1f} {ratio:>6.2f} {1e3 * exposed:>12.1f} "
+                   f"{1e3 * waits:>9.1f} {1e3 * wlo:>6.1f}-{1e3 * whi:<6.1f} "
+                   f"{len(r.cost_s):>5}{mark}")
+    within = sum(abs(predict_cost(c, hw_path_of(c)) / median_interval(c.paired.cost_s)[0] - 1)
+                 <= OVERLAP_TARGET for c in cases)
+    out.append(f"{within} of {len(cases)} DP costs within ±15%")
+    out.append("ratio: predicted / measured cost; predicted: the planner's step for the layout "
+               "minus its step for one rank alone (times ranks/cores when ranks time-share "
+               "cores); exposed pred: the planner's dp_exposed; waits: the DP step's waits on "
+               "collective handles (tessera.parallel.comm_timing), averaged over the ranks")
     return out
-
-
-def over_reference(c: Case, reference: Case | None) -> str:
-    """The step minus the dp=1 reference's: 2-rank rows at the reference's micro-batch only."""
-    if (reference is None or not reference.measured or c.nproc != 2
-            or c.micro_batch != reference.micro_batch):
-        return "-"
-    return f"{1e3 * (statistics.median(c.measured) - statistics.median(reference.measured)):.1f}"
 
 
 def main() -> None:
@@ -274,6 +256,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/planner_local.txt")
     ap.add_argument("--quiet-wait", type=float, default=60.0,
                     help="seconds to wait for a quiet machine before each run")
+    ap.add_argument("--blocks", type=int, default=24,
+                    help="blocks of 4 steps of each model per overlap row (dp_cost.py)")
+    ap.add_argument("--overlap-only", action="store_true",
+                    help="only the overlap rows' DP costs (no tessera train step-time runs)")
+    ap.add_argument("--from-json", help="the overlap rows' pairs saved by an earlier run "
+                    "(with --overlap-only and its --hardware files: the table again)")
     args = ap.parse_args()
 
     subprocess.run([sys.executable, "-m", "tessera", "data", "prepare", "--out", args.data,
@@ -303,30 +291,46 @@ def main() -> None:
     cases = [c for c in CASES if not args.only or c.name in args.only]
     runnable = []
     for c in cases:
-        why = None if c.independent else supported(c, hw_path_of(c))
+        if args.overlap_only and c.name not in OVERLAP_ROWS:
+            continue
+        why = supported(c, hw_path_of(c))
         if why:
             lines.append(f"# skipped {c.name}: {why}")
         else:
             runnable.append(c)
-    for r in range(args.rounds):
+    for r in range(0 if args.overlap_only else args.rounds):
         for c in (runnable if r % 2 == 0 else reversed(runnable)):
             idle = wait_for_quiet(args.quiet_wait)
             c.idle.append(idle)
             c.load.append(os.getloadavg()[0])
             records = measure(c, args.steps, args.data)
             c.measured += [r["step_s"] for r in records]
-            c.waits += [r.get("comm_wait_s", 0.0) for r in records]
-            c.rest += [r["step_s"] - r["compute_s"] for r in records]
             print(f"round {r + 1}: {c.name}: median so far "
                   f"{statistics.median(c.measured):.3f} s ({100 * idle:.0f}% idle at start)",
                   flush=True)
+
+    # The DP cost of the overlap rows, control in the same run; every pair is kept in a JSON
+    # file beside --out (--from-json prints the table again from it).
+    from dp_cost import FIELDS, PairedResult, summary
+
+    raw_path = Path(args.from_json or Path(args.out).with_suffix(".json"))
+    raw = json.loads(raw_path.read_text()) if args.from_json else {}
+    for c in runnable:
+        if c.name not in OVERLAP_ROWS:
+            continue
+        if c.name not in raw:
+            wait_for_quiet(args.quiet_wait)
+            raw[c.name] = measure_cost(c, args.blocks).to_dict()
+            raw_path.write_text(json.dumps(raw))
+        c.paired = PairedResult(**{k: raw[c.name][k] for k in FIELDS})
+        print(f"paired: {c.name}:\n  " + "\n  ".join(summary(c.paired)), flush=True)
 
     head = (f"{'layout':<24} {'predicted s':>11} {'measured s':>10} {'spread':>13} "
             f"{'error':>7} {'idle':>5}")
     table = [head]
     errors = []
     for c in runnable:
-        if c.independent:
+        if not c.measured:
             continue
         pred = predict(c, hw_path_of(c))
         meas = statistics.median(c.measured)
@@ -343,10 +347,9 @@ def main() -> None:
                  f"dp, tp, pp and a mix)")
     table.append("spread: interquartile range of the measured steps; idle: the lowest idle "
                  "share of the CPUs just before one of its runs started")
-    lines += table
-    reference = next((c for c in runnable if c.name == REFERENCE), None)
-    lines += overlap_table([c for c in runnable if c.name in OVERLAP_ROWS], hw_path_of, reference,
-                           {key: c for key, c in CONTROLS.items() if any(c is r for r in runnable)})
+    if errors:
+        lines += table
+    lines += overlap_table([c for c in runnable if c.paired is not None], hw_path_of)
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
