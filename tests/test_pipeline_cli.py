@@ -57,7 +57,15 @@ def test_custom_schedule_file(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1F0 1B0 1B1\n")
     assert "deadlocks" in cli_error(["schedule", "--file", str(bad)])
-    bad.write_text("rank 0: 0F0 0F1 0B1 0B0\nrank 1: 1F0 1B0 1F1 1B1\n")
+    # Rank 0 takes the gradients in the other order than rank 1 sends them: the lowering
+    # receives micro-batch 0's first (FIFO, as NCCL matches), so the schedule runs.
+    swapped = tmp_path / "swapped.txt"
+    swapped.write_text("rank 0: 0F0 0F1 0B1 0B0\nrank 1: 1F0 1B0 1F1 1B1\n")
+    result = runner.invoke(app, ["schedule", "--file", str(swapped)])
+    assert result.exit_code == 0, result.output
+    # Written out by hand in the wrong order, the sends and receives are refused.
+    bad.write_text("rank 0: 0F0 0F1 0SEND_F1 0SEND_F0 0RECV_B0 0B0 0RECV_B1 0B1\n"
+                   "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1\n")
     assert "must come in the same order" in cli_error(["schedule", "--file", str(bad)])
     bad.write_text("rank 0: 0F0 0X1\n")
     assert "action '0X1'" in cli_error(["schedule", "--file", str(bad)])

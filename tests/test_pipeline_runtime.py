@@ -1,7 +1,8 @@
 """The pipeline runtime against the single-device reference, on gloo ranks.
 
 Every schedule at pp ∈ {2, 4}, v ∈ {1, 2} where the schedule has chunks, m ∈ {1, p, 2p+1}
-where allowed (interleaved needs m a multiple of p: m ∈ {p, 2p}); tied and untied embeddings;
+where allowed (interleaved needs m a multiple of p: m ∈ {p, 2p}; with micro-batch groups of
+p + 1, m ∈ {p + 1, 2p + 2}); tied and untied embeddings;
 pp=2 × dp=2; a custom V-shaped schedule. Each case trains 10 AdamW steps with gradient clipping
 next to the single-device model and compares the loss, the gradient norm, every gradient and
 every weight at every step: bitwise where the pipeline sums in the reference's order (untied,
@@ -36,12 +37,12 @@ MBS, SEQ, VOCAB = 2, 16, 64
 
 
 def case_config(schedule: str, pp: int, m: int, v: int = 1, dp: int = 1, tie: bool = False,
-                layers: int = 4, custom: str | None = None):
+                layers: int = 4, custom: str | None = None, group: int = 0):
     return make_config(
         "tiny",
         model=dict(vocab_size=VOCAB, d_model=32, n_layers=layers, n_heads=2, n_kv_heads=1,
                    max_seq_len=32, tie_embeddings=tie),
-        parallel=dict(pp=pp, dp=dp, schedule=schedule, virtual_stages=v),
+        parallel=dict(pp=pp, dp=dp, schedule=schedule, virtual_stages=v, microbatch_group=group),
         train=dict(grad_accum=m, micro_batch_size=MBS, steps=STEPS, lr=1e-3, grad_clip=0.5,
                    out_dir="/nonexistent-not-written"),
         data=dict(seq_len=SEQ))
@@ -171,6 +172,9 @@ def parity_cases(pp: int) -> list[dict]:
             cases.append(dict(schedule="bfs", pp=pp, m=m, v=v, layers=layers, tie=v == 2))
     for m in (pp, 2 * pp):  # interleaved needs v >= 2 (v = 1 is 1f1b, above)
         cases.append(dict(schedule="interleaved", pp=pp, m=m, v=2, layers=layers, tie=m == pp))
+    # Micro-batch groups above p (Llama 3's N; m a multiple of the group).
+    for group, m in ((pp + 1, pp + 1), (pp + 1, 2 * pp + 2)):
+        cases.append(dict(schedule="interleaved", pp=pp, m=m, v=2, layers=layers, group=group))
     return cases
 
 

@@ -82,6 +82,53 @@ def test_peak_inflight_closed_forms():
             assert peaks == [v * m] * p
 
 
+def grouped_cases():
+    """(p, v, m, G) for interleaved with micro-batch groups of G (Megatron-LM's
+    microbatch_group_size_per_vp_stage, Llama 3's N) at and above p."""
+    for p, v in itertools.product((1, 2, 3, 4), (2, 3)):
+        for g in sorted({p, p + 1, 2 * p}):
+            for m in (g, 2 * g, 3 * g):
+                yield p, v, m, g
+
+
+def test_interleaved_micro_batch_groups():
+    """Every grouped schedule validates (no deadlock, every send matched) and round-trips; a
+    group of p is Megatron's default schedule action for action; the peak in-flight sets per
+    rank are 2(p - r - 1) + (v - 1)·G + 1 (Megatron's warm-up plus the first steady forward;
+    all v·m when m = p), which the planner's closed form gives; the bubble is never below the
+    default's. At p = 2 one direction between the two ranks carries both activations and
+    gradients, whose order differs from the consumer's when G != p: the lowering receives a
+    message the peer sent earlier first (NCCL's FIFO order), which validate checks."""
+    from tessera.planner.pipeline import inflight
+
+    for p, v, m, g in grouped_cases():
+        s = build_schedule("interleaved", p, m, v, g)
+        assert parse(s.to_string()) == s, (p, v, m, g)
+        validate(lower_comms(s))
+        counted = simulate(s, StageCosts(forward=1, backward=1)).peak_inflight
+        want = [v * m] * p if m == p else \
+            [min(v * m, 2 * (p - r - 1) + (v - 1) * g + 1) for r in range(p)]
+        assert counted == want == list(inflight("interleaved", p, m, v, g)), (p, v, m, g)
+        if m % p == 0:
+            default = build_schedule("interleaved", p, m, v)
+            if g == p:
+                assert s.actions == default.actions
+            costs = StageCosts(forward=1 / v, backward=2 / v)
+            assert simulate(s, costs).bubble_fraction >= \
+                simulate(default, costs).bubble_fraction - 1e-12, (p, v, m, g)
+
+
+def test_micro_batch_group_is_refused_where_it_cannot_work():
+    with pytest.raises(ConfigError, match=r"microbatches=6: .* multiple of the group size 4"):
+        build_schedule("interleaved", 2, 6, 2, 4)
+    with pytest.raises(ConfigError, match=r"group=2: micro-batch groups must hold at least pp=4"):
+        build_schedule("interleaved", 4, 8, 2, 2)
+    with pytest.raises(ConfigError, match=r"group=2: schedule '1f1b' has no micro-batch groups"):
+        build_schedule("1f1b", 2, 4, 1, 2)
+    with pytest.raises(ConfigError, match=r"group=-1: must be a non-negative integer"):
+        build_schedule("interleaved", 2, 4, 2, -1)
+
+
 def test_breadth_first_beats_depth_first_when_dp_reduction_is_costly():
     # Lamy-Poirier (2023): breadth-first finishes each chunk's backwards early, so its gradient
     # reduction overlaps the remaining backwards. With p=4, v=4, m=16, a chunk's backwards

@@ -293,6 +293,15 @@ def test_cli_evaluates_one_layout_with_explain():
     assert "one layout evaluated: dp=64 tp=8 pp=16" in r.output
     assert "stages=3,4*30,3" in r.output and "MFU-c" in r.output
     assert "counting the causal half (Llama 3)" in r.output and "16 B/param" in r.output
+    # Llama 3's N: micro-batch groups of 32 per chunk visit (Megatron's default is pp = 16)
+    # hold more at the warm-up's peak (rank 0: 2·15 + 32 + 1 sets against 2·15 + 16 + 1).
+    g = runner.invoke(app, args + ["--json"])
+    g32 = runner.invoke(app, [a + ",g=32" if a.startswith("dp=64") else a for a in args]
+                        + ["--json"])
+    assert g.exit_code == g32.exit_code == 0, g32.output
+    default, grouped = json.loads(g.output)["layouts"][0], json.loads(g32.output)["layouts"][0]
+    assert (default["microbatch_group"], grouped["microbatch_group"]) == (0, 32)
+    assert grouped["memory_gb"] > default["memory_gb"]
     r = runner.invoke(app, args + ["--json", "--precision", "bf16-fp32grads"])
     out = json.loads(r.output)
     row = out["layouts"][0]

@@ -152,6 +152,10 @@ def train(
         help="Micro-batches per step per dp rank (gradient accumulation; the pipeline's m).")
     ] = None,
     virtual: Annotated[int | None, typer.Option(help="Virtual stages per pipeline rank.")] = None,
+    microbatch_group: Annotated[int | None, typer.Option(
+        help="Interleaved 1F1B: micro-batches per chunk visit, at least pp (Megatron-LM's "
+             "microbatch_group_size_per_vp_stage, Llama 3's N; default pp). More hold more "
+             "activations and hide more of the pipeline's transfers.")] = None,
     stage_layout: Annotated[str | None, typer.Option(
         help="Blocks per pipeline chunk, e.g. '7,8*14,7', or in Megatron-LM's "
              "--pipeline-model-parallel-layout form, 'Et*7|(t*8|)*14t*7L' (default: "
@@ -196,8 +200,8 @@ def train(
                          bucket_mb=bucket_mb, allreduce_algorithm=allreduce_algorithm,
                          max_staleness=max_staleness,
                          sequence_parallel=sequence_parallel, schedule=schedule,
-                         virtual_stages=virtual, recompute=recompute, ep=ep,
-                         stage_layout=stage_layout),
+                         virtual_stages=virtual, microbatch_group=microbatch_group,
+                         recompute=recompute, ep=ep, stage_layout=stage_layout),
         "model": dict(moe_experts=moe_experts, moe_top_k=moe_top_k,
                       moe_capacity_factor=moe_capacity_factor),
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
@@ -326,6 +330,8 @@ def schedule_cmd(
     pp: Annotated[int, typer.Option(help="Pipeline ranks.")] = 4,
     microbatches: Annotated[int, typer.Option(help="Micro-batches per step.")] = 8,
     virtual: Annotated[int, typer.Option(help="Chunks per rank (interleaved, bfs).")] = 1,
+    microbatch_group: Annotated[int, typer.Option(
+        help="Interleaved: micro-batches per chunk visit (0: pp, Megatron's default).")] = 0,
     out: Annotated[str | None, typer.Option(help="Write the PNG timeline and trace here.")
                    ] = None,
     file: Annotated[str | None, typer.Option(
@@ -356,8 +362,9 @@ def schedule_cmd(
         if schedule == "interleaved" and virtual < 2 and file is None:
             raise ConfigError("--virtual", virtual, "interleaved 1F1B needs --virtual >= 2 "
                               "(with one chunk per rank it is plain 1f1b)")
-        print(describe(load_schedule(schedule, pp, microbatches, virtual, file),
-                       backward_ratio, dp_reduce, out, zero_stage, gather))
+        print(describe(load_schedule(schedule, pp, microbatches, virtual, file,
+                                     microbatch_group),
+                       backward_ratio, dp_reduce, out, zero_stage, gather, microbatch_group))
     except (ConfigError, ScheduleError) as e:
         raise fail(str(e)) from None
 

@@ -220,6 +220,10 @@ class ParallelConfig:
     """Pipeline schedule: one of naive, gpipe, 1f1b, interleaved, bfs."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (v) for interleaved and breadth-first schedules."""
+    microbatch_group: int = 0
+    """Interleaved 1F1B: micro-batches run through one chunk before the next (Megatron-LM's
+    microbatch_group_size_per_vp_stage, Llama 3's N); 0 means pp, Megatron's default; at
+    least pp. More hide more of the point-to-point transfers and hold more activations."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB for the data-parallel all-reduce."""
     allreduce_algorithm: str = "backend"
@@ -263,6 +267,12 @@ class ParallelConfig:
         _require(self.virtual_stages == 1 or self.schedule in ("interleaved", "bfs"),
                  "parallel.virtual_stages", self.virtual_stages,
                  f"needs schedule interleaved or bfs, not {self.schedule!r}")
+        _require(isinstance(self.microbatch_group, int) and self.microbatch_group >= 0,
+                 "parallel.microbatch_group", self.microbatch_group,
+                 "must be a non-negative integer (0: pp)")
+        _require(self.microbatch_group == 0 or self.schedule == "interleaved",
+                 "parallel.microbatch_group", self.microbatch_group,
+                 f"needs schedule interleaved, not {self.schedule!r}")
 
     @property
     def world_size(self) -> int:

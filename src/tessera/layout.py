@@ -88,15 +88,17 @@ def check_layout(cfg: Config) -> None:
         _require(p.schedule != "interleaved" or p.virtual_stages >= 2, "parallel.virtual_stages",
                  p.virtual_stages, "interleaved 1F1B needs virtual_stages >= 2 (with one chunk "
                  "per rank it is plain 1f1b)")
-        _require(p.schedule != "interleaved" or t.grad_accum % p.pp == 0, "train.grad_accum",
-                 t.grad_accum, f"interleaved 1F1B needs micro-batches a multiple of "
-                 f"parallel.pp={p.pp}")
+        group = p.microbatch_group or p.pp
+        _require(p.schedule != "interleaved" or t.grad_accum % group == 0, "train.grad_accum",
+                 t.grad_accum, "interleaved 1F1B needs micro-batches a multiple of "
+                 + (f"parallel.microbatch_group={group}" if p.microbatch_group
+                    else f"parallel.pp={p.pp}"))
         try:
-            check_schedule(p.schedule, p.pp, t.grad_accum, p.virtual_stages)
+            check_schedule(p.schedule, p.pp, t.grad_accum, p.virtual_stages, p.microbatch_group)
         except ConfigError as e:
             field = {"microbatches": "train.grad_accum", "virtual": "parallel.virtual_stages",
-                     "schedule": "parallel.schedule", "pp": "parallel.pp"}.get(e.field_name,
-                                                                                e.field_name)
+                     "schedule": "parallel.schedule", "pp": "parallel.pp",
+                     "group": "parallel.microbatch_group"}.get(e.field_name, e.field_name)
             raise ConfigError(field, e.value, e.rule) from None
     # ZeRO-3 gathers a unit when its module runs; a head reading another chunk's embedding on
     # the same rank would read a weight that is not gathered.

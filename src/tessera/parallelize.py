@@ -96,8 +96,9 @@ def training_schedule(cfg: Config, microbatches: int | None = None) -> Schedule:
     micro-batches (pp = 1: the one-rank schedule F0 B0 F1 B1 ...)."""
     p = cfg.parallel
     m = cfg.train.grad_accum if microbatches is None else microbatches
-    name = p.schedule if p.pp > 1 or p.virtual_stages > 1 else "1f1b"
-    return build_schedule(name, p.pp, m, p.virtual_stages)
+    if p.pp == 1 and p.virtual_stages == 1:
+        return build_schedule("1f1b", 1, m)
+    return build_schedule(p.schedule, p.pp, m, p.virtual_stages, p.microbatch_group)
 
 
 def schedule_driven_zero3(cfg: Config, schedule: Schedule) -> bool:

@@ -120,7 +120,8 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
     if timeline is not None:
         from tessera.pipeline.schedules import closed_form_bubble
 
-        closed = closed_form_bubble(timeline["schedule"], p.pp, t.grad_accum, p.virtual_stages)
+        closed = closed_form_bubble(timeline["schedule"], p.pp, t.grad_accum, p.virtual_stages,
+                                    p.microbatch_group)
         closed_text = f"{closed:.3f}" if closed is not None else "n/a"
         lines.append(f"bubble      measured {timeline['measured_bubble']:.3f} (last step), "
                      f"(p-1)/(v*m) = {closed_text}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tessera.config import ConfigError
 from tessera.pipeline.schedule import Kind, Schedule, add_sharding_actions, parse, validate
 from tessera.pipeline.schedules import build_schedule, closed_form_bubble, is_breadth_first
 from tessera.pipeline.simulator import StageCosts, peak_unsharded, simulate, unshard_counts
@@ -26,12 +27,16 @@ from tessera.pipeline.timeline import write_chrome_trace, write_png
 
 
 def load_schedule(name: str, pp: int, microbatches: int, virtual: int,
-                  file: str | None) -> Schedule:
-    """The named schedule, or the custom one in `file` (validated); errors are one line."""
+                  file: str | None, group: int = 0) -> Schedule:
+    """The named schedule (micro-batch groups of `group`, 0: its default), or the custom one in
+    `file` (validated); errors are one line."""
     if file is None:
-        return build_schedule(name, pp, microbatches, virtual)
-    from tessera.config import ConfigError
-
+        try:
+            return build_schedule(name, pp, microbatches, virtual, group)
+        except ConfigError as e:
+            if e.field_name == "group":
+                raise ConfigError("--microbatch-group", e.value, e.rule) from None
+            raise
     path = Path(file)
     if not path.is_file():
         raise ConfigError("--file", file, "file does not exist")
@@ -39,7 +44,8 @@ def load_schedule(name: str, pp: int, microbatches: int, virtual: int,
 
 
 def describe(schedule: Schedule, backward_ratio: float = 2.0, dp_reduce: float = 0.0,
-             out: str | Path | None = None, zero_stage: int = 0, gather: float = 0.0) -> str:
+             out: str | Path | None = None, zero_stage: int = 0, gather: float = 0.0,
+             group: int = 0) -> str:
     """The report `tessera schedule` prints (and the pictures, if `out` is given)."""
     v, p, m = schedule.virtual, schedule.n_ranks, schedule.n_microbatches
     if zero_stage == 3 and not schedule.is_sharded:
@@ -50,7 +56,7 @@ def describe(schedule: Schedule, backward_ratio: float = 2.0, dp_reduce: float =
     lines = [f"schedule {schedule.name}: pp={p} virtual={v} microbatches={m} "
              f"chunks={schedule.n_chunks}", "", schedule.grid(),
              "(grid: one column per unit of time, forward = backward = 1; '.' is a bubble)", ""]
-    closed = closed_form_bubble(schedule.name, p, m, v) if schedule.name in _registered() \
+    closed = closed_form_bubble(schedule.name, p, m, v, group) if schedule.name in _registered() \
         else None
     line = (f"bubble fraction: {result.bubble_fraction:.4f} simulated "
             f"(backward = {backward_ratio:g} x forward, free communication)")

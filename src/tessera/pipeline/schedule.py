@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -108,6 +108,11 @@ class Action:
     chunk: int
     kind: Kind
     microbatch: int = -1
+
+    def __hash__(self) -> int:
+        # The kind's name, a plain str (an Enum member hashes in Python code): actions are
+        # dictionary keys throughout the simulator, which the planner runs thousands of times.
+        return hash((self.chunk, self.kind._name_, self.microbatch))
 
     def __str__(self) -> str:
         if self.kind.is_sharding:
@@ -327,17 +332,41 @@ def matching(a: Action) -> Action:
 
 
 def lower_comms(schedule: Schedule) -> Schedule:
-    """Add sends and receives between compute actions on different ranks (see module doc)."""
+    """Add sends and receives between compute actions on different ranks (see module doc).
+
+    A send goes right after the compute that produces it. A receive goes right before the
+    compute that consumes it, preceded by any receive from the same peer that the peer sends
+    earlier and this rank has not yet received: sends and receives between two ranks must
+    come in the same order (NCCL matches them in FIFO order). Receiving such a message early
+    never waits longer than the consumer would anyway, since its peer sends it first.
+    Schedules whose consumers already take messages in send order (every registered schedule
+    at its default parameters) are unchanged by that rule; interleaved 1F1B with micro-batch
+    groups of G != p needs it."""
     if schedule.is_lowered:
         return schedule
     owner, n = schedule.chunk_rank, schedule.n_chunks
+    # Per (sender, receiver): the receives in the order the sender sends.
+    arriving: dict[tuple[int, int], list[Action]] = {}
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            send = send_for(a, n)
+            if send is not None and owner[peer_chunk(send)] != r:
+                arriving.setdefault((r, owner[peer_chunk(send)]), []).append(matching(send))
+    queues = {pair: deque(recvs) for pair, recvs in arriving.items()}
     lowered: list[list[Action]] = []
     for r, acts in enumerate(schedule.actions):
         out: list[Action] = []
+        received: set[Action] = set()
         for a in acts:
             recv = recv_for(a, n)
-            if recv is not None and owner[peer_chunk(recv)] != r:
-                out.append(recv)
+            if recv is not None and owner[peer_chunk(recv)] != r and recv not in received:
+                queue = queues[(owner[peer_chunk(recv)], r)]
+                while True:  # every message the peer sends before this one, then this one
+                    early = queue.popleft()
+                    out.append(early)
+                    received.add(early)
+                    if early == recv:
+                        break
             out.append(a)
             send = send_for(a, n)
             if send is not None and owner[peer_chunk(send)] != r:

@@ -12,8 +12,12 @@ placement), and equal forward/backward costs F, B per micro-batch per *rank's wo
   training"): rank r runs p-r-1 warm-up forwards, then alternates one forward and one backward,
   then drains the remaining backwards. Same bubble (p-1)/m; at most p-r micro-batches in flight.
 - ``interleaved`` (Narayanan et al., SC 2021, Megatron-LM's depth-first interleaved 1F1B): each
-  rank holds v chunks; forwards walk the chunks in groups of p micro-batches, warm-up
-  2(p-r-1) + (v-1)p steps, then 1F1B. Bubble (p-1)/(v·m); needs m a multiple of p.
+  rank holds v chunks; forwards walk the chunks in groups of G micro-batches (G = p by
+  default), warm-up 2(p-r-1) + (v-1)·G steps, then 1F1B. Bubble (p-1)/(v·m) at G = p; needs m a
+  multiple of G. The group size G ≥ p is Megatron-LM's ``microbatch_group_size_per_vp_stage``
+  and Llama 3's N (Grattafiori et al. 2024, §3.3.2, Figure 6): G > p runs more micro-batches
+  through a chunk before the next (towards breadth-first: more time to hide point-to-point
+  transfers) and holds more at the warm-up's peak, rank r: 2(p-r-1) + (v-1)·G + 1 sets.
 - ``bfs`` (Lamy-Poirier, MLSys 2023, "Breadth-First Pipeline Parallelism"): each rank runs its
   first chunk for every micro-batch, then its next chunk, ...; backwards in the reverse chunk
   order. Bubble (p-1)/(v·m) once m >= p, activations of all v·m (chunk, micro-batch) pairs held,
@@ -42,14 +46,18 @@ class ScheduleSpec:
 
     name: str
     """Registry key (the --schedule value)."""
-    generate: Callable[[int, int, int], Orders]
-    """(pp, microbatches, virtual) -> per-rank ordered F/B actions; chunk c runs on rank c % pp."""
+    generate: Callable[..., Orders]
+    """(pp, microbatches, virtual) -> per-rank ordered F/B actions; chunk c runs on rank c % pp.
+    A ``grouped`` schedule's generator also takes the micro-batch group size (0: default)."""
     description: str
     """One line for help texts."""
     virtual: bool = False
     """Whether v > 1 chunks per rank are supported."""
-    microbatch_rule: Callable[[int, int, int], str | None] = lambda pp, m, v: None
-    """(pp, m, v) -> why m is not allowed, or None."""
+    microbatch_rule: Callable[..., str | None] = lambda pp, m, v: None
+    """(pp, m, v) -> why m is not allowed, or None (``grouped``: (pp, m, v, group))."""
+    grouped: bool = False
+    """Whether the micro-batch group size can be chosen: generate and microbatch_rule then
+    take it as a fourth argument."""
     closed_form_bubble: Callable[[int, int, int], float] | None = None
     """(pp, m, v) -> bubble fraction with equal costs and free communication."""
     breadth_first: bool = False
@@ -57,6 +65,14 @@ class ScheduleSpec:
     row, so under ZeRO-3 the schedule itself gathers each chunk once per run and reduces its
     gradient once per step (``schedule.add_sharding_actions``; the executor runs those actions
     instead of ZeRO's per-micro-batch hooks)."""
+
+    def orders(self, pp: int, m: int, v: int, group: int = 0) -> Orders:
+        return self.generate(pp, m, v, group) if self.grouped else self.generate(pp, m, v)
+
+    def refusal(self, pp: int, m: int, v: int, group: int = 0) -> str | None:
+        """Why m micro-batches are not allowed (with groups of `group`), or None."""
+        return (self.microbatch_rule(pp, m, v, group) if self.grouped
+                else self.microbatch_rule(pp, m, v))
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
@@ -70,10 +86,12 @@ def register(spec: ScheduleSpec) -> ScheduleSpec:
     return spec
 
 
-def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> None:
+def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
+                   group: int = 0) -> None:
     """Raise ConfigError ('field=value: rule') unless schedule `name` exists for pp ranks, m
-    micro-batches and v chunks per rank: the rules, without generating the schedule (the
-    layout check and the planner ask this of many layouts)."""
+    micro-batches, v chunks per rank and micro-batch groups of `group` (0: the schedule's
+    default): the rules, without generating the schedule (the layout check and the planner ask
+    this of many layouts)."""
     if name not in SCHEDULES:
         raise ConfigError("schedule", name, f"must be one of {', '.join(SCHEDULES)}")
     spec = SCHEDULES[name]
@@ -83,26 +101,40 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> N
     if virtual > 1 and not spec.virtual:
         raise ConfigError("virtual", virtual, f"schedule {name!r} has one chunk per rank; "
                           f"use interleaved or bfs for virtual stages")
-    why = spec.microbatch_rule(pp, microbatches, virtual)
+    if not isinstance(group, int) or group < 0:
+        raise ConfigError("group", group, "must be a non-negative integer (0: the default)")
+    if group and not spec.grouped:
+        raise ConfigError("group", group, f"schedule {name!r} has no micro-batch groups; "
+                          "only interleaved takes a group size")
+    if 0 < group < pp:
+        # A chunk's next micro-batches would wait for the ring: Megatron's warm-up then
+        # deadlocks, and the shortest warm-up that does not holds more than the default
+        # (searched at p = 4 and 8), so a group below pp buys nothing.
+        raise ConfigError("group", group, f"micro-batch groups must hold at least pp={pp} "
+                          "micro-batches (a smaller group stalls the ring)")
+    why = spec.refusal(pp, microbatches, virtual, group)
     if why:
         raise ConfigError("microbatches", microbatches, why)
 
 
-def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The validated compute-only schedule `name` for pp ranks, m micro-batches, v chunks/rank.
+def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
+                   group: int = 0) -> Schedule:
+    """The validated compute-only schedule `name` for pp ranks, m micro-batches, v chunks/rank
+    (and micro-batch groups of `group` where the schedule takes one; 0: its default).
 
     Bad arguments raise ConfigError with a one-line 'field=value: rule' message."""
-    check_schedule(name, pp, microbatches, virtual)
-    cached = _validated(SCHEDULES[name], pp, microbatches, virtual)
+    check_schedule(name, pp, microbatches, virtual, group)
+    cached = _validated(SCHEDULES[name], pp, microbatches, virtual, group)
     return Schedule(cached.name, [list(acts) for acts in cached.actions], cached.n_chunks,
                     cached.n_microbatches, cached.chunk_rank)
 
 
 @functools.lru_cache(maxsize=256)
-def _validated(spec: ScheduleSpec, pp: int, microbatches: int, virtual: int) -> Schedule:
+def _validated(spec: ScheduleSpec, pp: int, microbatches: int, virtual: int,
+               group: int) -> Schedule:
     """Generate and validate once per arguments (the planner asks for many); callers get
     copies, so the cached lists are never mutated."""
-    schedule = Schedule(spec.name, spec.generate(pp, microbatches, virtual), pp * virtual,
+    schedule = Schedule(spec.name, spec.orders(pp, microbatches, virtual, group), pp * virtual,
                         microbatches, tuple(c % pp for c in range(pp * virtual)))
     return validate(schedule)
 
@@ -112,10 +144,14 @@ def is_breadth_first(name: str) -> bool:
     return name in SCHEDULES and SCHEDULES[name].breadth_first
 
 
-def closed_form_bubble(name: str, pp: int, microbatches: int, virtual: int = 1) -> float | None:
+def closed_form_bubble(name: str, pp: int, microbatches: int, virtual: int = 1,
+                       group: int = 0) -> float | None:
+    """The bubble fraction with equal costs and free communication, where a closed form is
+    known (not for a group size other than the default)."""
     spec = SCHEDULES[name]
-    return None if spec.closed_form_bubble is None else \
-        spec.closed_form_bubble(pp, microbatches, virtual)
+    if spec.closed_form_bubble is None or group not in (0, pp):
+        return None
+    return spec.closed_form_bubble(pp, microbatches, virtual)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,17 +178,19 @@ def one_f_one_b_orders(pp: int, m: int, v: int) -> Orders:
     return orders
 
 
-def interleaved_orders(pp: int, m: int, v: int) -> Orders:
-    """Megatron-LM's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``)."""
+def interleaved_orders(pp: int, m: int, v: int, group: int = 0) -> Orders:
+    """Megatron-LM's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``) with
+    micro-batch groups of `group` (0: pp, Megatron's default; m must be a multiple)."""
+    g = group or pp
     total = m * v
 
     def step(r: int, k: int, backward: bool) -> Action:
-        # Virtual step k walks micro-batches in groups of pp, all chunks of a group in turn.
-        group, within = divmod(k, pp * v)
-        local = within // pp
+        # Virtual step k walks micro-batches in groups of g, all chunks of a group in turn.
+        index, within = divmod(k, g * v)
+        local = within // g
         if backward:
             local = v - 1 - local
-        mb = group * pp + within % pp
+        mb = index * g + within % g
         return (B if backward else F)(local * pp + r, mb)
 
     orders = []
@@ -160,7 +198,7 @@ def interleaved_orders(pp: int, m: int, v: int) -> Orders:
         if m == pp:  # Megatron: with m == p every forward goes first
             warmup = total
         else:
-            warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+            warmup = min((pp - r - 1) * 2 + (v - 1) * g, total)
         order = [step(r, k, False) for k in range(warmup)]
         for i in range(total - warmup):
             order += [step(r, warmup + i, False), step(r, i, True)]
@@ -178,6 +216,14 @@ def bfs_orders(pp: int, m: int, v: int) -> Orders:
         order += [B(c, mb) for c in reversed(chunks) for mb in range(m)]
         orders.append(order)
     return orders
+
+
+def _interleaved_rule(pp: int, m: int, v: int, group: int) -> str | None:
+    g = group or pp
+    if m % g:
+        return (f"interleaved 1F1B needs micro-batches a multiple of the group size {g}" if group
+                else f"interleaved 1F1B needs micro-batches a multiple of pp={pp}")
+    return None
 
 
 def _bfs_bubble(pp: int, m: int, v: int) -> float:
@@ -201,8 +247,8 @@ register(ScheduleSpec(
 register(ScheduleSpec(
     name="interleaved", generate=interleaved_orders, virtual=True,
     description="Megatron interleaved 1F1B over v chunks per rank (depth-first)",
-    microbatch_rule=lambda pp, m, v: None if m % pp == 0 else
-    f"interleaved 1F1B needs micro-batches a multiple of pp={pp}",
+    microbatch_rule=_interleaved_rule,
+    grouped=True,
     closed_form_bubble=lambda pp, m, v: (pp - 1) / (v * m)))
 register(ScheduleSpec(
     name="bfs", generate=bfs_orders, virtual=True,

@@ -33,6 +33,7 @@ Definitions (shared with the planner and the runtime's measured numbers):
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -175,7 +176,25 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     """Time `schedule` under `costs` (see module doc)."""
     owner, n = schedule.chunk_rank, schedule.n_chunks
     orders = [[a for a in acts if not a.kind.is_p2p] for acts in schedule.actions]
-    finish: dict[Action, float] = {}
+    # Compute actions by number; each rank's actions prepared once, with the numbers of the
+    # actions they wait for (a blocked rank is asked again on every pass, and the planner runs
+    # thousands of simulations). A dependency missing from the schedule gets the number `never`,
+    # which never finishes: its rank stays blocked and the schedule is refused below.
+    number = {a: i for i, a in enumerate(a for acts in orders for a in acts
+                                          if a.kind.is_compute)}
+    never = len(number)
+    finish: list[float | None] = [None] * (never + 1)
+    steps = []
+    for r, order in enumerate(orders):
+        mine = []
+        for a in order:
+            if a.kind.is_sharding:
+                mine.append((a, -1, (), 0.0))
+                continue
+            deps = tuple((number.get(d, never), owner[d.chunk] != r) for d in inputs_of(a, n))
+            mine.append((a, number[a], deps, costs.compute(a)))
+        steps.append(mine)
+    transfer = costs.transfer
     free = [0.0] * schedule.n_ranks
     busy = [0.0] * schedule.n_ranks
     channel = [0.0] * schedule.n_ranks  # when each rank's dp communication channel is free
@@ -192,38 +211,44 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             timeline.append(TimelineEvent(r, kind, -1, chunk, start, channel[r]))
         return channel[r]
 
-    progress = True
-    while progress:
-        progress = False
-        for r, order in enumerate(orders):
-            while pc[r] < len(order):
-                a = order[pc[r]]
-                if a.kind.is_sharding:
-                    if a.kind is Kind.UNSHARD:
-                        gathered[a.chunk] = collective(r, "unshard", a.chunk,
-                                                       costs.gather(a.chunk))
-                    elif a.kind is Kind.REDUCE_GRAD:
-                        reduced_by_action.add(a.chunk)
-                        collective(r, "reduce", a.chunk, costs.reduce(a.chunk))
-                    pc[r] += 1
-                    progress = True
-                    continue
-                deps = inputs_of(a, n)
-                if any(d not in finish for d in deps):
+    # Each rank runs its actions in order until one waits for an action not yet finished; it
+    # is woken when that one finishes. A rank's times depend only on its own order and the
+    # finish times it waits for, so the order in which ranks are visited changes nothing.
+    waiting: dict[int, list[int]] = {}
+    runnable = deque(range(schedule.n_ranks))
+    while runnable:
+        r = runnable.popleft()
+        mine, i = steps[r], pc[r]
+        while i < len(mine):
+            a, me, deps, cost = mine[i]
+            if me < 0:  # a sharding action
+                if a.kind is Kind.UNSHARD:
+                    gathered[a.chunk] = collective(r, "unshard", a.chunk, costs.gather(a.chunk))
+                elif a.kind is Kind.REDUCE_GRAD:
+                    reduced_by_action.add(a.chunk)
+                    collective(r, "reduce", a.chunk, costs.reduce(a.chunk))
+                i += 1
+                continue
+            ready = max(free[r], gathered.get(a.chunk, 0.0))
+            blocked = -1
+            for d, remote in deps:
+                done = finish[d]
+                if done is None:
+                    blocked = d
                     break
-                ready = max([free[r], gathered.get(a.chunk, 0.0)]
-                            + [finish[d] + (costs.transfer if owner[d.chunk] != r else 0.0)
-                               for d in deps])
-                cost = costs.compute(a)
-                finish[a] = ready + cost
-                free[r] = finish[a]
-                busy[r] += cost
-                timeline.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready,
-                                              finish[a]))
-                if a.kind is Kind.B:
-                    last_backward[a.chunk] = max(last_backward.get(a.chunk, 0.0), finish[a])
-                pc[r] += 1
-                progress = True
+                ready = max(ready, done + transfer if remote else done)
+            if blocked >= 0:
+                waiting.setdefault(blocked, []).append(r)
+                break
+            finish[me] = free[r] = ready + cost
+            busy[r] += cost
+            timeline.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready,
+                                          ready + cost))
+            if a.kind is Kind.B:
+                last_backward[a.chunk] = max(last_backward.get(a.chunk, 0.0), ready + cost)
+            runnable.extend(waiting.pop(me, ()))
+            i += 1
+        pc[r] = i
     if any(pc[r] < len(o) for r, o in enumerate(orders)):
         stuck = ", ".join(f"rank {r} at {o[pc[r]]}" for r, o in enumerate(orders)
                           if pc[r] < len(o))

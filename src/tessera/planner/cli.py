@@ -59,8 +59,9 @@ LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual",
                "virtual": "virtual", "mb": "micro_batch", "b": "micro_batch",
                "micro_batch": "micro_batch", "zero": "zero", "recompute": "recompute",
                "schedule": "schedule", "sp": "sequence_parallel", "cp_method": "cp_method",
-               "dp_mode": "dp_mode", "stages": "stage_layout", "stage_layout": "stage_layout"}
-INT_KEYS = ("dp", "tp", "pp", "cp", "virtual", "micro_batch", "zero")
+               "dp_mode": "dp_mode", "stages": "stage_layout", "stage_layout": "stage_layout",
+               "g": "microbatch_group", "microbatch_group": "microbatch_group"}
+INT_KEYS = ("dp", "tp", "pp", "cp", "virtual", "micro_batch", "zero", "microbatch_group")
 
 
 def _continues_stages(token: str) -> bool:
@@ -74,8 +75,9 @@ def parse_layout(text: str, gpus: int, layers: int):
     """``--layout "dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp"`` as a Layout.
 
     Keys: dp, tp, pp, cp, v, mb (or b), zero, recompute, schedule, sp (a flag, or sp=0/1),
-    cp_method, dp_mode, stages (blocks per chunk, '7,8*14,7', Megatron-LM's layout form
-    'Et*7|(t*8|)*14t*7L', or 'first-last-fewer'). dp defaults to what the GPUs leave, the
+    cp_method, dp_mode, g (interleaved's micro-batch group, Llama 3's N; default pp), stages
+    (blocks per chunk, '7,8*14,7', Megatron-LM's layout form 'Et*7|(t*8|)*14t*7L', or
+    'first-last-fewer'). dp defaults to what the GPUs leave, the
     schedule to interleaved when v > 1, else 1f1b."""
     from tessera.pipeline.split import first_last_fewer, parse_stage_layout
     from tessera.planner.cost import Layout

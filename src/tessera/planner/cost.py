@@ -286,6 +286,9 @@ class Layout:
     cp: int = 1
     virtual: int = 1
     """Model chunks per pipeline rank (interleaved and breadth-first schedules)."""
+    microbatch_group: int = 0
+    """Interleaved: micro-batches per chunk visit (Megatron-LM's
+    microbatch_group_size_per_vp_stage, Llama 3's N); 0: pp."""
     micro_batch: int = 1
     """Sequences per micro-batch (b)."""
     zero: int = 0
@@ -314,6 +317,7 @@ class Layout:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
         if self.pp > 1 or self.virtual > 1:
             text += f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+            text += f" g={self.microbatch_group}" if self.microbatch_group else ""
         text += f" b={self.micro_batch} zero={self.zero} recompute={self.recompute}"
         if self.sequence_parallel:
             text += " sp"
@@ -328,7 +332,7 @@ class Layout:
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
                 self.recompute, self.schedule, self.sequence_parallel, self.dp_mode,
-                self.cp_method, self.stage_layout)
+                self.cp_method, self.stage_layout, self.microbatch_group)
 
 
 def stage_layout_text(sizes: tuple[int, ...]) -> str:
@@ -414,8 +418,12 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     if L.virtual > 1 and L.schedule not in ("interleaved", "bfs"):
         return f"virtual={L.virtual} needs schedule interleaved or bfs"
     m = L.microbatches(w.global_batch)
-    if L.schedule == "interleaved" and m % L.pp:
-        return f"interleaved needs micro-batches m={m} to be a multiple of pp={L.pp}"
+    if L.microbatch_group and L.schedule != "interleaved":
+        return f"microbatch_group={L.microbatch_group} needs schedule interleaved"
+    if L.schedule == "interleaved" and m % (L.microbatch_group or L.pp):
+        return (f"interleaved needs micro-batches m={m} to be a multiple of "
+                + (f"microbatch_group={L.microbatch_group}" if L.microbatch_group
+                   else f"pp={L.pp}"))
     if L.schedule == "naive" and m != 1:
         return "naive model parallelism runs the whole batch as one micro-batch"
     return None
@@ -807,7 +815,8 @@ class LayoutCosts:
 
 
 def _uniform_middle(chunks: list[ChunkCosts]) -> bool:
-    return len({id(c) for c in chunks[1:-1]}) <= 1
+    middle = chunks[1:-1]
+    return all(c is middle[0] for c in middle)
 
 
 def layout_costs(w: Workload, L: Layout) -> LayoutCosts:

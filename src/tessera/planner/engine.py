@@ -77,7 +77,8 @@ def to_config(w: Workload, L: Layout) -> Config:
     from tessera.planner.cost import stage_layout_text
 
     parallel = ParallelConfig(dp=L.dp, tp=L.tp, pp=L.pp, cp=L.cp, virtual_stages=L.virtual,
-                              schedule=L.schedule, zero_stage=L.zero, dp_mode=L.dp_mode,
+                              microbatch_group=L.microbatch_group, schedule=L.schedule,
+                              zero_stage=L.zero, dp_mode=L.dp_mode,
                               sequence_parallel=L.sequence_parallel, recompute=L.recompute,
                               cp_method=L.cp_method,
                               stage_layout=stage_layout_text(L.stage_layout)
@@ -97,7 +98,8 @@ def layout_of(cfg: Config) -> Layout:
 
     p = cfg.parallel
     return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
-                  micro_batch=cfg.train.micro_batch_size, zero=p.zero_stage,
+                  microbatch_group=p.microbatch_group, micro_batch=cfg.train.micro_batch_size,
+                  zero=p.zero_stage,
                   recompute=p.recompute, schedule=p.schedule,
                   sequence_parallel=p.sequence_parallel, dp_mode=p.dp_mode,
                   cp_method=p.cp_method,

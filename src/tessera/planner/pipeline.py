@@ -58,20 +58,27 @@ class PipelineTiming:
         return self.makespan - self.compute_time
 
 
-def build(name: str, p: int, m: int, v: int) -> Schedule:
+def build(name: str, p: int, m: int, v: int, group: int = 0) -> Schedule:
     """The registered generator's schedule, without the validator's deadlock search.
 
     ``build_schedule`` validates every schedule, which costs minutes at p = 64; the generators
     are validated by the pipeline tests for the sizes they check, and the simulator itself
     raises if a schedule cannot run."""
     spec = SCHEDULES[name]
-    why = spec.microbatch_rule(p, m, v)
+    why = spec.refusal(p, m, v, group)
     if why:
         raise ValueError(f"microbatches={m}: {why}")
-    return Schedule(name, spec.generate(p, m, v), p * v, m, tuple(c % p for c in range(p * v)))
+    return Schedule(name, spec.orders(p, m, v, group), p * v, m,
+                    tuple(c % p for c in range(p * v)))
 
 
-def inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+def period(p: int, group: int = 0) -> int:
+    """Micro-batches after which a schedule's steady state repeats: p, or with interleaved's
+    micro-batch groups of G, lcm(p, G) (the groups realign with the ring)."""
+    return math.lcm(p, group or p)
+
+
+def inflight(name: str, p: int, m: int, v: int = 1, group: int = 0) -> tuple[int, ...]:
     """Per rank, the peak number of (micro-batch, chunk) activation sets held."""
     if name == "naive":
         return (1,) * p
@@ -79,28 +86,33 @@ def inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
         return (v * m,) * p
     if name == "1f1b":  # p − r − 1 warm-up forwards, then one more before each backward
         return tuple(min(m, p - r) for r in range(p))
-    if name == "interleaved":  # Megatron: 2(p − r − 1) + (v − 1)p warm-up steps (all if m = p)
+    if name == "interleaved":  # Megatron: 2(p − r − 1) + (v − 1)G warm-up steps (all if m = p)
         if m == p:
             return (v * m,) * p
-        return tuple(min(v * m, 2 * (p - r - 1) + (v - 1) * p + 1) for r in range(p))
-    return _counted_inflight(name, p, m, v)
+        g = group or p
+        return tuple(min(v * m, 2 * (p - r - 1) + (v - 1) * g + 1) for r in range(p))
+    return _counted_inflight(name, p, m, v, group)
 
 
-def chunk_inflight(name: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
+def chunk_inflight(name: str, p: int, m: int, v: int, rank: int,
+                   group: int = 0) -> tuple[tuple[int, ...], ...]:
     """Rank `rank`'s in-flight activation sets, per chunk it owns, at every point where the
-    count may peak (after each forward), walked over the generated schedule's actions: the
-    per-chunk memory walk. Large m is walked at the smallest m' ≡ m (mod p) past the warm-up
-    (m' ≥ 2p): the counts only repeat after that, so the peak is the same."""
-    if m > 3 * p:
-        m = 2 * p + m % p
-    return _chunk_inflight(name, p, m, v)[rank]
+    count may peak (after each forward; those no other point exceeds in every chunk), walked
+    over the generated schedule's actions: the per-chunk memory walk. Large m is walked at the
+    smallest m' ≡ m (mod the period, p or lcm(p, G)) past the warm-up (m' ≥ 2 periods): the
+    counts only repeat after that, so the peak is the same."""
+    per = period(p, group)
+    if m > 3 * per:
+        m = 2 * per + m % per
+    return _chunk_inflight(name, p, m, v, group)[rank]
 
 
 @lru_cache(maxsize=256)
-def _chunk_inflight(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def _chunk_inflight(name: str, p: int, m: int, v: int,
+                    group: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     from tessera.pipeline.schedule import Kind
 
-    schedule = build(name, p, m, v)
+    schedule = build(name, p, m, v, group)
     out = []
     for r, actions in enumerate(schedule.actions):
         mine = [c for c in range(p * v) if c % p == r]
@@ -113,13 +125,24 @@ def _chunk_inflight(name: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int,
                 peaks.add(tuple(held))
             elif a.kind is Kind.B:
                 held[slot[a.chunk]] -= 1
-        out.append(tuple(sorted(peaks)))
+        out.append(_undominated(peaks))
     return tuple(out)
 
 
+def _undominated(points: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The points no other point is at least as large as in every coordinate: the only ones
+    that can hold the most bytes, whatever (non-negative) bytes each chunk weighs."""
+    ordered = sorted(points, key=sum, reverse=True)
+    kept: list[tuple[int, ...]] = []
+    for x in ordered:
+        if not any(all(a >= b for a, b in zip(k, x, strict=True)) for k in kept):
+            kept.append(x)
+    return tuple(sorted(kept))
+
+
 @lru_cache(maxsize=256)
-def _counted_inflight(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
-    return tuple(peak_inflight(build(name, p, m, v)))
+def _counted_inflight(name: str, p: int, m: int, v: int, group: int = 0) -> tuple[int, ...]:
+    return tuple(peak_inflight(build(name, p, m, v, group)))
 
 
 def _normalized(costs: StageCosts, n_chunks: int) -> tuple[float, tuple]:
@@ -141,7 +164,7 @@ def _normalized(costs: StageCosts, n_chunks: int) -> tuple[float, tuple]:
 
 
 def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts,
-                  sharded: int | None = None) -> PipelineTiming:
+                  sharded: int | None = None, group: int = 0) -> PipelineTiming:
     """Simulated timing of schedule `name` (p ranks, m micro-batches, v chunks per rank).
 
     `sharded`: ZeRO-3's prefetch depth; the schedule then carries the sharding actions of
@@ -149,28 +172,30 @@ def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts,
     reduce-scatter after its last backward), timed with costs.unshard and costs.dp_reduce:
     breadth-first gathers each chunk twice per step and reduces it while the rank's other
     chunks still run backward; depth-first schedules regather per micro-batch or keep the
-    chunk gathered."""
+    chunk gathered. `group`: interleaved's micro-batch group size (0: p); the extrapolation
+    then steps by lcm(p, group) micro-batches (:func:`period`)."""
     scale, key = _normalized(costs, p * v)
-    key = key + (sharded,)
-    start = STEADY_AFTER_PERIODS.get(name, 2) * p
-    if 2 * p * v * m <= EXACT_ACTIONS or m < start + p:
+    key = key + (sharded, group)
+    per = period(p, group)
+    start = STEADY_AFTER_PERIODS.get(name, 2) * per
+    if 2 * p * v * m <= EXACT_ACTIONS or m < start + per:
         t = _simulate_normalized(name, p, m, v, key)
         return PipelineTiming(*(x * scale for x in t), simulated_m=(m,))
-    m1 = start + (m % p)
-    k = (m - m1) // p
+    m1 = start + (m % per)
+    k = (m - m1) // per
     t1 = _simulate_normalized(name, p, m1, v, key)
-    t2 = _simulate_normalized(name, p, m1 + p, v, key)
+    t2 = _simulate_normalized(name, p, m1 + per, v, key)
     step, makespan, compute, dp = (scale * (a + k * (b - a)) for a, b in zip(t1, t2, strict=True))
-    return PipelineTiming(step, makespan, compute, dp, simulated_m=(m1, m1 + p))
+    return PipelineTiming(step, makespan, compute, dp, simulated_m=(m1, m1 + per))
 
 
 @lru_cache(maxsize=4096)
 def _simulate_normalized(name: str, p: int, m: int, v: int,
                          key: tuple) -> tuple[float, float, float, float]:
-    f, b, d, transfer, overlap, u, sharded = key
+    f, b, d, transfer, overlap, u, sharded, group = key
     costs = StageCosts(forward=list(f), backward=list(b), p2p_latency=transfer,
                        dp_reduce=list(d), dp_overlap=overlap, unshard=list(u))
-    schedule = build(name, p, m, v)
+    schedule = build(name, p, m, v, group)
     if sharded is not None:
         schedule = add_sharding_actions(schedule, prefetch=sharded)
     result = simulate(schedule, costs)
@@ -204,10 +229,11 @@ def lower_bound(chunk_f: list[float], chunk_b: list[float], dp: list[float], tra
     return best
 
 
-def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float | None:
+def closed_form_bubble(name: str, p: int, m: int, v: int = 1, group: int = 0) -> float | None:
     """The schedule's own closed form (registered with it), for reports and tests."""
-    spec = SCHEDULES[name]
-    return None if spec.closed_form_bubble is None else spec.closed_form_bubble(p, m, v)
+    from tessera.pipeline.schedules import closed_form_bubble as registered
+
+    return registered(name, p, m, v, group)
 
 
 __all__ = ["PipelineTiming", "chunk_inflight", "inflight", "time_pipeline", "lower_bound", "build",

@@ -188,6 +188,7 @@ class Estimate:
         L = self.layout
         out = {
             "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "virtual": L.virtual,
+            "microbatch_group": L.microbatch_group,
             "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero,
             "recompute": L.recompute, "schedule": L.schedule,
             "sequence_parallel": L.sequence_parallel, "dp_mode": L.dp_mode,
@@ -221,7 +222,8 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True) 
         raise PlanError(f"layout {L.describe()}: {why}")
     costs = layout_costs(w, L)
     m = L.microbatches(w.global_batch)
-    held = inflight(L.schedule, L.pp, m, L.virtual) if _pipelined(L) else (1,)
+    held = (inflight(L.schedule, L.pp, m, L.virtual, L.microbatch_group) if _pipelined(L)
+            else (1,))
     memory = _memory(w, L, costs, held, m)
     bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time + costs.ps_time
                 + costs.sync_time,
@@ -299,7 +301,8 @@ def run_simulation(est: Estimate, with_p2p: bool = True, with_gathers: bool = Tr
         dp_reduce=ds, dp_overlap=costs.dp_overlap,
         unshard=[ch.unshard if with_gathers else 0.0 for ch in costs.chunks])
     schedule = L.schedule if _pipelined(L) else "1f1b"
-    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs, sharded=_sharded(est))
+    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs, sharded=_sharded(est),
+                           group=L.microbatch_group)
     est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time
                         + costs.sync_time,
                         shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time,
@@ -356,8 +359,12 @@ def _rank_memory(L: Layout, costs: LayoutCosts, state: RankState, r: int, count:
     elif L.schedule == "bfs":
         acts = m * sum(c.act_bytes for c in chunks)
     else:
-        acts = max(sum(n * c.act_bytes for n, c in zip(held, chunks, strict=True))
-                   for held in chunk_inflight(L.schedule, L.pp, m, L.virtual, r))
+        sets = chunk_inflight(L.schedule, L.pp, m, L.virtual, r, L.microbatch_group)
+        weights = [c.act_bytes for c in chunks]
+        if min(weights) == max(weights):  # chunks alike (a middle rank): the most sets held
+            acts = max(map(sum, sets)) * weights[0]
+        else:
+            acts = max(sum(n * b for n, b in zip(held, weights, strict=True)) for held in sets)
     return Memory(params=state.params, grads=state.grads, optimizer=state.optimizer,
                   activations=acts,
                   transient=max(c.work_bytes for c in chunks) + state.zero3_buffer, rank=r)
