@@ -12,15 +12,23 @@ of a step.
 
 So the N ranks of one launch hold two models of the demo preset (fp32, micro-batch b, one
 micro-batch per step): the layout under test over all N ranks (dp = N), and a *control*, a
-one-rank model on each rank whose groups hold only that rank (``solo_topology``), so its
-steps run no collective at all, as N independent runs would. Steps alternate, DP then control,
-then control then DP, each after a barrier so every rank starts it together; the cores are
-shared the same way in both (each rank and gloo's threads of the DP model, or each rank alone).
-The cost is the median over pairs of (DP step - control step), averaged over the ranks: the
-machine's drift is common to the two steps of a pair and cancels. Beside it: the DP step's own
-waits on collective handles (``Executor.last_comm_wait_s``: the runtime's timestamps), the
-exposed communication the planner's ``dp_exposed`` predicts on a machine where collectives
-run on cores of their own.
+one-rank model on each rank whose groups hold only that rank (``Topology.solo``), so its
+steps run no collective at all, as N independent runs would. They run in blocks of 4 steps,
+DP then control, then control then DP, each step after a barrier so every rank starts it
+together; the cores are shared the same way in both (each rank and gloo's threads of the DP
+model, or each rank alone). A block's first step is dropped: it finds the other model's
+weights in the caches (alternating every step made both 40% slower). The cost is the median
+over pairs (the i-th step of a DP block and of the control block beside it) of (DP step -
+control step), averaged over the ranks: the machine's drift is common to the two and cancels.
+
+Beside it, from the same run: the DP step's waits on collective handles
+(``Executor.last_comm_wait_s``: the runtime's timestamps) and how much longer its compute
+actions took than the control's (collectives' threads taking the cores, DDP's gradient
+hooks); the skew of the control steps (slowest rank minus the mean: what a collective right
+after a step waits for); and after each block, gloo's all-reduce of the whole model's
+gradients and the all-gather and reduce-scatter of one block's parameters, each right after a
+matmul as ``plan calibrate`` times them, so that the planner can be given the link rates of
+this run (``bench_planner_local.inrun_hardware``).
 
 The interval printed beside a median is the distribution-free 95% interval of a median
 (order statistics n/2 ± 0.98·√n of the sorted differences).
@@ -37,10 +45,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "cp", "tp", "ep", "edp", "mp", "dpcp")
+from tessera.planner.calibrate import _timed_collective
 
-
-FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s")
+FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "skew_s",
+          "allreduce_s", "allgather_s", "reduce_scatter_s")
+COLLECTIVES = ("allreduce_s", "allgather_s", "reduce_scatter_s")
+"""Per block, timed as ``plan calibrate`` times them (each call right after a matmul at the
+model's shapes), on the DP group: gloo's all-reduce of the whole model's gradients (DDP's one
+bucket here) and the all-gather and reduce-scatter of one block's parameters (a ZeRO unit)."""
 
 
 @dataclass
@@ -54,6 +66,14 @@ class PairedResult:
     waits_s: list[float] = field(default_factory=list)
     dp_compute_s: list[float] = field(default_factory=list)
     control_compute_s: list[float] = field(default_factory=list)
+    skew_s: list[float] = field(default_factory=list)
+    """Per pair: the slowest rank's control step minus the ranks' mean (what a collective
+    after the step would wait for the slowest rank: the planner's straggler term)."""
+    allreduce_s: list[float] = field(default_factory=list)
+    allgather_s: list[float] = field(default_factory=list)
+    reduce_scatter_s: list[float] = field(default_factory=list)
+    bucket_bytes: int = 0
+    unit_bytes: int = 0
 
     @property
     def cost_s(self) -> list[float]:
@@ -66,8 +86,8 @@ class PairedResult:
         collectives' threads taking the cores from compute, and DDP's gradient hooks."""
         return [a - b for a, b in zip(self.dp_compute_s, self.control_compute_s, strict=True)]
 
-    def to_dict(self) -> dict[str, list[float]]:
-        return {k: getattr(self, k) for k in FIELDS}
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in (*FIELDS, "bucket_bytes", "unit_bytes")}
 
 
 def median_interval(values: list[float]) -> tuple[float, float, float]:
@@ -79,16 +99,6 @@ def median_interval(values: list[float]) -> tuple[float, float, float]:
     lo = max(0, math.floor(n / 2 - half))
     hi = min(n - 1, math.ceil(n / 2 + half))
     return statistics.median(xs), xs[lo], xs[hi]
-
-
-def solo_topology(world: int, rank: int):
-    """A one-rank Topology for this rank: every axis a process group holding only it (every
-    rank creates every rank's group, as dist.new_group requires), so nothing it runs reaches
-    another rank."""
-    from tessera.topology import Topology
-
-    solo = [dist.new_group([r]) for r in range(world)]
-    return Topology(dp=1, rank=0, groups={axis: solo[rank] for axis in AXES})
 
 
 def timed_step(executor, optimizer, batch, clip: float) -> tuple[float, float, float]:
@@ -125,7 +135,12 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
         return cfg, Executor(model), model.optimizer(cfg.train)
 
     cfg, dp_exec, dp_opt = build(world, lambda c: Topology.build(c.parallel, "cpu"))
-    _, ctl_exec, ctl_opt = build(1, lambda c: solo_topology(world, rank))
+    _, ctl_exec, ctl_opt = build(1, lambda c: Topology.solo())
+    # The collectives, in this window: the whole model's fp32 gradients and one block's.
+    bucket = 4 * sum(p.numel() for p in ctl_exec.parameters())
+    unit = bucket // cfg.model.n_layers
+    x = torch.randn(micro_batch * cfg.data.seq_len, cfg.model.d_model)
+    w = torch.randn(cfg.model.ffn_hidden, cfg.model.d_model)
     gen = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.data.seq_len + 1),
                            generator=gen)
@@ -140,13 +155,20 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
             for _ in range(block):
                 dist.barrier()  # every rank starts the step together, as control runs would
                 times[which].append(timed_step(ex, opt, batch, clip))
+        timed = {name: _timed_collective(op, size, 2, lambda: x @ w.t())
+                 for name, op, size in (("allreduce_s", "all_reduce", bucket),
+                                        ("allgather_s", "all_gather", unit),
+                                        ("reduce_scatter_s", "reduce_scatter", unit))}
         if i >= warmup:  # a block's first step finds the other model's data in the caches
+            for name, seconds in timed.items():
+                getattr(out, name).append(seconds)
             for dp_t, ctl_t in zip(times["dp"][1:], times["control"][1:], strict=True):
                 out.dp_s.append(dp_t[0])
                 out.control_s.append(ctl_t[0])
                 out.waits_s.append(dp_t[1])
                 out.dp_compute_s.append(dp_t[2])
                 out.control_compute_s.append(ctl_t[2])
+    out.bucket_bytes, out.unit_bytes = bucket, unit
     return out.to_dict()
 
 
@@ -159,10 +181,15 @@ def measure_paired(dp: int, zero_stage: int, micro_batch: int, blocks: int = 20,
                          args=(zero_stage, micro_batch, blocks, block, warmup),
                          timeout=120 + 4 * blocks * block, start_method="spawn",
                          collective_timeout=120)
-    res = PairedResult()
+    res = PairedResult(bucket_bytes=per_rank[0]["bucket_bytes"],
+                       unit_bytes=per_rank[0]["unit_bytes"])
     for key in FIELDS:
+        if key == "skew_s":
+            continue
         columns = zip(*(r[key] for r in per_rank), strict=True)
         getattr(res, key).extend(statistics.fmean(c) for c in columns)
+    res.skew_s = [max(c) - statistics.fmean(c)
+                  for c in zip(*(r["control_s"] for r in per_rank), strict=True)]
     return res
 
 
@@ -184,10 +211,12 @@ def summary(r: PairedResult) -> list[str]:
     out = []
     for name, values in (("DP step", r.dp_s), ("control step", r.control_s),
                          ("DP cost", r.cost_s), ("waits", r.waits_s),
-                         ("slowed compute", r.slowed_compute_s)):
+                         ("slowed compute", r.slowed_compute_s), ("skew", r.skew_s),
+                         ("all-reduce", r.allreduce_s), ("all-gather", r.allgather_s),
+                         ("reduce-scatter", r.reduce_scatter_s)):
         m, lo, hi = median_interval(values)
         out.append(f"{name:<15} {1e3 * m:8.2f} ms  (95% interval of the median {1e3 * lo:.2f}"
-                   f"-{1e3 * hi:.2f}, {len(values)} pairs)")
+                   f"-{1e3 * hi:.2f}, {len(values)} samples)")
     return out
 
 

@@ -96,3 +96,41 @@ def test_layout_must_match_world():
         run_ranks(_mismatch, 2)
     with pytest.raises(ConfigError):
         Topology.build(ParallelConfig(dp=2))  # a single process is a world of one
+
+
+def _solo_model_grads():
+    """Each rank trains the tiny model alone on its own batch inside a 2-rank world (and a
+    data-parallel model beside it, to be sure the world's groups exist and are not used)."""
+    from tessera.config import make_config
+    from tessera.parallelize import parallelize
+    from tessera.step import Executor
+
+    cfg = make_config("tiny", parallel=dict(dp=1), train=dict(grad_accum=1, micro_batch_size=2))
+    torch.manual_seed(cfg.train.seed)
+    ex = Executor(parallelize(cfg, Topology.solo(), torch.device("cpu")))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1), generator=g)
+    loss = ex.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
+    return loss, {n: t.clone() for n, t in ex.model.full_grads().items()}
+
+
+@pytest.mark.multiprocess
+def test_solo_topology_reaches_no_other_rank():
+    """Topology.solo: a model built on it inside a 2-rank world is the single-process model:
+    each rank's loss and gradients on its own batch equal one process's on that batch,
+    bitwise (the same kernels on the same shapes, and nothing averaged with the other rank)."""
+    from tessera.config import make_config
+    from tessera.model import build_model, cross_entropy
+
+    cfg = make_config("tiny", parallel=dict(dp=1), train=dict(grad_accum=1, micro_batch_size=2))
+    results = run_ranks(_solo_model_grads, 2)
+    for rank, (loss, grads) in enumerate(results):
+        model = build_model(cfg.model, cfg.train.seed)
+        g = torch.Generator().manual_seed(rank)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1), generator=g)
+        want = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        want.backward()
+        assert loss == want.item()
+        for name, p in model.named_parameters():
+            assert torch.equal(grads[name], p.grad), (rank, name)
+    assert results[0][0] != results[1][0]  # different batches: nothing was averaged

@@ -117,6 +117,18 @@ class Topology:
                 f" ep={self.ep} rank={self.rank} coords={self.coords()}")
 
     @classmethod
+    def solo(cls) -> Topology:
+        """A one-rank topology for this rank inside a larger world: every axis a process
+        group of this rank alone (every rank must call it: each creates every rank's group,
+        as dist.new_group requires), so a model built on it reaches no other rank. What N
+        independent single-process runs would do, inside one launch (benchmarks/dp_cost.py
+        runs such a control beside a data-parallel model)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        groups = [dist.new_group([r]) for r in range(world)]
+        axes = (*AXES, "ep", "edp", "mp", "dpcp")
+        return cls(rank=0, groups={axis: groups[rank] for axis in axes})
+
+    @classmethod
     def build(cls, cfg: ParallelConfig, device_type: str = "cpu") -> Topology:
         """Validate the layout against the world and create every group (all ranks must call)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
