@@ -291,14 +291,19 @@ def parse(text: str, name: str | None = None) -> Schedule:
 
 def inputs_of(a: Action, n_chunks: int) -> list[Action]:
     """Compute actions whose results `a` consumes (the loss sits in the last chunk's F)."""
-    if a.kind is Kind.F:
-        return [F(a.chunk - 1, a.microbatch)] if a.chunk > 0 else []
-    if a.kind is Kind.B:
-        deps = [F(a.chunk, a.microbatch)]
-        if a.chunk < n_chunks - 1:
-            deps.append(B(a.chunk + 1, a.microbatch))
-        return deps
-    raise ValueError(a)
+    if not a.kind.is_compute:
+        raise ValueError(a)
+    return [F(c, mb) if forward else B(c, mb)
+            for c, forward, mb in input_keys(a.chunk, a.kind is Kind.F, a.microbatch, n_chunks)]
+
+
+def input_keys(chunk: int, forward: bool, mb: int,
+               n_chunks: int) -> list[tuple[int, bool, int]]:
+    """:func:`inputs_of` as (chunk, is forward, micro-batch) keys: F(c, m) needs F(c-1, m);
+    B(c, m) needs F(c, m) and B(c+1, m). Plain tuples, for the simulator's hot loop."""
+    if forward:
+        return [(chunk - 1, True, mb)] if chunk > 0 else []
+    return [(chunk, True, mb)] + ([(chunk + 1, False, mb)] if chunk < n_chunks - 1 else [])
 
 
 def send_for(producer: Action, n_chunks: int) -> Action | None:

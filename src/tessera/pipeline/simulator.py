@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tessera.pipeline.schedule import Action, Kind, Schedule, ScheduleError, inputs_of
+from tessera.pipeline.schedule import Action, Kind, Schedule, ScheduleError, input_keys
 
 
 @dataclass(kw_only=True)
@@ -172,16 +172,18 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
-    """Time `schedule` under `costs` (see module doc)."""
+def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True) -> SimResult:
+    """Time `schedule` under `costs` (see module doc). `timeline=False` leaves the result's
+    timeline empty (the planner needs only the times)."""
     owner, n = schedule.chunk_rank, schedule.n_chunks
     orders = [[a for a in acts if not a.kind.is_p2p] for acts in schedule.actions]
     # Compute actions by number; each rank's actions prepared once, with the numbers of the
     # actions they wait for (a blocked rank is asked again on every pass, and the planner runs
     # thousands of simulations). A dependency missing from the schedule gets the number `never`,
     # which never finishes: its rank stays blocked and the schedule is refused below.
-    number = {a: i for i, a in enumerate(a for acts in orders for a in acts
-                                          if a.kind.is_compute)}
+    # Keys (chunk, is forward, micro-batch): plain tuples are cheaper than Actions here.
+    number = {(a.chunk, a.kind is Kind.F, a.microbatch): i
+              for i, a in enumerate(a for acts in orders for a in acts if a.kind.is_compute)}
     never = len(number)
     finish: list[float | None] = [None] * (never + 1)
     steps = []
@@ -191,15 +193,17 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             if a.kind.is_sharding:
                 mine.append((a, -1, (), 0.0))
                 continue
-            deps = tuple((number.get(d, never), owner[d.chunk] != r) for d in inputs_of(a, n))
-            mine.append((a, number[a], deps, costs.compute(a)))
+            c, mb, forward = a.chunk, a.microbatch, a.kind is Kind.F
+            deps = tuple((number.get(d, never), owner[d[0]] != r)
+                         for d in input_keys(c, forward, mb, n))
+            mine.append((a, number[(c, forward, mb)], deps, costs.compute(a)))
         steps.append(mine)
     transfer = costs.transfer
     free = [0.0] * schedule.n_ranks
     busy = [0.0] * schedule.n_ranks
     channel = [0.0] * schedule.n_ranks  # when each rank's dp communication channel is free
     pc = [0] * schedule.n_ranks
-    timeline: list[TimelineEvent] = []
+    events: list[TimelineEvent] = []
     last_backward: dict[int, float] = {}
     gathered: dict[int, float] = {}  # chunk -> when its latest all-gather is done
     reduced_by_action: set[int] = set()
@@ -207,8 +211,8 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     def collective(r: int, kind: str, chunk: int, cost: float) -> float:
         start = max(free[r], channel[r])
         channel[r] = start + cost
-        if cost > 0:
-            timeline.append(TimelineEvent(r, kind, -1, chunk, start, channel[r]))
+        if cost > 0 and timeline:
+            events.append(TimelineEvent(r, kind, -1, chunk, start, channel[r]))
         return channel[r]
 
     # Each rank runs its actions in order until one waits for an action not yet finished; it
@@ -242,8 +246,9 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
                 break
             finish[me] = free[r] = ready + cost
             busy[r] += cost
-            timeline.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready,
-                                          ready + cost))
+            if timeline:
+                events.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready,
+                                            ready + cost))
             if a.kind is Kind.B:
                 last_backward[a.chunk] = max(last_backward.get(a.chunk, 0.0), ready + cost)
             runnable.extend(waiting.pop(me, ()))
@@ -265,10 +270,11 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
                 continue
             start = max(channel[r], ready[c])
             channel[r] = start + cost
-            timeline.append(TimelineEvent(r, "dp", -1, c, start, channel[r]))
+            if timeline:
+                events.append(TimelineEvent(r, "dp", -1, c, start, channel[r]))
         step_time = max(step_time, channel[r])
     compute_time = max(busy, default=0.0)
     bubble = (makespan - compute_time) / compute_time if compute_time > 0 else 0.0
     return SimResult(step_time=step_time, compute_time=compute_time, bubble_fraction=bubble,
                      peak_inflight=peak_inflight(schedule), exposed_dp_time=step_time - makespan,
-                     makespan=makespan, busy=busy, timeline=timeline)
+                     makespan=makespan, busy=busy, timeline=events)

@@ -198,7 +198,7 @@ def _simulate_normalized(name: str, p: int, m: int, v: int,
     schedule = build(name, p, m, v, group)
     if sharded is not None:
         schedule = add_sharding_actions(schedule, prefetch=sharded)
-    result = simulate(schedule, costs)
+    result = simulate(schedule, costs, timeline=False)
     return result.step_time, result.makespan, result.compute_time, result.exposed_dp_time
 
 

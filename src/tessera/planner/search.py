@@ -19,6 +19,7 @@ recomputation this equals Megatron-LM's 8·T·P/(n·X)).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import time
@@ -523,7 +524,22 @@ class Plan:
 
 def search(w: Workload, space: SearchSpace = SearchSpace(), top: int = 10,
            layouts: Iterable[Layout] | None = None) -> Plan:
-    """Rank the layouts of `space` (or the given `layouts`) that fit in memory; keep `top`."""
+    """Rank the layouts of `space` (or the given `layouts`) that fit in memory; keep `top`.
+
+    Python's cycle collector is paused meanwhile: the search makes millions of short-lived
+    objects, none in cycles (reference counting frees them), and each collection it triggers
+    would walk every object the process holds (in a test process, every earlier test's)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(w, space, top, layouts)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(w: Workload, space: SearchSpace, top: int,
+            layouts: Iterable[Layout] | None) -> Plan:
     t0 = time.perf_counter()
     refusals: Counter[str] = Counter()
     candidates = (list(layouts) if layouts is not None
