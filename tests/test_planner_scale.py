@@ -302,6 +302,8 @@ def test_cli_evaluates_one_layout_with_explain():
     default, grouped = json.loads(g.output)["layouts"][0], json.loads(g32.output)["layouts"][0]
     assert (default["microbatch_group"], grouped["microbatch_group"]) == (0, 32)
     assert grouped["memory_gb"] > default["memory_gb"]
+    small = runner.invoke(app, [a + ",g=8" if a.startswith("dp=64") else a for a in args])
+    assert small.exit_code == 2 and "microbatch_group=8 must be at least pp=16" in small.output
     r = runner.invoke(app, args + ["--json", "--precision", "bf16-fp32grads"])
     out = json.loads(r.output)
     row = out["layouts"][0]

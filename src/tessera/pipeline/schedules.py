@@ -109,7 +109,7 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
     if 0 < group < pp:
         # A chunk's next micro-batches would wait for the ring: Megatron's warm-up then
         # deadlocks, and the shortest warm-up that does not holds more than the default
-        # (searched at p = 4 and 8), so a group below pp buys nothing.
+        # (searched at p = 4, 8 and 16), so a group below pp buys nothing.
         raise ConfigError("group", group, f"micro-batch groups must hold at least pp={pp} "
                           "micro-batches (a smaller group stalls the ring)")
     why = spec.refusal(pp, microbatches, virtual, group)

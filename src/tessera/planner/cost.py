@@ -420,6 +420,9 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     m = L.microbatches(w.global_batch)
     if L.microbatch_group and L.schedule != "interleaved":
         return f"microbatch_group={L.microbatch_group} needs schedule interleaved"
+    if 0 < L.microbatch_group < L.pp:
+        return (f"microbatch_group={L.microbatch_group} must be at least pp={L.pp} (a smaller "
+                "group stalls the ring)")
     if L.schedule == "interleaved" and m % (L.microbatch_group or L.pp):
         return (f"interleaved needs micro-batches m={m} to be a multiple of "
                 + (f"microbatch_group={L.microbatch_group}" if L.microbatch_group
