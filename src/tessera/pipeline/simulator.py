@@ -177,11 +177,11 @@ def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True) -> Si
     timeline empty (the planner needs only the times)."""
     owner, n = schedule.chunk_rank, schedule.n_chunks
     orders = [[a for a in acts if not a.kind.is_p2p] for acts in schedule.actions]
-    # Compute actions by number; each rank's actions prepared once, with the numbers of the
-    # actions they wait for (a blocked rank is asked again on every pass, and the planner runs
-    # thousands of simulations). A dependency missing from the schedule gets the number `never`,
-    # which never finishes: its rank stays blocked and the schedule is refused below.
-    # Keys (chunk, is forward, micro-batch): plain tuples are cheaper than Actions here.
+    # Compute actions by number, keyed (chunk, is forward, micro-batch): plain tuples are
+    # cheaper than Actions, and the planner runs thousands of simulations. Each rank's actions
+    # are prepared once, with the numbers of the actions they wait for. A dependency missing
+    # from the schedule gets the number `never`, which never finishes: its rank stays blocked
+    # and the schedule is refused below.
     number = {(a.chunk, a.kind is Kind.F, a.microbatch): i
               for i, a in enumerate(a for acts in orders for a in acts if a.kind.is_compute)}
     never = len(number)
