@@ -303,7 +303,8 @@ def test_cli_evaluates_one_layout_with_explain():
     assert (default["microbatch_group"], grouped["microbatch_group"]) == (0, 32)
     assert grouped["memory_gb"] > default["memory_gb"]
     small = runner.invoke(app, [a + ",g=8" if a.startswith("dp=64") else a for a in args])
-    assert small.exit_code == 2 and "microbatch_group=8 must be at least pp=16" in small.output
+    assert small.exit_code == 2
+    assert "microbatch_group=8: micro-batch groups must hold at least pp=16" in small.output
     r = runner.invoke(app, args + ["--json", "--precision", "bf16-fp32grads"])
     out = json.loads(r.output)
     row = out["layouts"][0]

@@ -418,15 +418,13 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     if L.virtual > 1 and L.schedule not in ("interleaved", "bfs"):
         return f"virtual={L.virtual} needs schedule interleaved or bfs"
     m = L.microbatches(w.global_batch)
-    if L.microbatch_group and L.schedule != "interleaved":
-        return f"microbatch_group={L.microbatch_group} needs schedule interleaved"
-    if 0 < L.microbatch_group < L.pp:
-        return (f"microbatch_group={L.microbatch_group} must be at least pp={L.pp} (a smaller "
-                "group stalls the ring)")
-    if L.schedule == "interleaved" and m % (L.microbatch_group or L.pp):
-        return (f"interleaved needs micro-batches m={m} to be a multiple of "
-                + (f"microbatch_group={L.microbatch_group}" if L.microbatch_group
-                   else f"pp={L.pp}"))
+    if L.pp > 1 or L.virtual > 1:  # the schedule's own rules (m, micro-batch groups)
+        from tessera.pipeline.schedules import check_schedule
+
+        try:
+            check_schedule(L.schedule, L.pp, m, L.virtual, L.microbatch_group)
+        except ConfigError as e:
+            return str(e).replace("group=", "microbatch_group=", 1)
     if L.schedule == "naive" and m != 1:
         return "naive model parallelism runs the whole batch as one micro-batch"
     return None
