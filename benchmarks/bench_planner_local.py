@@ -228,26 +228,39 @@ def inrun_hardware(hw_path: str, case: Case):
     jitter = σ / √compute). What stays the planner's own is the model under test: which
     collectives a step runs, what overlaps what, the bucket copies, the scalar reductions."""
     from dataclasses import replace
-    from statistics import NormalDist
 
-    from tessera.planner.cost import allgather_time
+    from tessera.planner.calibrate import gather_efficiency, ring_beta
+    from tessera.planner.cost import expected_max_normal
     from tessera.planner.hardware import Link, load_hardware
 
     hw, r, n = load_hardware(hw_path), case.paired, case.nproc
     alpha = hw.intra_node_alpha_us * 1e-6
-    t = statistics.median(r.allreduce_s)
-    beta = max(t - 2 * (n - 1) * alpha, 1e-3 * t) / (2 * (n - 1) / n * r.bucket_bytes)
+    beta = ring_beta(statistics.median(r.allreduce_s), r.bucket_bytes, n, alpha)
     gbs = 1.0 / beta / 1e9 / hw.link_efficiency
-    ring = allgather_time(r.unit_bytes, n, Link(alpha=alpha, bandwidth=1.0 / beta))
-    efficiency = min(1.0, statistics.median(
-        [ring / statistics.median(r.allgather_s), ring / statistics.median(r.reduce_scatter_s)]))
+    timed = [(r.unit_bytes, statistics.median(r.allgather_s)),
+             (r.unit_bytes, statistics.median(r.reduce_scatter_s))]
+    efficiency = gather_efficiency(Link(alpha=alpha, bandwidth=1.0 / beta), n, timed)
     jitter = hw.jitter
-    if n <= (hw.cores or n):
-        spread = NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
-        jitter = (statistics.median(r.skew_s) / spread
+    if not time_shared(case, hw):
+        jitter = (statistics.median(r.skew_s) / expected_max_normal(n)
                   / statistics.median(r.control_compute_s) ** 0.5)
     return replace(hw, intra_node_gbs=gbs, inter_node_gbs=gbs, gather_efficiency=efficiency,
                    jitter=jitter)
+
+
+def time_shared(case: Case, hw) -> bool:
+    """Whether the row's ranks take turns on fewer cores (the planner's ``cost.time_shared``)."""
+    return bool(hw.cores) and case.nproc > hw.cores
+
+
+def measured_cost(case: Case, hw) -> list[float]:
+    """Per pair, what DP costs the step as the planner defines its control: N ranks with a
+    core each run independently in the time of one (the DP step minus the ranks' mean
+    control step: the wait for the slowest is DP's straggler cost); N ranks time-sharing
+    fewer cores take all their work over the cores, until the last of them finishes (the DP
+    step minus the slowest rank's control step, dp_cost.PairedResult.cost_vs_slowest_s)."""
+    r = case.paired
+    return r.cost_vs_slowest_s if time_shared(case, hw) else r.cost_s
 
 
 def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[str]:
@@ -260,15 +273,16 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
     if not cases:
         return []
     out = ["", "what data parallelism costs a step: the DP step minus the control step of the "
-           "same run (N one-rank models, no collectives), medians over pairs [95% interval]",
+           "same run (N one-rank models, no collectives; time-shared rows: its slowest rank), "
+           "medians over pairs [95% interval]",
            f"{'layout':<24} {'measured ms':>11} {'interval':>13} {'in-run':>7} {'ratio':>6} "
            f"{'file':>6} {'ratio':>6} {'waits':>6} {'interval':>13} {'exposed':>7} "
            f"{'all-red':>7} {'skew':>5}"]
     within = within_file = 0
     for c in cases:
         r = c.paired
-        cost, lo, hi = median_interval(r.cost_s)
         inrun = inrun_hardware(hw_path_of(c), c)
+        cost, lo, hi = median_interval(measured_cost(c, inrun))
         pred = predict_cost(c, inrun)
         from_file = predict_cost(c, hw_path_of(c))
         waits, wlo, whi = median_interval(r.waits_s)
@@ -286,7 +300,9 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
                    f"{1e3 * statistics.median(r.skew_s):>5.1f}{mark}")
     out.append(f"DP costs within ±15%: {within_file} of {len(cases)} with the calibration file, "
                f"{within} of {len(cases)} with the run's own link rates and jitter")
-    out.append("measured: DP step minus control step, median over pairs and its 95% interval; "
+    out.append("measured: DP step minus control step (where ranks time-share the cores, "
+               "minus the slowest rank's control step: what N independent runs at once take, "
+               "the control the planner predicts), median over pairs and its 95% interval; "
                "in-run / file: the planner's step for the layout minus its step for one rank "
                "alone (times ranks/cores when ranks time-share cores), with the link rates and "
                "jitter measured in the row's run (inrun_hardware) / with the calibration file "

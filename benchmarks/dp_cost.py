@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tessera.planner.calibrate import _timed_collective
+from tessera.planner.calibrate import timed_collective
 
 FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "skew_s",
           "allreduce_s", "allgather_s", "reduce_scatter_s")
@@ -79,6 +79,16 @@ class PairedResult:
     def cost_s(self) -> list[float]:
         """DP step minus control step: everything data parallelism costs the step."""
         return [a - b for a, b in zip(self.dp_s, self.control_s, strict=True)]
+
+    @property
+    def cost_vs_slowest_s(self) -> list[float]:
+        """DP step minus the slowest rank's control step: what DP costs beyond the time N
+        independent runs at once take to finish. Where ranks time-share cores this is the
+        control the planner predicts (all the work over the cores: the last rank to finish;
+        a rank that finishes early hands its core to the others), so the skew of the
+        independent runs is not a cost of DP there."""
+        return [a - (b + k) for a, b, k in zip(self.dp_s, self.control_s, self.skew_s,
+                                                strict=True)]
 
     @property
     def slowed_compute_s(self) -> list[float]:
@@ -155,7 +165,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
             for _ in range(block):
                 dist.barrier()  # every rank starts the step together, as control runs would
                 times[which].append(timed_step(ex, opt, batch, clip))
-        timed = {name: _timed_collective(op, size, 2, lambda: x @ w.t())
+        timed = {name: timed_collective(op, size, 2, lambda: x @ w.t())
                  for name, op, size in (("allreduce_s", "all_reduce", bucket),
                                         ("allgather_s", "all_gather", unit),
                                         ("reduce_scatter_s", "reduce_scatter", unit))}

@@ -27,8 +27,11 @@ def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     assert 1e-3 < hw.attention_tflops < 10
     assert 0.01 < hw.intra_node_gbs < 1000 and 0 <= hw.intra_node_alpha_us < 50_000
     assert hw.memory_gb > 0.1 and hw.memory_bw_gbs > 0.1 and hw.op_overhead_us > 0
-    # the optimizer's loop costs at least nothing and less than 10 ms per tensor
+    # the optimizer's loop costs at least nothing and less than 10 ms per tensor; so do
+    # DataParallel's gradient hook and ZeRO-3's work per unit
     assert 0 <= hw.optimizer_tensor_us < 10_000
+    assert 0 <= hw.ddp_tensor_us < 10_000 and 0 <= hw.zero_unit_us < 100_000
+    assert 0 <= hw.zero_unit_passes < 1000
     assert hw.gpus_per_node >= 1 and hw.dp_overlap == 0.0
     assert 0.01 < hw.gather_efficiency <= 1.0
     w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,
@@ -67,3 +70,36 @@ def test_plan_prints_small_parameter_counts():
                                  "8", "--seq", "32", "--hardware", "H100", "--top", "1"])
     assert r.exit_code == 0, r.output
     assert r.output.startswith("tiny (131K parameters) on 2 x H100-SXM")
+
+
+def _jitter_with_sleeps(extra_s: float, base_s: float) -> float:
+    """calibrate.jitter on this rank with the block step replaced by a sleep of base_s, plus
+    extra_s on rank 1."""
+    import time
+
+    import torch.distributed as dist
+
+    import tessera.planner.calibrate as calibrate
+
+    slow = dist.get_rank() == 1
+    calibrate._block_step = lambda *a: (lambda: time.sleep(base_s + (extra_s if slow else 0)))
+    return calibrate.jitter(load_model("tiny"), 32, 1, repeats=8)
+
+
+@pytest.mark.multiprocess
+def test_jitter_is_the_spread_between_ranks_not_over_time():
+    """jitter() inverts the straggler term: ranks that start together after a barrier and
+    finish d apart give a slowest-minus-mean of d/2 at two ranks, so jitter = (d/2) /
+    E[max of 2 normals] / √T; both ranks get the same value. A rank that is steadily slow is
+    what a collective waits for; ranks slow together are not (0 skew: jitter ~0)."""
+    from tessera.planner.cost import expected_max_normal
+    from tessera.testing import run_ranks
+
+    base, extra = 0.02, 0.02
+    got = run_ranks(_jitter_with_sleeps, 2, args=(extra, base), timeout=120)
+    assert got[0] == got[1]
+    expected = (extra / 2) / expected_max_normal(2) / (base + extra / 2) ** 0.5
+    # sleep() overshoots by scheduler latency (~0.1-2 ms on a busy 2-core machine): 30%
+    assert got[0] == pytest.approx(expected, rel=0.3)
+    together = run_ranks(_jitter_with_sleeps, 2, args=(0.0, base), timeout=120)
+    assert together[0] < 0.25 * expected

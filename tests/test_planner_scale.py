@@ -393,6 +393,47 @@ def _demo(hw, gpus, **layout):
     return w, L
 
 
+def test_tessera_zero3_pays_its_calibrated_unit_work():
+    """tessera's ZeRO-3 work besides its collectives (calibrate's zero_unit_us per unit and
+    zero_unit_passes over the gathered parameter bytes) is paid per micro-batch, exposed: a
+    chunk's zero_backward grows by exactly its tessera units (embedding and head are units of
+    their own: 6 for the 4-block demo at pp 1) times the fixed part plus the passes over its
+    fp32 parameters at the memory bandwidth, its dp_total by m times that; ZeRO-1, DDP and
+    non-tessera models pay none."""
+    from tessera.planner.cost import layout_costs
+
+    base, booked = _local_cpu(), _local_cpu(zero_unit_us=1000.0, zero_unit_passes=3.0)
+    w0, L = _demo(base, 2, dp=2, zero=3)
+    w1, _ = _demo(booked, 2, dp=2, zero=3)
+    (c0,), (c1,) = layout_costs(w0, L).chunks, layout_costs(w1, L).chunks
+    extra = 6 * 1e-3 + 3 * 4 * c0.params / booked.memory_bw
+    assert c1.zero_backward - c0.zero_backward == pytest.approx(extra, rel=1e-9)
+    assert c1.dp_total - c0.dp_total == pytest.approx(extra, rel=1e-9)  # m = 1
+    for layout in (dict(dp=2, zero=1), dict(dp=2)):
+        w0, L = _demo(base, 2, **layout)
+        w1, _ = _demo(booked, 2, **layout)
+        assert layout_costs(w0, L).chunks[0].dp_total == layout_costs(w1, L).chunks[0].dp_total
+    gpt = dict(model=load_model("gpt3-1.3b"), gpus=8, global_batch=16, seq_len=1024)
+    L = Layout(dp=8, zero=3, micro_batch=2)
+    plain = layout_costs(Workload(hardware=base, **gpt), L).chunks[0]
+    other = layout_costs(Workload(hardware=booked, **gpt), L).chunks[0]
+    assert other.zero_backward == plain.zero_backward  # not tessera's engine: no such work
+
+
+def test_tessera_data_parallel_hook_uses_its_calibrated_cost():
+    """Where calibrate measured DataParallel's hook per tensor (ddp_tensor_us, its copy
+    included), the bucket work is that per tensor plus the division's two passes, instead of
+    the copy's traffic and OPS_PER_TENSOR_BUCKET kernels."""
+    from tessera.planner.cost import ddp_bucket_time
+
+    hw = _local_cpu(op_overhead_us=4.0, ddp_tensor_us=50.0)
+    assert ddp_bucket_time(hw, 8e6, 40) == pytest.approx(40 * 50e-6 + 2 * 8e6 / hw.memory_bw,
+                                                         rel=1e-12)
+    plain = _local_cpu(op_overhead_us=4.0)
+    assert ddp_bucket_time(plain, 8e6, 40) == pytest.approx(
+        4 * 8e6 / plain.memory_bw + 40 * 3 * 4e-6, rel=1e-12)
+
+
 def test_tessera_steps_pay_their_scalar_reductions():
     """Every tessera step all-reduces the mean loss over dp·cp and pp, and the squared gradient
     norm over the groups that hold parts of it (dp·cp only where ZeRO shards): 8 bytes each, so

@@ -30,6 +30,10 @@ What is measured:
 - the optimizer's per-tensor cost: tessera's gradient norm, clipping and AdamW step over 256
   tiny parameters, per tensor (``optimizer_tensor_us``; the single-tensor AdamW loop on a CPU
   costs several times its kernels' ``op_overhead_us``);
+- tessera's data-parallel engine work: DataParallel's gradient hook per parameter tensor
+  (``ddp_tensor_us``: a two-block model under ``no_sync()`` against the same unwrapped) and
+  ZeRO-3's work per unit per micro-batch besides its collectives (``zero_unit_us``: the same
+  model in ZeRO-3 over a one-rank group against it unwrapped);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -38,8 +42,13 @@ What is measured:
   planner uses; all-gather and reduce-scatter are timed too and their speed relative to the
   ring form on that link stored as ``gather_efficiency``. Intra- and inter-node are the same
   link: every rank lives on this machine;
-- jitter: the spread of one block's forward + backward in wall time while every rank computes
-  (σ/√T, σ from the interquartile range): how far apart ranks reach a collective;
+- jitter: how far apart ranks that start one block's forward + backward together (after a
+  barrier) finish it, in wall time: the median over repeats of (slowest rank − the ranks'
+  mean), which is what a collective after the compute waits for, divided by the expected
+  maximum of N standard normals and by √T (:func:`tessera.planner.cost.straggler_time`
+  inverted). Not one rank's spread over time: a slow minute slows every rank alike and
+  costs no collective anything (on this machine the per-rank spread over-priced the wait
+  2.4-6x);
 - memory: the machine's RAM divided among its cores (one rank per core), and the cores
   themselves: with more ranks than cores, ranks time-share them (``cores``).
 
@@ -219,14 +228,32 @@ def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     return _typical_time(_block_step(spec, seq, micro_batch), repeats=9)
 
 
-def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 24) -> float:
-    """σ/√T of a block's forward + backward in wall time (what a collective waits for): the
-    interquartile range / 1.349 (σ of a normal, robust to the odd long pause) over the
-    median T."""
-    samples = _samples(_block_step(spec, seq, micro_batch), repeats, warmup=1,
-                       clock=_wall_clock)
-    q1, median, q3 = statistics.quantiles(samples, n=4)
-    return (q3 - q1) / 1.349 / median ** 0.5
+def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 48) -> float:
+    """σ/√T of a block's forward + backward as the ranks of the default group run it side by
+    side (module docstring): the median over repeats of the slowest rank's wall time minus
+    the ranks' mean, over E[max of N standard normals] (Blom, as ``straggler_time``) and over
+    √T, T the median time. Every rank returns the same value; 0 on one rank."""
+    import torch.distributed as dist
+
+    from tessera.planner.cost import expected_max_normal
+
+    n = dist.get_world_size()
+    step = _block_step(spec, seq, micro_batch)
+    step()  # warm-up
+    skews, times = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        start = _wall_clock()
+        step()
+        mine = torch.tensor([_wall_clock() - start], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(n)]
+        dist.all_gather(every, mine)
+        seconds = [float(t) for t in every]
+        skews.append(max(seconds) - statistics.fmean(seconds))
+        times.append(statistics.fmean(seconds))
+    if n <= 1:
+        return 0.0
+    return statistics.median(skews) / expected_max_normal(n) / statistics.median(times) ** 0.5
 
 
 def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, attn: float,
@@ -269,6 +296,96 @@ def optimizer_tensor_seconds(tensors: int = 256, repeats: int = 15) -> float:
     return _typical_time(run, repeats=repeats) / tensors
 
 
+class _Chain(torch.nn.Module):
+    """`count` bias-free d×d linears in a row: per-unit and per-tensor engine costs are timed
+    on it with one input row, so the model's own work is a matrix-vector product per layer."""
+
+    def __init__(self, count: int, d: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False)
+                                           for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _extra_per_layer(make: Callable[[torch.nn.Module], torch.nn.Module], count: int, d: int,
+                     hooks_only: bool = False, repeats: int = 15) -> float:
+    """Seconds per layer that wrapping a `_Chain(count, d)` with `make` adds to its forward +
+    backward on one row, in thread CPU time (medians over interleaved rounds, so a slow minute
+    hits both alike): with the wrapper's gradient sync, or with `hooks_only` its backward
+    inside ``no_sync()`` (DataParallel: the hooks run, nothing is reduced)."""
+    torch.manual_seed(0)
+    plain = _Chain(count, d)
+    torch.manual_seed(0)
+    wrapped = make(_Chain(count, d))
+    x = torch.randn(1, d)
+
+    def step_of(model: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            if model is plain:
+                model(x).sum().backward()
+            elif hooks_only:
+                with model.no_sync():
+                    model(x).sum().backward()
+            else:
+                model(x).sum().backward()
+                model.finish_gradient_sync()
+            for param in model.parameters():
+                param.grad = None
+        return run
+
+    base, other = step_of(plain), step_of(wrapped)
+    plain_t, wrapped_t = [], []
+    for _ in range(3):
+        plain_t += _samples(base, repeats // 3, warmup=1)
+        wrapped_t += _samples(other, repeats // 3, warmup=1)
+    return max(0.0, statistics.median(wrapped_t) - statistics.median(plain_t)) / count
+
+
+def zero_unit_costs(spec: ModelSpec, bandwidth: float) -> tuple[float, float]:
+    """tessera's ZeRO-3 work per unit per micro-batch besides its collectives, as (seconds
+    fixed, passes over the unit's parameter bytes at `bandwidth` bytes/s): a chain of one-layer
+    units wrapped in ZeRO-3 over a group of this rank alone (Topology.solo: its gathers and
+    reductions move nothing) against the chain unwrapped, with tiny layers (8×8: the fixed
+    part, the hooks and bookkeeping) and with 1024×1024 layers (the part that grows with the
+    unit: fresh buffers for the gathered parameters and the flattened gradient, and its
+    copy). Measured directly, not as a difference of two model steps,
+    whose noise was as large as the effect. Every rank of the default group must call it (it
+    creates the one-rank groups)."""
+    from tessera.parallel.zero import ZeroModel
+    from tessera.topology import Topology
+
+    solo = Topology.solo().groups["dp"]
+
+    def wrap(chain: torch.nn.Module) -> torch.nn.Module:
+        return ZeroModel(chain, solo, stage=3,
+                         units=[(f"u{i}", [layer]) for i, layer in enumerate(chain.layers)])
+
+    fixed = _extra_per_layer(wrap, 32, 8)
+    d = 1024  # 4 MiB units: each pass is ~10x the noise of the timings here
+    large = _extra_per_layer(wrap, 8, d)
+    return fixed, max(0.0, large - fixed) * bandwidth / (4 * d * d)
+
+
+def ddp_tensor_seconds() -> float:
+    """Seconds per parameter tensor of tessera's DataParallel gradient hook beyond its copy's
+    traffic (the slot lookup, the re-pointed gradient, the used flag): a chain of 32 tiny
+    (8×8) layers under DataParallel over the default group inside ``no_sync()`` (the hooks
+    run, no bucket is launched) against the chain unwrapped, per tensor. Every rank of the
+    default group must call it (the wrapper broadcasts the weights)."""
+    import torch.distributed as dist
+
+    from tessera.parallel.ddp import DataParallel
+
+    if dist.get_world_size() == 1:
+        return 0.0
+    return _extra_per_layer(lambda chain: DataParallel(chain, dist.group.WORLD), 32, 8,
+                            hooks_only=True)
+
+
 def op_overhead() -> float:
     """Seconds of one tiny recorded op: the fixed cost every kernel pays."""
     x = torch.ones(1, requires_grad=True)
@@ -280,7 +397,7 @@ def op_overhead() -> float:
     return _typical_time(run, repeats=9) / 200
 
 
-def _timed_collective(op: str, nbytes: int, repeats: int,
+def timed_collective(op: str, nbytes: int, repeats: int,
                       before: Callable[[], object] | None = None) -> float:
     """Median wall seconds of gloo's `op` ('all_reduce', 'all_gather', 'reduce_scatter') whose
     full (unsharded) tensor has `nbytes`, each call right after `before` (compute)."""
@@ -317,11 +434,14 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         overhead = op_overhead()
         passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
         optimizer = optimizer_tensor_seconds()
-        noise = jitter(spec, seq, micro_batch)
+        noise = jitter(spec, seq, micro_batch)  # every rank at once (a collective per repeat)
+        zero_unit, zero_passes = zero_unit_costs(spec, bw)
+        ddp_tensor = ddp_tensor_seconds()
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
-            "optimizer": optimizer, "jitter": noise, "mm_large": large, "mm_tail": tail}
+            "optimizer": optimizer, "jitter": noise, "mm_large": large, "mm_tail": tail,
+            "zero_unit": zero_unit, "zero_passes": zero_passes, "ddp_tensor": ddp_tensor}
 
 
 def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
@@ -346,19 +466,32 @@ def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, f
         x @ w.t()
 
     sizes = [4 ** k for k in range(6, 13)]  # 4 KiB to 16 MiB
-    seconds = [_timed_collective("all_reduce", n, 25, compute) for n in sizes]
+    seconds = [timed_collective("all_reduce", n, 25, compute) for n in sizes]
     a, b = fit_alpha_beta(sizes, seconds)
     n = dist.get_world_size()
     alpha, beta = a / (2 * (n - 1)), b * n / (2 * (n - 1))
-    # All-gather and reduce-scatter against the ring form on that link (the cost model's
-    # allgather_time at gather efficiency 1), at the sizes tensor and sequence parallelism
-    # move (64 KiB to 16 MiB): their speed relative to it, the median over sizes and both
-    # operations.
+    # All-gather and reduce-scatter against the ring form on that link, at the sizes tensor
+    # and sequence parallelism move (64 KiB to 16 MiB).
     ring = Link(alpha=alpha, bandwidth=1.0 / beta)
-    ratios = [allgather_time(size, n, ring) / _timed_collective(op, size, 25, compute)
-              for op in ("all_gather", "reduce_scatter") for size in sizes[2:]]
+    timed = [(size, timed_collective(op, size, 25, compute))
+             for op in ("all_gather", "reduce_scatter") for size in sizes[2:]]
     return {"p2p_alpha": p2p.alpha, "p2p_beta": p2p.beta + p2p.gamma, "alpha": alpha,
-            "beta": beta, "gather_efficiency": min(1.0, statistics.median(ratios))}
+            "beta": beta, "gather_efficiency": gather_efficiency(ring, n, timed)}
+
+
+def ring_beta(seconds: float, nbytes: float, n: int, alpha: float) -> float:
+    """β (seconds per byte) that gives an all-reduce of `nbytes` over `n` ranks `seconds` in
+    the ring form 2(n−1)·α + 2(n−1)/n·nbytes·β the planner uses, α given (at least 0.1% of
+    the time is left to the bytes, so a latency-bound timing still gives a finite rate)."""
+    return max(seconds - 2 * (n - 1) * alpha, 1e-3 * seconds) / (2 * (n - 1) / n * nbytes)
+
+
+def gather_efficiency(ring: Link, n: int, timed: list[tuple[float, float]]) -> float:
+    """Speed of all-gathers and reduce-scatters relative to the ring form on `ring` (the cost
+    model's ``allgather_time`` at gather efficiency 1): the median over the (bytes, seconds)
+    timings of predicted / measured, at most 1."""
+    return min(1.0, statistics.median(allgather_time(size, n, ring) / seconds
+                                      for size, seconds in timed))
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -391,7 +524,7 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
                         timeout=600, backend=backend)
     out = dict(results[0])
     for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter", "mm_large",
-                "mm_tail"):
+                "mm_tail", "zero_unit", "zero_passes", "ddp_tensor"):
         out[key] = statistics.median(r[key] for r in results)
     return out
 
@@ -420,6 +553,8 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         p2p_gbs=1.0 / p2p_beta / 1e9,
         link_efficiency=1.0, gather_efficiency=r["gather_efficiency"],
         op_overhead_us=overhead * 1e6, optimizer_tensor_us=r["optimizer"] * 1e6,
+        zero_unit_us=r["zero_unit"] * 1e6, zero_unit_passes=r["zero_passes"],
+        ddp_tensor_us=r["ddp_tensor"] * 1e6,
         elementwise_passes=passes, jitter=r["jitter"],
         dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "

@@ -67,7 +67,9 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7). Priced per unit
   (bucket, block) on the link the group crosses, and exposed only where compute cannot cover
   it (:func:`exposed_behind`); breadth-first ZeRO-3 is placed by the schedule's sharding
-  actions and simulated (:func:`zero3_by_actions`);
+  actions and simulated (:func:`zero3_by_actions`); tessera's own work around them (DDP's
+  gradient hooks and division, :func:`ddp_bucket_time`; ZeRO-3's per-unit buffers and views,
+  ``hardware.zero_unit_us``) is exposed beside them;
 - context parallelism (``tessera.parallel.context_parallel``, the bytes of its
   ``bytes_per_layer``): ring attention (Liu et al. 2023) passes a K/V block of b·(s/c)·kv in
   each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
@@ -538,12 +540,18 @@ def rank_skew(w: Workload, n: int, busy: float) -> float:
     return 0.0 if time_shared(w) else straggler_time(w.hardware, n, busy)
 
 
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals], Blom's approximation Φ⁻¹((n − 0.375)/(n +
+    0.25)) (0.59 for 2, 1.03 for 4; the exact values are 0.56 and 1.03)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+
+
 def straggler_time(hw: Hardware, n: int, busy: float) -> float:
     """Expected wait at a collective of `n` ranks after `busy` seconds of compute on each:
     σ·E[max of n standard normals] with σ = jitter·√busy (module docstring)."""
     if n <= 1 or busy <= 0 or hw.jitter <= 0:
         return 0.0
-    return hw.jitter * busy ** 0.5 * NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+    return hw.jitter * busy ** 0.5 * expected_max_normal(n)
 
 
 def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
@@ -1011,6 +1019,14 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         else:
             ag = allgather_time(weights / units, dp_group, dp_link)
             rs = allgather_time(grads / units, dp_group, dp_link)
+            # tessera's own work around each unit's collectives (ZeRO-3, calibrated: a fixed
+            # part per unit and passes over the gathered parameter bytes, per micro-batch), on
+            # the rank's own thread between collectives every rank of the group waits on, so
+            # exposed and, like them, not stretched by time-sharing.
+            book = (hw.zero_unit_us * 1e-6 * _engine_units(spec, t, pp, n_chunks, sizes, chunks,
+                                                           ch)
+                    + hw.zero_unit_passes * weights / hw.memory_bw
+                    if zero == 3 and tessera else 0.0)
             if zero == 2:
                 ch.zero_backward = exposed_behind(rs, units, bwd, 0) + wait
                 ch.dp_reduce = units * ag  # the parameters, gathered once after the step
@@ -1021,14 +1037,15 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                 # its last backward, while the rank's other chunks still run backward), and
                 # the simulator overlaps them with compute (Lamy-Poirier 2022, §4).
                 ch.unshard = units * ag
-                ch.dp_reduce = units * rs + wait
+                ch.dp_reduce = units * rs + wait + book
                 ch.dp_total = 2 * ch.unshard + ch.dp_reduce  # gathered twice per step
             else:
                 depth = w.zero_prefetch
                 ch.zero_forward = exposed_behind(ag, units, fwd, depth, lead=True)
-                ch.zero_backward = exposed_behind(ag + rs, units, bwd, depth, lead=True) + wait
+                ch.zero_backward = (exposed_behind(ag + rs, units, bwd, depth, lead=True) + wait
+                                    + book)
                 ch.dp_reduce = 0.0
-                ch.dp_total = m * (units * (2 * ag + rs) + wait)
+                ch.dp_total = m * (units * (2 * ag + rs) + wait + book)
 
     # -- pipeline point-to-point ------------------------------------------------------------
     p2p_bytes = float(act)
@@ -1056,6 +1073,16 @@ def _units_of(ch: ChunkCosts, sizes: tuple[int, ...], chunks: list[ChunkCosts]) 
     for c, other in enumerate(chunks):
         if other is ch:
             return sizes[c]
+    return 1
+
+
+def _engine_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, sizes: tuple[int, ...],
+                  chunks: list[ChunkCosts], ch: ChunkCosts) -> int:
+    """tessera's ZeRO units of chunk `ch` (``engine.chunk_units``: the embedding and the head
+    are units of their own, beside one per block)."""
+    for c, other in enumerate(chunks):
+        if other is ch:
+            return len(engine.chunk_units(spec, t, pp, n_chunks, c, sizes[c]))
     return 1
 
 
@@ -1094,13 +1121,17 @@ bucket, the gradient re-pointed at its slot, the used flag)."""
 
 def ddp_bucket_time(hw: Hardware, grad_bytes: float, tensors: int) -> float:
     """Seconds tessera's DataParallel spends on its buckets besides the all-reduce: each
-    freshly allocated gradient copied into its slot during backward (the trainer zeroes
-    gradients with set_to_none, as torch DDP's bucket views are also refilled by a copy) and
-    the buckets divided by dp after the wait: two reads and two writes of every gradient
-    byte, plus the hook's kernels per tensor. Compute cannot hide it: it runs on the rank's
-    own thread."""
+    freshly allocated gradient copied into its slot during backward by a per-tensor hook (the
+    trainer zeroes gradients with set_to_none, as torch DDP's bucket views are also refilled
+    by a copy) and the buckets divided by dp after the wait. The hook is ``ddp_tensor_us`` per
+    tensor where calibrate measured it (copy included), else its copy's two passes over the
+    bytes and OPS_PER_TENSOR_BUCKET kernels; the division is two passes more. Compute cannot
+    hide it: it runs on the rank's own thread."""
+    divide = 2 * grad_bytes / hw.memory_bw
+    if hw.ddp_tensor_us > 0:
+        return tensors * hw.ddp_tensor_us * 1e-6 + divide
     kernels = tensors * OPS_PER_TENSOR_BUCKET * hw.op_overhead_us * 1e-6
-    return 4 * grad_bytes / hw.memory_bw + kernels
+    return 2 * grad_bytes / hw.memory_bw + divide + kernels
 
 
 def optimizer_traffic(stepped: float, normed: float, nbytes: tuple[int, int, int, int],

@@ -108,6 +108,18 @@ class Hardware:
     """Fixed cost per parameter tensor of a step's gradient norm and optimizer update beyond
     their memory traffic: what tessera's per-parameter loops cost on a CPU, which calibrate
     measures. 0: OPS_PER_TENSOR_ADAMW kernels at op_overhead_us each."""
+    zero_unit_us: float = 0.0
+    """tessera's ZeRO-3 work per unit per micro-batch besides its collectives, the part that
+    does not grow with the unit (hooks, views, bookkeeping), which calibrate measures on a CPU;
+    0 for the catalog's GPUs (other engines, and kernels too short to matter)."""
+    zero_unit_passes: float = 0.0
+    """The part that grows with the unit, as passes over its parameter bytes at the memory
+    bandwidth (fresh buffers for the gathered parameters and the flattened gradient, the
+    copy into it); calibrate measures it, 0 in the catalog."""
+    ddp_tensor_us: float = 0.0
+    """tessera's DataParallel gradient hook per parameter tensor (the copy into the bucket,
+    the flags), which calibrate measures on a CPU. 0: OPS_PER_TENSOR_BUCKET kernels at
+    op_overhead_us each plus the copy's traffic."""
     elementwise_passes: float = 2.0
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
@@ -142,7 +154,8 @@ class Hardware:
         if not 0.0 <= self.dp_overlap <= 1.0:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
-                  "optimizer_tensor_us", "elementwise_passes", "jitter", "matmul_tail_us"):
+                  "optimizer_tensor_us", "zero_unit_us", "zero_unit_passes", "ddp_tensor_us",
+                  "elementwise_passes", "jitter", "matmul_tail_us"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
