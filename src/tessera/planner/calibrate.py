@@ -30,10 +30,11 @@ What is measured:
 - the optimizer's per-tensor cost: tessera's gradient norm, clipping and AdamW step over 256
   tiny parameters, per tensor (``optimizer_tensor_us``; the single-tensor AdamW loop on a CPU
   costs several times its kernels' ``op_overhead_us``);
-- tessera's data-parallel engine work: DataParallel's gradient hook per parameter tensor
-  (``ddp_tensor_us``: a two-block model under ``no_sync()`` against the same unwrapped) and
-  ZeRO-3's work per unit per micro-batch besides its collectives (``zero_unit_us``: the same
-  model in ZeRO-3 over a one-rank group against it unwrapped);
+- tessera's data-parallel engine work, each on a chain of one-layer modules against the
+  chain unwrapped: DataParallel's gradient hook per parameter tensor (``ddp_tensor_us``,
+  tiny layers under ``no_sync()``) and ZeRO-3's work per unit per micro-batch besides its
+  collectives, over a one-rank group (``zero_unit_us`` from tiny layers,
+  ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -238,6 +239,8 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 48) -> fl
     from tessera.planner.cost import expected_max_normal
 
     n = dist.get_world_size()
+    if n <= 1:
+        return 0.0
     step = _block_step(spec, seq, micro_batch)
     step()  # warm-up
     skews, times = [], []
@@ -251,8 +254,6 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 48) -> fl
         seconds = [float(t) for t in every]
         skews.append(max(seconds) - statistics.fmean(seconds))
         times.append(statistics.fmean(seconds))
-    if n <= 1:
-        return 0.0
     return statistics.median(skews) / expected_max_normal(n) / statistics.median(times) ** 0.5
 
 
@@ -352,9 +353,9 @@ def zero_unit_costs(spec: ModelSpec, bandwidth: float) -> tuple[float, float]:
     reductions move nothing) against the chain unwrapped, with tiny layers (8×8: the fixed
     part, the hooks and bookkeeping) and with 1024×1024 layers (the part that grows with the
     unit: fresh buffers for the gathered parameters and the flattened gradient, and its
-    copy). Measured directly, not as a difference of two model steps,
-    whose noise was as large as the effect. Every rank of the default group must call it (it
-    creates the one-rank groups)."""
+    copy). Measured directly, not as a difference of two model steps, whose noise was as
+    large as the effect. Every rank of the default group must call it (it creates the
+    one-rank groups)."""
     from tessera.parallel.zero import ZeroModel
     from tessera.topology import Topology
 
