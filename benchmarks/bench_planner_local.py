@@ -208,12 +208,26 @@ def predict_cost(case: Case, hw_path: str) -> float:
     return predict(case, hw_path) - sharing * predict(control, hw_path)
 
 
+SMALL_SHARE_BLOCKS = 4
+"""How many times the blocks an overlap row gets where DP is a small share of the step (DDP
+at micro-batch 16: 3-7% of a 400-1000 ms step). The 95% interval of a median narrows as
+1/√pairs, and at 72 pairs these rows' intervals were -60%/+40% of the cost, too wide to say
+whether a prediction is within ±15%."""
+
+
+def row_blocks(case: Case, blocks: int) -> int:
+    """Blocks of 4 steps for an overlap row: `blocks`, or SMALL_SHARE_BLOCKS times that for
+    DDP at micro-batch 16."""
+    ddp = int(case.flags.get("zero-stage", 0)) == 0
+    return blocks * (SMALL_SHARE_BLOCKS if ddp and case.micro_batch >= 16 else 1)
+
+
 def measure_cost(case: Case, blocks: int) -> object:
     """dp_cost.measure_paired for an overlap row (dp = nproc, its ZeRO stage, micro-batch)."""
     from dp_cost import measure_paired
 
     return measure_paired(case.nproc, int(case.flags.get("zero-stage", 0)), case.micro_batch,
-                          blocks=blocks)
+                          blocks=row_blocks(case, blocks))
 
 
 def inrun_hardware(hw_path: str, case: Case):
@@ -326,7 +340,8 @@ def main() -> None:
     ap.add_argument("--quiet-wait", type=float, default=60.0,
                     help="seconds to wait for a quiet machine before each run")
     ap.add_argument("--blocks", type=int, default=24,
-                    help="blocks of 4 steps of each model per overlap row (dp_cost.py)")
+                    help="blocks of 4 steps of each model per overlap row (dp_cost.py; DDP "
+                    "at micro-batch 16 gets SMALL_SHARE_BLOCKS times as many)")
     ap.add_argument("--overlap-only", action="store_true",
                     help="only the overlap rows' DP costs (no tessera train step-time runs)")
     ap.add_argument("--from-json", help="the overlap rows' pairs saved by an earlier run "

@@ -185,6 +185,9 @@ def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
                 "alpha": 1e-5,
                 "beta": 1e-9,
                 "gather_efficiency": 1.0,
+                "zero_unit": 0.0,
+                "zero_passes": 0.0,
+                "ddp_tensor": 0.0,
             }
         ] * world
 
