@@ -823,7 +823,17 @@ class LayoutCosts:
         return _uniform_middle(self.chunks)
 
 
+class ChunkList(list):
+    """The chunks of one layout as ``_chunk_costs`` builds them, knowing whether every chunk but
+    the first and the last is one shared object (asked once per estimate: a search asks it of
+    ~18,000 layouts, so it is settled when the list is built)."""
+
+    uniform_middle: bool = False
+
+
 def _uniform_middle(chunks: list[ChunkCosts]) -> bool:
+    if isinstance(chunks, ChunkList):
+        return chunks.uniform_middle
     middle = chunks[1:-1]
     return all(c is middle[0] for c in middle)
 
@@ -956,7 +966,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         ch.act_bytes += logits_bytes + 2 * e * tokens * spec.hidden / split
 
     shared: dict[int, ChunkCosts] = {}
-    chunks: list[ChunkCosts] = []
+    chunks = ChunkList()
     for c, nl in enumerate(sizes):
         first, last = c == 0, c == n_chunks - 1
         if not (first or last):
@@ -979,6 +989,8 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     if tessera:
         for nl, ch in shared.items():
             ch.params = nl * engine.block_numel(spec, t)
+    # The middle chunks are shared[nl] objects: one object iff one middle size.
+    chunks.uniform_middle = len(shared) <= 1
     distinct = list({id(ch): ch for ch in chunks}.values())
 
     # -- data parallel --------------------------------------------------------------------------
