@@ -421,13 +421,14 @@ def test_tessera_zero3_pays_its_calibrated_unit_work():
 
 
 def test_tessera_data_parallel_hook_uses_its_calibrated_cost():
-    """Where calibrate measured DataParallel's hook per tensor (ddp_tensor_us, its copy
-    included), the bucket work is that per tensor plus the division's two passes, instead of
-    the copy's traffic and OPS_PER_TENSOR_BUCKET kernels."""
+    """Where calibrate measured DataParallel's hook per tensor (ddp_tensor_us: its fixed cost,
+    beyond the copy's traffic), the bucket work is that per tensor plus the copy's and the
+    division's four passes over the gradient bytes, instead of OPS_PER_TENSOR_BUCKET
+    kernels per tensor."""
     from tessera.planner.cost import ddp_bucket_time
 
     hw = _local_cpu(op_overhead_us=4.0, ddp_tensor_us=50.0)
-    assert ddp_bucket_time(hw, 8e6, 40) == pytest.approx(40 * 50e-6 + 2 * 8e6 / hw.memory_bw,
+    assert ddp_bucket_time(hw, 8e6, 40) == pytest.approx(40 * 50e-6 + 4 * 8e6 / hw.memory_bw,
                                                          rel=1e-12)
     plain = _local_cpu(op_overhead_us=4.0)
     assert ddp_bucket_time(plain, 8e6, 40) == pytest.approx(

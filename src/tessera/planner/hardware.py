@@ -117,9 +117,9 @@ class Hardware:
     bandwidth (fresh buffers for the gathered parameters and the flattened gradient, the
     copy into it); calibrate measures it, 0 in the catalog."""
     ddp_tensor_us: float = 0.0
-    """tessera's DataParallel gradient hook per parameter tensor (the copy into the bucket,
-    the flags), which calibrate measures on a CPU. 0: OPS_PER_TENSOR_BUCKET kernels at
-    op_overhead_us each plus the copy's traffic."""
+    """tessera's DataParallel gradient hook per parameter tensor beyond its copy's traffic
+    (the slot lookup, the re-pointed gradient, the used flag), which calibrate measures on a
+    CPU. 0: OPS_PER_TENSOR_BUCKET kernels at op_overhead_us each."""
     elementwise_passes: float = 2.0
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
