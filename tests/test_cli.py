@@ -90,9 +90,11 @@ def test_pipeline_with_one_microbatch_warns_once(tiny_data, monkeypatch):
 def test_interleaved_needs_two_chunks(tiny_data):
     line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--pp", "2",
                       "--schedule", "interleaved", "--microbatches", "2"])
-    assert "parallel.virtual_stages=1: interleaved 1F1B needs virtual_stages >= 2" in line
+    assert "parallel.virtual_stages=1: interleaved needs virtual_stages >= 2" in line
     line = cli_error(["schedule", "--schedule", "interleaved", "--pp", "2"])
-    assert "--virtual=1: interleaved 1F1B needs --virtual >= 2" in line
+    assert "--virtual=1: interleaved needs --virtual >= 2" in line
+    line = cli_error(["schedule", "--schedule", "interleaved-lean", "--pp", "2"])
+    assert "--virtual=1: interleaved-lean needs --virtual >= 2" in line
 
 
 def test_config_prints_resolved_yaml():

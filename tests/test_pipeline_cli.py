@@ -97,7 +97,7 @@ def test_check_layout_names_the_config_field():
                       train=dict(grad_accum=2))
     check_layout(cfg)
     cfg.train.grad_accum = 3
-    with pytest.raises(ConfigError, match=r"train.grad_accum=3: interleaved 1F1B needs"):
+    with pytest.raises(ConfigError, match=r"train.grad_accum=3: interleaved needs"):
         check_layout(cfg)
 
 

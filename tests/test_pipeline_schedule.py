@@ -22,7 +22,8 @@ from tessera.pipeline.schedule import (
 from tessera.pipeline.schedules import SCHEDULES, ScheduleSpec, build_schedule, register
 from tessera.pipeline.simulator import StageCosts, simulate
 
-VIRTUAL = {"interleaved": (1, 2, 3), "bfs": (1, 2, 3)}
+VIRTUAL = {"interleaved": (1, 2, 3), "interleaved-lean": (1, 2, 3), "bfs": (1, 2, 3)}
+INTERLEAVED = ("interleaved", "interleaved-lean")
 
 
 def grid_cases():
@@ -30,7 +31,7 @@ def grid_cases():
     for name in SCHEDULES:
         for p, m in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 5, 8, 9, 12)):
             for v in VIRTUAL.get(name, (1,)):
-                if name == "interleaved" and m % p:
+                if name in INTERLEAVED and m % p:
                     continue
                 yield name, p, v, m
 
@@ -58,7 +59,8 @@ def test_simulated_bubble_equals_closed_forms():
     for name, p, v, m in grid_cases():
         r = simulate(build_schedule(name, p, m, v), StageCosts(forward=1 / v, backward=2 / v))
         expected = {"naive": p - 1, "gpipe": (p - 1) / m, "1f1b": (p - 1) / m,
-                    "interleaved": (p - 1) / (v * m)}.get(name)
+                    "interleaved": (p - 1) / (v * m),
+                    "interleaved-lean": (p - 1) / (v * m)}.get(name)
         if name == "bfs" and m >= p:
             expected = (p - 1) / (v * m)  # breadth-first matches interleaved once m >= p
         if expected is not None:
@@ -80,6 +82,36 @@ def test_peak_inflight_closed_forms():
             assert peaks == [1] * p
         elif name == "bfs":
             assert peaks == [v * m] * p
+        elif name == "interleaved-lean":  # 1F1B's warm-up plus the other chunks' first group
+            assert peaks == [min(v * m, p - r + (v - 1) * p) for r in range(p)]
+
+
+def test_lean_interleaving_holds_fewer_sets_and_pays_for_unhidden_transfers():
+    """interleaved-lean runs Megatron's order with p - r - 1 fewer warm-up forwards: the same
+    bubble with free transfers, p - r - 1 fewer sets at every rank's peak (the planner's closed
+    form agrees), and a longer step once transfers cost time (Megatron's extra forwards are
+    what hide them). Grouped too: G >= p, m a multiple of G."""
+    from tessera.planner.pipeline import inflight
+
+    for p, v, m, g in grouped_cases():
+        lean = build_schedule("interleaved-lean", p, m, v, g)
+        assert parse(lean.to_string()) == lean, (p, v, m, g)
+        validate(lower_comms(lean))
+        counted = simulate(lean, StageCosts(forward=1, backward=1)).peak_inflight
+        assert counted == [min(v * m, p - r + (v - 1) * g) for r in range(p)] == \
+            list(inflight("interleaved-lean", p, m, v, g)), (p, v, m, g)
+        megatron = build_schedule("interleaved", p, m, v, g)
+        if m > p:
+            held = simulate(megatron, StageCosts(forward=1, backward=1)).peak_inflight
+            assert [a - b for a, b in zip(held, counted, strict=True)] == \
+                [min(p - r - 1, v * m - c) for r, c in enumerate(counted)], (p, v, m, g)
+        free = StageCosts(forward=1 / v, backward=2 / v)
+        assert simulate(lean, free).makespan == pytest.approx(
+            simulate(megatron, free).makespan, abs=1e-9), (p, v, m, g)
+    p, v, m = 4, 2, 8
+    paid = StageCosts(forward=1 / v, backward=2 / v, p2p_latency=0.1)
+    assert simulate(build_schedule("interleaved-lean", p, m, v), paid).makespan > \
+        simulate(build_schedule("interleaved", p, m, v), paid).makespan + 1.0
 
 
 def grouped_cases():
@@ -211,6 +243,16 @@ def test_new_schedules_plug_in_through_the_registry():
             pytest.approx(2 / 4)
     finally:
         del SCHEDULES[spec.name]
+
+
+def test_config_knows_every_registered_schedule():
+    """`--schedule` is checked by the config (which does not import the generators) against its
+    own lists; they must name exactly what the registry holds, with the same capabilities."""
+    from tessera import config
+
+    assert config.SCHEDULES == tuple(SCHEDULES)
+    assert config.VIRTUAL_SCHEDULES == tuple(n for n, s in SCHEDULES.items() if s.virtual)
+    assert config.GROUPED_SCHEDULES == tuple(n for n, s in SCHEDULES.items() if s.grouped)
 
 
 def test_text_grid_shows_bubbles():

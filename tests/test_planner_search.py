@@ -92,15 +92,16 @@ def test_straggler_wait_grows_with_group_noise_and_compute():
 def test_inflight_closed_forms_equal_the_schedules():
     """Peak in-flight activation sets per rank: the closed forms the planner uses at large p
     equal the count over the generated schedule, for every registered schedule on a grid."""
-    for name in ("naive", "gpipe", "1f1b", "interleaved", "bfs"):
+    interleaved = ("interleaved", "interleaved-lean")
+    for name in ("naive", "gpipe", "1f1b", *interleaved, "bfs"):
         for p in (1, 2, 3, 4, 5, 8):
-            for v in ((1, 2, 3) if name in ("interleaved", "bfs") else (1,)):
+            for v in ((1, 2, 3) if name in (*interleaved, "bfs") else (1,)):
                 for m in range(1, 3 * p + 2):
-                    if name == "interleaved" and (m % p or v == 1):
+                    if name in interleaved and (m % p or v == 1):
                         continue
                     counted = peak_inflight(build(name, p, m, v))
                     assert list(inflight(name, p, m, v)) == counted, (name, p, m, v)
-                    if name == "interleaved" and v > 1 and m % (2 * p) == 0:  # groups of 2p
+                    if name in interleaved and v > 1 and m % (2 * p) == 0:  # groups of 2p
                         counted = peak_inflight(build(name, p, m, v, 2 * p))
                         assert list(inflight(name, p, m, v, 2 * p)) == counted, (p, m, v)
 
@@ -122,6 +123,8 @@ def test_extrapolated_simulation_matches_full_simulation():
                                               schedule="interleaved")),
         ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual=2,
                                               schedule="interleaved", microbatch_group=16)),
+        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual=2,
+                                              schedule="interleaved-lean")),
         ("llama3-8b", 64, 4096, dict(tp=2, pp=4, micro_batch=1, schedule="gpipe")),
         ("gpt3-2.7b", 64, 4096, dict(tp=1, pp=4, micro_batch=1, virtual=2, schedule="bfs")),
         ("gpt3-13b", 128, 1024, dict(tp=4, pp=8, micro_batch=1, schedule="1f1b", zero=2)),
@@ -217,19 +220,23 @@ def test_no_proposed_layout_exceeds_memory():
     assert all(e.layout.key() != dp_only.layout.key() for e in plan.ranked)
 
 
+SEARCH_LIMIT_S = 5.0
+"""The issue's requirement for the 1T / 3072 GPU search (CPU seconds)."""
+
 _TIMED_1T_SEARCH = """
-import json, time
+import json, sys, time
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
 from tessera.planner.cost import Workload
 from tessera.planner.search import search
 from tessera.planner import cost, engine, pipeline
+from tessera.pipeline import schedule
 
 w = Workload(model=load_model("megatron-1t"), hardware=load_hardware("A100-80GB"), gpus=3072,
              global_batch=3072, seq_len=2048)
 runs = []
 for _ in range(5):
-    for module in (cost, engine, pipeline):  # every memo the search fills, emptied
+    for module in (cost, engine, pipeline, schedule):  # every memo the search fills, emptied
         for memo in vars(module).values():
             if hasattr(memo, "cache_clear"):
                 memo.cache_clear()
@@ -238,7 +245,7 @@ for _ in range(5):
     runs.append(dict(cpu=time.process_time() - cpu, wall=time.perf_counter() - wall,
                      considered=plan.considered, fitting=plan.fitting,
                      simulated=plan.simulated))
-    if runs[-1]["cpu"] < 5.0:
+    if runs[-1]["cpu"] < float(sys.argv[1]):
         break
 print(json.dumps(runs))
 """
@@ -257,14 +264,14 @@ def test_full_search_for_1t_on_3072_gpus_is_fast():
     import sys
 
     assert A100 == load_hardware("A100-80GB")  # the workload above is this module's
-    out = subprocess.run([sys.executable, "-c", _TIMED_1T_SEARCH], capture_output=True,
-                         text=True, timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-c", _TIMED_1T_SEARCH, str(SEARCH_LIMIT_S)],
+                         capture_output=True, text=True, timeout=300, check=True)
     runs = json.loads(out.stdout)
     for r in runs:
         print(f"1T on 3072 GPUs: {r['considered']} layouts, {r['fitting']} fit, "
               f"{r['simulated']} simulated, {r['cpu']:.2f} s CPU, {r['wall']:.2f} s wall")
     assert runs[-1]["considered"] > 10000
-    assert min(r["cpu"] for r in runs) < 5.0
+    assert min(r["cpu"] for r in runs) < SEARCH_LIMIT_S
 
 
 # -- bad input ----------------------------------------------------------------------------------

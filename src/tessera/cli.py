@@ -359,8 +359,11 @@ def schedule_cmd(
             raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
         if gather and zero_stage != 3:
             raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
-        if schedule == "interleaved" and virtual < 2 and file is None:
-            raise ConfigError("--virtual", virtual, "interleaved 1F1B needs --virtual >= 2 "
+        from tessera.pipeline.schedules import SCHEDULES
+
+        least = SCHEDULES[schedule].min_virtual if schedule in SCHEDULES else 1
+        if virtual < least and file is None:
+            raise ConfigError("--virtual", virtual, f"{schedule} needs --virtual >= {least} "
                               "(with one chunk per rank it is plain 1f1b)")
         print(describe(load_schedule(schedule, pp, microbatches, virtual, file,
                                      microbatch_group),

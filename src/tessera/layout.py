@@ -84,13 +84,15 @@ def check_layout(cfg: Config) -> None:
     if p.pp > 1 or p.virtual_stages > 1:
         spec = SCHEDULES[p.schedule]
         _require(p.virtual_stages == 1 or spec.virtual, "parallel.virtual_stages",
-                 p.virtual_stages, f"needs schedule interleaved or bfs, not {p.schedule!r}")
-        _require(p.schedule != "interleaved" or p.virtual_stages >= 2, "parallel.virtual_stages",
-                 p.virtual_stages, "interleaved 1F1B needs virtual_stages >= 2 (with one chunk "
-                 "per rank it is plain 1f1b)")
+                 p.virtual_stages, f"needs a schedule with virtual stages ("
+                 f"{', '.join(n for n, sp in SCHEDULES.items() if sp.virtual)}), not "
+                 f"{p.schedule!r}")
+        _require(p.virtual_stages >= spec.min_virtual, "parallel.virtual_stages",
+                 p.virtual_stages, f"{p.schedule} needs virtual_stages >= {spec.min_virtual} "
+                 "(with one chunk per rank it is plain 1f1b)")
         group = p.microbatch_group or p.pp
-        _require(p.schedule != "interleaved" or t.grad_accum % group == 0, "train.grad_accum",
-                 t.grad_accum, "interleaved 1F1B needs micro-batches a multiple of "
+        _require(not spec.grouped or t.grad_accum % group == 0, "train.grad_accum",
+                 t.grad_accum, f"{p.schedule} needs micro-batches a multiple of "
                  + (f"parallel.microbatch_group={group}" if p.microbatch_group
                     else f"parallel.pp={p.pp}"))
         try:

@@ -54,6 +54,7 @@ is gathered once per run of consecutive compute actions on it, one compute actio
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -133,11 +134,16 @@ class Action:
                             f"(e.g. 1UNSHARD)")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def F(chunk: int, mb: int) -> Action:
+    """The forward of micro-batch `mb` on chunk `chunk` (actions are immutable, so the
+    generators share one object per pair: the planner generates hundreds of thousands)."""
     return Action(chunk, Kind.F, mb)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def B(chunk: int, mb: int) -> Action:
+    """The backward of micro-batch `mb` on chunk `chunk` (shared, as :func:`F`)."""
     return Action(chunk, Kind.B, mb)
 
 

@@ -104,7 +104,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from statistics import NormalDist
 
-from tessera.config import DP_MODES, Config, ConfigError
+from tessera.config import DP_MODES, VIRTUAL_SCHEDULES, Config, ConfigError
 from tessera.planner import engine
 from tessera.planner.hardware import Hardware, Link
 from tessera.planner.models import ModelSpec, from_model_config
@@ -417,8 +417,8 @@ def check_layout(w: Workload, L: Layout) -> str | None:
                 f"per chunk (stage_layout, e.g. {example})")
     if L.pp == 1 and (L.virtual != 1 or L.schedule != "1f1b"):
         return "without pipeline parallelism the schedule is 1f1b with virtual=1"
-    if L.virtual > 1 and L.schedule not in ("interleaved", "bfs"):
-        return f"virtual={L.virtual} needs schedule interleaved or bfs"
+    if L.virtual > 1 and L.schedule not in VIRTUAL_SCHEDULES:
+        return f"virtual={L.virtual} needs schedule {', '.join(VIRTUAL_SCHEDULES)}"
     m = L.microbatches(w.global_batch)
     if L.pp > 1 or L.virtual > 1:  # the schedule's own rules (m, micro-batch groups)
         from tessera.pipeline.schedules import check_schedule
@@ -793,7 +793,7 @@ class RankState:
 class LayoutCosts:
     """Everything about a layout that does not need the schedule's timing."""
 
-    chunks: list[ChunkCosts]
+    chunks: ChunkList
     """Per chunk; chunk c runs on rank c mod p. Chunks of the same shape share one object."""
     ranks: dict[int, RankState]
     """Model state of the pipeline ranks: every rank, or, when the middle chunks are all alike,
@@ -820,7 +820,7 @@ class LayoutCosts:
     @property
     def uniform_middle(self) -> bool:
         """All chunks but the first and the last are one object (the O(1) bound applies)."""
-        return _uniform_middle(self.chunks)
+        return self.chunks.uniform_middle
 
 
 class ChunkList(list):
@@ -831,13 +831,6 @@ class ChunkList(list):
     uniform_middle: bool = False
 
 
-def _uniform_middle(chunks: list[ChunkCosts]) -> bool:
-    if isinstance(chunks, ChunkList):
-        return chunks.uniform_middle
-    middle = chunks[1:-1]
-    return all(c is middle[0] for c in middle)
-
-
 def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = _chunk_costs(
@@ -845,7 +838,7 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
         L.sequence_parallel, L.zero, L.dp_mode, L.cp_method, chunk_sizes(w, L),
         zero3_by_actions(L))
     n_chunks = L.pp * L.virtual
-    wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if _uniform_middle(chunks) else range(L.pp)
+    wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if chunks.uniform_middle else range(L.pp)
     ranks: dict[int, RankState] = {}
     by_chunks: dict[tuple[int, ...], RankState] = {}  # ranks holding the same chunks
     for r in wanted:
@@ -1079,23 +1072,24 @@ def zero3_by_actions(L: Layout) -> bool:
         L.dp_mode == "allreduce")
 
 
+def _chunk_index(ch: ChunkCosts, chunks: list[ChunkCosts]) -> int | None:
+    """Where `ch` (this object, not an equal one: middle chunks may share one) first appears."""
+    return next((c for c, other in enumerate(chunks) if other is ch), None)
+
+
 def _units_of(ch: ChunkCosts, sizes: tuple[int, ...], chunks: list[ChunkCosts]) -> int:
     """ZeRO units of a chunk: one per block (tessera's and FSDP's wrapping), the embedding
     and the head folded into the first and last block's units."""
-    for c, other in enumerate(chunks):
-        if other is ch:
-            return sizes[c]
-    return 1
+    c = _chunk_index(ch, chunks)
+    return 1 if c is None else sizes[c]
 
 
 def _engine_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, sizes: tuple[int, ...],
                   chunks: list[ChunkCosts], ch: ChunkCosts) -> int:
     """tessera's ZeRO units of chunk `ch` (``engine.chunk_units``: the embedding and the head
     are units of their own, beside one per block)."""
-    for c, other in enumerate(chunks):
-        if other is ch:
-            return len(engine.chunk_units(spec, t, pp, n_chunks, c, sizes[c]))
-    return 1
+    c = _chunk_index(ch, chunks)
+    return 1 if c is None else len(engine.chunk_units(spec, t, pp, n_chunks, c, sizes[c]))
 
 
 def exposed_behind(comm: float, units: int, compute: float, depth: int,

@@ -34,7 +34,8 @@ from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
 
 EXACT_ACTIONS = 3000
 """Largest schedule (compute actions, 2·p·v·m) simulated at its true m."""
-STEADY_AFTER_PERIODS = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved": 1}
+STEADY_AFTER_PERIODS = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved": 1,
+                        "interleaved-lean": 1}
 """From how many periods of p micro-batches on a schedule is in its steady state. Breadth-first
 (and any schedule registered later) waits a period longer: its loops stall until the first
 micro-batch comes back around (tests/test_planner_search.py checks both)."""
@@ -91,6 +92,9 @@ def inflight(name: str, p: int, m: int, v: int = 1, group: int = 0) -> tuple[int
             return (v * m,) * p
         g = group or p
         return tuple(min(v * m, 2 * (p - r - 1) + (v - 1) * g + 1) for r in range(p))
+    if name == "interleaved-lean":  # (p − r − 1) + (v − 1)G warm-up steps
+        g = group or p
+        return tuple(min(v * m, p - r + (v - 1) * g) for r in range(p))
     return _counted_inflight(name, p, m, v, group)
 
 
@@ -104,29 +108,37 @@ def chunk_inflight(name: str, p: int, m: int, v: int, rank: int,
     per = period(p, group)
     if m > 3 * per:
         m = 2 * per + m % per
-    return _chunk_inflight(name, p, m, v, group)[rank]
+    return _chunk_inflight(name, p, m, v, group, rank)
 
 
 @lru_cache(maxsize=256)
-def _chunk_inflight(name: str, p: int, m: int, v: int,
-                    group: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def _chunk_inflight(name: str, p: int, m: int, v: int, group: int,
+                    rank: int) -> tuple[tuple[int, ...], ...]:
     from tessera.pipeline.schedule import Kind
 
-    schedule = build(name, p, m, v, group)
-    out = []
-    for r, actions in enumerate(schedule.actions):
-        mine = [c for c in range(p * v) if c % p == r]
-        slot = {c: i for i, c in enumerate(mine)}
-        held = [0] * len(mine)
-        peaks: set[tuple[int, ...]] = {tuple(held)}
-        for a in actions:
-            if a.kind is Kind.F:
-                held[slot[a.chunk]] += 1
+    mine = [c for c in range(p * v) if c % p == rank]
+    slot = {c: i for i, c in enumerate(mine)}
+    held = [0] * len(mine)
+    peaks: set[tuple[int, ...]] = {tuple(held)}
+    rising = False
+    for a in _built(name, p, m, v, group).actions[rank]:
+        if a.kind is Kind.F:
+            held[slot[a.chunk]] += 1
+            rising = True
+        elif a.kind is Kind.B:
+            if rising:  # only the last of a run of forwards can peak: the others are below
                 peaks.add(tuple(held))
-            elif a.kind is Kind.B:
-                held[slot[a.chunk]] -= 1
-        out.append(_undominated(peaks))
-    return tuple(out)
+                rising = False
+            held[slot[a.chunk]] -= 1
+    if rising:
+        peaks.add(tuple(held))
+    return _undominated(peaks)
+
+
+@lru_cache(maxsize=16)
+def _built(name: str, p: int, m: int, v: int, group: int) -> Schedule:
+    """One schedule walked for the few ranks the planner weighs (first, second, last)."""
+    return build(name, p, m, v, group)
 
 
 def _undominated(points: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:

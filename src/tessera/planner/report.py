@@ -42,7 +42,7 @@ def describe_workload(plan: Plan) -> str:
 
 def table(plan: Plan, tokens: float | None = None) -> str:
     """The ranked layouts as a fixed-width table."""
-    head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'schedule':>13} {'b':>3} "
+    head = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'schedule':>19} {'b':>3} "
             f"{'m':>5} {'zero':>4} {'recomp':>9} {'sp':>3} {'step s':>9} {'tokens/s':>10} "
             f"{'HW TF/s':>8} {'MFU':>6} {'MFU-c':>6} {'mem GB':>7} {'free GB':>7}")
     if tokens:
@@ -56,7 +56,7 @@ def table(plan: Plan, tokens: float | None = None) -> str:
             sched = f"{L.dp_mode} {sched}" if sched != "-" else L.dp_mode
         if L.cp > 1:  # the context-parallel method shares the schedule's column
             sched = f"{L.cp_method} {sched}" if sched != "-" else L.cp_method
-        line = (f"{i:>2} {L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {sched:>13} "
+        line = (f"{i:>2} {L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {sched:>19} "
                 f"{L.micro_batch:>3} {e.m:>5} {L.zero:>4} {L.recompute:>9} "
                 f"{'y' if L.sequence_parallel else '-':>3} {_num(e.step_time):>9} "
                 f"{_num(e.tokens_per_s):>10} {e.tflops_per_gpu:>8.4g} {100 * e.mfu:>5.1f}% "

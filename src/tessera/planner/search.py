@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from tessera.config import ConfigError
+from tessera.config import GROUPED_SCHEDULES, VIRTUAL_SCHEDULES, ConfigError
 from tessera.pipeline.simulator import StageCosts
 from tessera.pipeline.split import first_last_fewer
 from tessera.planner.cost import (
@@ -47,7 +47,7 @@ from tessera.planner.cost import (
 )
 from tessera.planner.pipeline import chunk_inflight, inflight, lower_bound, time_pipeline
 
-SCHEDULE_CHOICES = ("1f1b", "interleaved", "bfs", "gpipe", "naive")
+SCHEDULE_CHOICES = ("1f1b", "interleaved", "interleaved-lean", "bfs", "gpipe", "naive")
 
 
 class PlanError(ValueError):
@@ -483,9 +483,9 @@ def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tup
         yield "1f1b", 1
         return
     for sched in space.schedule:
-        if sched in ("interleaved", "bfs"):
+        if sched in VIRTUAL_SCHEDULES:
             for v in space.virtual:
-                if _splits(layers, pp * v) is False or (sched == "interleaved"
+                if _splits(layers, pp * v) is False or (sched in GROUPED_SCHEDULES
                                                         and (v == 1 or m % pp)):
                     continue
                 yield sched, v
