@@ -216,12 +216,14 @@ def _busiest_rank_chunks(est: Estimate) -> list[int]:
 # One layout
 
 
-def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True) -> Estimate:
-    """Costs, memory and (if `simulate`) the simulated step time of layout `L`."""
+def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True,
+             costs: LayoutCosts | None = None) -> Estimate:
+    """Costs, memory and (if `simulate`) the simulated step time of layout `L`; `costs`: its
+    ``layout_costs`` where the caller has them (they are read, never changed)."""
     why = check_layout(w, L) if check else None
     if why:
         raise PlanError(f"layout {L.describe()}: {why}")
-    costs = layout_costs(w, L)
+    costs = costs or layout_costs(w, L)
     m = L.microbatches(w.global_batch)
     held = (inflight(L.schedule, L.pp, m, L.virtual, L.microbatch_group) if _pipelined(L)
             else (1,))
@@ -553,8 +555,13 @@ def _search(w: Workload, space: SearchSpace, top: int,
     capacity = w.hardware.memory_bytes - w.reserve_gb * GB
     fitting: list[Estimate] = []
     smallest: Estimate | None = None
+    # Layouts that differ only in the schedule have the same chunk and rank costs (the schedule
+    # orders them; only breadth-first ZeRO-3 is costed from its actions): computed once.
+    shared: dict[Layout, LayoutCosts] = {}
     for L in candidates:
-        est = estimate(w, L, simulate=False, check=layouts is not None)
+        key = L if zero3_by_actions(L) else replace(L, schedule="")
+        est = estimate(w, L, simulate=False, check=layouts is not None, costs=shared.get(key))
+        shared[key] = est.costs
         if smallest is None or est.memory.total < smallest.memory.total:
             smallest = est
         if est.memory.total <= capacity:
