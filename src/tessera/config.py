@@ -179,12 +179,8 @@ class RopeScaling:
 
 DP_MODES = ("allreduce", "ps", "ps-async")
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "interleaved-lean", "bfs")
-"""The registered schedules' names (``tessera.pipeline.schedules`` holds the generators; a test
-keeps the two lists equal)."""
-VIRTUAL_SCHEDULES = ("interleaved", "interleaved-lean", "bfs")
-"""Schedules that take v > 1 chunks per rank."""
-GROUPED_SCHEDULES = ("interleaved", "interleaved-lean")
-"""Schedules that take a micro-batch group size."""
+"""The registered schedules' names (``tessera.pipeline.schedules`` holds the generators and
+what each takes; a test keeps the two lists equal)."""
 CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
 ALLREDUCE_ALGORITHMS = ("backend", "auto", "naive", "parallel", "ring", "rabenseifner")
 
@@ -270,15 +266,20 @@ class ParallelConfig:
                  self.zero_stage, f"needs parallel.dp_mode='allreduce', not {self.dp_mode!r}")
         _require(self.dp_mode == "allreduce" or self.dp >= 2, "parallel.dp_mode", self.dp_mode,
                  f"a parameter server needs parallel.dp >= 2 (server and workers), got {self.dp}")
-        _require(self.virtual_stages == 1 or self.schedule in VIRTUAL_SCHEDULES,
+        from tessera.pipeline.schedules import SCHEDULES as REGISTERED
+
+        spec = REGISTERED[self.schedule]
+        _require(self.virtual_stages == 1 or spec.virtual,
                  "parallel.virtual_stages", self.virtual_stages,
-                 f"needs schedule {', '.join(VIRTUAL_SCHEDULES)}, not {self.schedule!r}")
+                 f"needs schedule {', '.join(n for n, s in REGISTERED.items() if s.virtual)}, "
+                 f"not {self.schedule!r}")
         _require(isinstance(self.microbatch_group, int) and self.microbatch_group >= 0,
                  "parallel.microbatch_group", self.microbatch_group,
                  "must be a non-negative integer (0: pp)")
-        _require(self.microbatch_group == 0 or self.schedule in GROUPED_SCHEDULES,
+        _require(self.microbatch_group == 0 or spec.grouped,
                  "parallel.microbatch_group", self.microbatch_group,
-                 f"needs schedule {' or '.join(GROUPED_SCHEDULES)}, not {self.schedule!r}")
+                 f"needs schedule {' or '.join(n for n, s in REGISTERED.items() if s.grouped)}, "
+                 f"not {self.schedule!r}")
 
     @property
     def world_size(self) -> int:

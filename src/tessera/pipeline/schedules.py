@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.config import ConfigError
 from tessera.pipeline.schedule import Action, B, F, Schedule, validate
@@ -260,19 +260,16 @@ register(ScheduleSpec(
     name="1f1b", generate=one_f_one_b_orders,
     description="PipeDream-Flush one-forward-one-backward",
     closed_form_bubble=lambda pp, m, v: (pp - 1) / m))
-register(ScheduleSpec(
+_INTERLEAVED = register(ScheduleSpec(
     name="interleaved", generate=interleaved_orders, virtual=True, min_virtual=2,
     description="Megatron interleaved 1F1B over v chunks per rank (depth-first)",
     microbatch_rule=_interleaved_rule,
     grouped=True,
     closed_form_bubble=lambda pp, m, v: (pp - 1) / (v * m)))
-register(ScheduleSpec(
-    name="interleaved-lean", generate=functools.partial(interleaved_orders, lean=True),
-    virtual=True, min_virtual=2,
-    description="interleaved 1F1B with the shortest warm-up: p-r-1 fewer sets in flight",
-    microbatch_rule=_interleaved_rule,
-    grouped=True,
-    closed_form_bubble=lambda pp, m, v: (pp - 1) / (v * m)))
+register(replace(
+    _INTERLEAVED, name="interleaved-lean",
+    generate=functools.partial(interleaved_orders, lean=True),
+    description="interleaved 1F1B with the shortest warm-up: p-r-1 fewer sets in flight"))
 register(ScheduleSpec(
     name="bfs", generate=bfs_orders, virtual=True,
     description="breadth-first looping over v chunks per rank (Lamy-Poirier 2023)",

@@ -104,7 +104,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from statistics import NormalDist
 
-from tessera.config import DP_MODES, VIRTUAL_SCHEDULES, Config, ConfigError
+from tessera.config import DP_MODES, Config, ConfigError
 from tessera.planner import engine
 from tessera.planner.hardware import Hardware, Link
 from tessera.planner.models import ModelSpec, from_model_config
@@ -417,11 +417,13 @@ def check_layout(w: Workload, L: Layout) -> str | None:
                 f"per chunk (stage_layout, e.g. {example})")
     if L.pp == 1 and (L.virtual != 1 or L.schedule != "1f1b"):
         return "without pipeline parallelism the schedule is 1f1b with virtual=1"
-    if L.virtual > 1 and L.schedule not in VIRTUAL_SCHEDULES:
-        return f"virtual={L.virtual} needs schedule {', '.join(VIRTUAL_SCHEDULES)}"
+    from tessera.pipeline.schedules import SCHEDULES, check_schedule
+
+    if L.virtual > 1 and not SCHEDULES[L.schedule].virtual:
+        return (f"virtual={L.virtual} needs schedule "
+                f"{', '.join(n for n, s in SCHEDULES.items() if s.virtual)}")
     m = L.microbatches(w.global_batch)
     if L.pp > 1 or L.virtual > 1:  # the schedule's own rules (m, micro-batch groups)
-        from tessera.pipeline.schedules import check_schedule
 
         try:
             check_schedule(L.schedule, L.pp, m, L.virtual, L.microbatch_group)

@@ -87,14 +87,14 @@ def inflight(name: str, p: int, m: int, v: int = 1, group: int = 0) -> tuple[int
         return (v * m,) * p
     if name == "1f1b":  # p − r − 1 warm-up forwards, then one more before each backward
         return tuple(min(m, p - r) for r in range(p))
-    if name == "interleaved":  # Megatron: 2(p − r − 1) + (v − 1)G warm-up steps (all if m = p)
-        if m == p:
+    if name in ("interleaved", "interleaved-lean"):
+        # Warm-up k(p − r − 1) + (v − 1)G steps, then one more forward before the first
+        # backward: Megatron's k = 2 (every forward first when m = p), lean's k = 1.
+        if name == "interleaved" and m == p:
             return (v * m,) * p
+        k = 2 if name == "interleaved" else 1
         g = group or p
-        return tuple(min(v * m, 2 * (p - r - 1) + (v - 1) * g + 1) for r in range(p))
-    if name == "interleaved-lean":  # (p − r − 1) + (v − 1)G warm-up steps
-        g = group or p
-        return tuple(min(v * m, p - r + (v - 1) * g) for r in range(p))
+        return tuple(min(v * m, k * (p - r - 1) + (v - 1) * g + 1) for r in range(p))
     return _counted_inflight(name, p, m, v, group)
 
 

@@ -27,7 +27,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from tessera.config import GROUPED_SCHEDULES, VIRTUAL_SCHEDULES, ConfigError
+from tessera.config import ConfigError
+from tessera.pipeline.schedules import SCHEDULES
 from tessera.pipeline.simulator import StageCosts
 from tessera.pipeline.split import first_last_fewer
 from tessera.planner.cost import (
@@ -223,7 +224,7 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True,
     why = check_layout(w, L) if check else None
     if why:
         raise PlanError(f"layout {L.describe()}: {why}")
-    costs = costs or layout_costs(w, L)
+    costs = layout_costs(w, L) if costs is None else costs
     m = L.microbatches(w.global_batch)
     held = (inflight(L.schedule, L.pp, m, L.virtual, L.microbatch_group) if _pipelined(L)
             else (1,))
@@ -485,10 +486,11 @@ def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tup
         yield "1f1b", 1
         return
     for sched in space.schedule:
-        if sched in VIRTUAL_SCHEDULES:
+        spec = SCHEDULES[sched]
+        if spec.virtual:
             for v in space.virtual:
-                if _splits(layers, pp * v) is False or (sched in GROUPED_SCHEDULES
-                                                        and (v == 1 or m % pp)):
+                if (_splits(layers, pp * v) is False or v < spec.min_virtual
+                        or (spec.grouped and m % pp)):
                     continue
                 yield sched, v
         elif sched == "naive":
