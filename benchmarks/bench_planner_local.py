@@ -113,6 +113,9 @@ OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks
                 "dp=4, zero=3, b=2 (4)")
 CASES.append(Case("dp=1", 1, {"dp": 1}, dict(dp=1)))
 OVERLAP_TARGET = 0.15
+AA_ROW = "A/A: dp=2 ranks, b=16, two one-rank models"
+"""The paired method run with a second one-rank model in place of the DP model
+(dp_cost.measure_paired(same=True)): what it measures as a "DP cost" is its own bias."""
 
 
 def workload_and_layout(case: Case, hw_path) -> tuple:
@@ -408,6 +411,15 @@ def main() -> None:
             raw_path.write_text(json.dumps(raw))
         c.paired = PairedResult(**raw[c.name])
         print(f"paired: {c.name}:\n  " + "\n  ".join(summary(c.paired)), flush=True)
+    aa = None
+    if any(c.name in OVERLAP_ROWS for c in runnable):
+        if AA_ROW not in raw:
+            from dp_cost import measure_paired
+
+            wait_for_quiet(args.quiet_wait)
+            raw[AA_ROW] = measure_paired(2, 0, 16, blocks=args.blocks, same=True).to_dict()
+            raw_path.write_text(json.dumps(raw))
+        aa = PairedResult(**raw[AA_ROW])
 
     head = (f"{'layout':<24} {'predicted s':>11} {'measured s':>10} {'spread':>13} "
             f"{'error':>7} {'idle':>5}")
@@ -434,6 +446,14 @@ def main() -> None:
     if errors:
         lines += table
     lines += overlap_table([c for c in runnable if c.paired is not None], hw_path_of)
+    if aa is not None:
+        from dp_cost import median_interval
+
+        bias, lo, hi = median_interval(aa.cost_s)
+        step = statistics.median(aa.control_s)
+        lines.append(f"A/A check ({AA_ROW}): {1e3 * bias:.1f} ms [{1e3 * lo:.1f}, {1e3 * hi:.1f}] "
+                     f"on a {1e3 * step:.0f} ms step (0 if the method has no bias; its interval "
+                     f"is what {len(aa.cost_s)} pairs can resolve)")
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

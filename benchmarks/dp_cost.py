@@ -1,7 +1,7 @@
 """What data parallelism costs a step, measured with its control inside the same run.
 
     flock /tmp/tessera-bench.lock python benchmarks/dp_cost.py --dp 2 --zero-stage 3 \
-        --micro-batch 2 [--blocks 20] [--block 4]
+        --micro-batch 2 [--blocks 20] [--block 4] [--rebuilds 2] [--same]
 
 The question is the step time a DP layout pays for its collectives (DDP's bucket all-reduce,
 ZeRO-3's per-unit gathers and reduce-scatters, the scalar all-reduces of the loss and the norm)
@@ -20,6 +20,10 @@ model, or each rank alone). A block's first step is dropped: it finds the other 
 weights in the caches (alternating every step made both 40% slower). The cost is the median
 over pairs (the i-th step of a DP block and of the control block beside it) of (DP step -
 control step), averaged over the ranks: the machine's drift is common to the two and cancels.
+The two models are built twice (``rebuilds``), DP first and then control first, each build
+running half the blocks: where a model's tensors land in memory moves its step time by a few
+percent, as much as DDP costs a step at micro-batch 16. ``--same`` runs the method A/A (a
+second one-rank model in place of the DP model): its "cost" is the method's own bias.
 
 Beside it, from the same run: the DP step's waits on collective handles
 (``Executor.last_comm_wait_s``: the runtime's timestamps) and how much longer its compute
@@ -125,8 +129,19 @@ def timed_step(executor, optimizer, batch, clip: float) -> tuple[float, float, f
 
 
 def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
-                warmup: int) -> dict:
-    """On each rank: build both models, alternate their steps, return this rank's times."""
+                warmup: int, rebuilds: int = 2, same: bool = False) -> dict:
+    """On each rank: build both models, alternate their steps, return this rank's times.
+
+    The models are built `rebuilds` times, in turn DP first and control first, and each build
+    runs its share of the blocks (after `warmup` unrecorded blocks). Two identical one-rank
+    models in the DP model's and the control's places, built in that order, measured a "cost"
+    of -2 to +33 ms per rank (mean +18 ms of a ~470 ms step, three A/A runs of 24 pairs at
+    micro-batch 16), and -15 to +14 (mean +2) built in the other order: about what DDP costs
+    that step, so a fixed build order may add it to the DP cost; alternating it cancels the
+    part that is build order. `same`: the "DP" model is a second one-rank model (no
+    collectives): an A/A run, whose cost measures the method's own bias."""
+    import gc
+
     from tessera.config import make_config
     from tessera.parallelize import parallelize
     from tessera.step import Executor
@@ -134,21 +149,26 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
 
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cpu")
+    dp_world = 1 if same else world
 
-    def build(dp: int, topo_of):
+    def config(dp: int):
         cfg = make_config("demo", parallel=dict(dp=dp, zero_stage=zero_stage if dp > 1 else 0),
                           train=dict(micro_batch_size=micro_batch, grad_accum=1,
                                      precision="fp32"))
         cfg.validate(dp)
-        torch.manual_seed(cfg.train.seed)
-        model = parallelize(cfg, topo_of(cfg), device)
-        return cfg, Executor(model), model.optimizer(cfg.train)
+        return cfg
 
-    cfg, dp_exec, dp_opt = build(world, lambda c: Topology.build(c.parallel, "cpu"))
-    _, ctl_exec, ctl_opt = build(1, lambda c: Topology.solo())
+    cfg = config(dp_world)
+    topo = Topology.build(cfg.parallel, "cpu") if dp_world > 1 else Topology.solo()
+    solo = Topology.solo()
+
+    def build(dp: int):
+        c = config(dp)
+        torch.manual_seed(c.train.seed)
+        model = parallelize(c, topo if dp > 1 else solo, device)
+        return Executor(model), model.optimizer(c.train)
+
     # The collectives, in this window: the whole model's fp32 gradients and one block's.
-    bucket = 4 * sum(p.numel() for p in ctl_exec.parameters())
-    unit = bucket // cfg.model.n_layers
     x = torch.randn(micro_batch * cfg.data.seq_len, cfg.model.d_model)
     w = torch.randn(cfg.model.ffn_hidden, cfg.model.d_model)
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -157,40 +177,50 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     clip = cfg.train.grad_clip
     out = PairedResult()
-    for i in range(warmup + blocks):
-        times: dict[str, list[tuple[float, float, float]]] = {"dp": [], "control": []}
-        order = ("dp", "control") if i % 2 == 0 else ("control", "dp")
-        for which in order:
-            ex, opt = (dp_exec, dp_opt) if which == "dp" else (ctl_exec, ctl_opt)
-            for _ in range(block):
-                dist.barrier()  # every rank starts the step together, as control runs would
-                times[which].append(timed_step(ex, opt, batch, clip))
-        timed = {name: timed_collective(op, size, 2, lambda: x @ w.t())
-                 for name, op, size in (("allreduce_s", "all_reduce", bucket),
-                                        ("allgather_s", "all_gather", unit),
-                                        ("reduce_scatter_s", "reduce_scatter", unit))}
-        if i >= warmup:  # a block's first step finds the other model's data in the caches
-            for name, seconds in timed.items():
-                getattr(out, name).append(seconds)
-            for dp_t, ctl_t in zip(times["dp"][1:], times["control"][1:], strict=True):
-                out.dp_s.append(dp_t[0])
-                out.control_s.append(ctl_t[0])
-                out.waits_s.append(dp_t[1])
-                out.dp_compute_s.append(dp_t[2])
-                out.control_compute_s.append(ctl_t[2])
+    share = [blocks // rebuilds + (k < blocks % rebuilds) for k in range(rebuilds)]
+    bucket = unit = 0
+    for k in range(rebuilds):
+        models: dict = {}
+        gc.collect()  # the previous build's tensors go back before this one allocates
+        for which in (("dp", "control") if k % 2 == 0 else ("control", "dp")):
+            models[which] = build(dp_world if which == "dp" else 1)
+        bucket = 4 * sum(p.numel() for p in models["control"][0].parameters())
+        unit = bucket // cfg.model.n_layers
+        for i in range(warmup + share[k]):
+            times: dict[str, list[tuple[float, float, float]]] = {"dp": [], "control": []}
+            for which in (("dp", "control") if i % 2 == 0 else ("control", "dp")):
+                ex, opt = models[which]
+                for _ in range(block):
+                    dist.barrier()  # every rank starts the step together, as control runs would
+                    times[which].append(timed_step(ex, opt, batch, clip))
+            timed = {name: timed_collective(op, size, 2, lambda: x @ w.t())
+                     for name, op, size in (("allreduce_s", "all_reduce", bucket),
+                                            ("allgather_s", "all_gather", unit),
+                                            ("reduce_scatter_s", "reduce_scatter", unit))}
+            if i >= warmup:  # a block's first step finds the other model's data in the caches
+                for name, seconds in timed.items():
+                    getattr(out, name).append(seconds)
+                for dp_t, ctl_t in zip(times["dp"][1:], times["control"][1:], strict=True):
+                    out.dp_s.append(dp_t[0])
+                    out.control_s.append(ctl_t[0])
+                    out.waits_s.append(dp_t[1])
+                    out.dp_compute_s.append(dp_t[2])
+                    out.control_compute_s.append(ctl_t[2])
+        del models
     out.bucket_bytes, out.unit_bytes = bucket, unit
     return out.to_dict()
 
 
 def measure_paired(dp: int, zero_stage: int, micro_batch: int, blocks: int = 20,
-                   block: int = 4, warmup: int = 1) -> PairedResult:
+                   block: int = 4, warmup: int = 1, rebuilds: int = 2,
+                   same: bool = False) -> PairedResult:
     """Run `paired_rank` on `dp` ranks (one thread each); average each pair over the ranks."""
     from tessera.testing import run_ranks
 
     per_rank = run_ranks(paired_rank, dp,
-                         args=(zero_stage, micro_batch, blocks, block, warmup),
-                         timeout=120 + 4 * blocks * block, start_method="spawn",
-                         collective_timeout=120)
+                         args=(zero_stage, micro_batch, blocks, block, warmup, rebuilds, same),
+                         timeout=120 + 4 * (blocks + rebuilds * warmup) * block,
+                         start_method="spawn", collective_timeout=120)
     res = PairedResult(bucket_bytes=per_rank[0]["bucket_bytes"],
                        unit_bytes=per_rank[0]["unit_bytes"])
     for key in FIELDS:
@@ -210,9 +240,13 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--blocks", type=int, default=20)
     ap.add_argument("--block", type=int, default=4)
+    ap.add_argument("--rebuilds", type=int, default=2,
+                    help="builds of the two models, alternating which is built first")
+    ap.add_argument("--same", action="store_true",
+                    help="A/A: the 'DP' model is a second one-rank model (the method's bias)")
     args = ap.parse_args()
     r = measure_paired(args.dp, args.zero_stage, args.micro_batch, args.blocks,
-                       args.block)
+                       args.block, rebuilds=args.rebuilds, same=args.same)
     print("\n".join(summary(r)))
 
 
