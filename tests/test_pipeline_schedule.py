@@ -241,6 +241,13 @@ def test_new_schedules_plug_in_through_the_registry():
         s = build_schedule("test-reverse", 3, 4)
         assert simulate(s, StageCosts(forward=1, backward=1)).bubble_fraction == \
             pytest.approx(2 / 4)
+        # The planner counts what it has no closed form for, and waits the longer transient
+        # before extrapolating in m.
+        from tessera.planner.pipeline import UNKNOWN_STEADY_AFTER_PERIODS, inflight
+
+        assert spec.closed_form_inflight is None
+        assert spec.steady_after_periods == UNKNOWN_STEADY_AFTER_PERIODS == 2
+        assert inflight("test-reverse", 3, 4) == (4, 4, 4)
     finally:
         del SCHEDULES[spec.name]
 

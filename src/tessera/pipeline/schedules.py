@@ -32,8 +32,9 @@ placement), and equal forward/backward costs F, B per micro-batch per *rank's wo
   but a chunk's gradients are complete early, so its data-parallel reduction overlaps compute.
 
 A new schedule plugs in with :func:`register`: give a generator ``(pp, m, v) -> per-rank
-orders of F/B actions`` and the rules it needs; the runtime, simulator, pictures and CLI pick
-it up by name.
+orders of F/B actions`` and the rules it needs (and where known, its closed-form bubble and
+in-flight counts, and when it reaches its steady state); the runtime, simulator, pictures,
+CLI and planner pick it up by name.
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ class ScheduleSpec:
     row, so under ZeRO-3 the schedule itself gathers each chunk once per run and reduces its
     gradient once per step (``schedule.add_sharding_actions``; the executor runs those actions
     instead of ZeRO's per-micro-batch hooks)."""
+    closed_form_inflight: Callable[[int, int, int, int], tuple[int, ...]] | None = None
+    """(pp, m, v, group) -> per rank, the most (micro-batch, chunk) activation sets held at
+    once (forward done, backward not yet); None: the planner generates the schedule and counts
+    (``simulator.peak_inflight``). The pipeline tests check each closed form against that
+    count over a grid."""
+    steady_after_periods: int = 2
+    """After how many periods (p micro-batches, or lcm(p, group)) the schedule's step time
+    grows linearly in m: the planner simulates a long schedule at two m from there on and
+    extrapolates. 1 where the warm-up fits in a period; breadth-first, whose loops stall until
+    the first micro-batch comes back around, and a schedule registered without saying, wait a
+    period longer."""
 
     def orders(self, pp: int, m: int, v: int, group: int = 0) -> Orders:
         return self.generate(pp, m, v, group) if self.grouped else self.generate(pp, m, v)
@@ -121,7 +133,10 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
     if 0 < group < pp:
         # A chunk's next micro-batches would wait for the ring: Megatron's warm-up then
         # deadlocks, and the shortest warm-up that does not holds more than the default
-        # (searched at p = 4, 8 and 16), so a group below pp buys nothing.
+        # (searched at p = 4, 8 and 16), so a group below pp buys nothing. interleaved-lean's
+        # warm-up runs with some such groups, but slowly: at p = 4, v = 2, G = 2, m = 8 rank 0
+        # holds 6 sets (8 at G = p) with a bubble of 0.44 (0.19 at G = p; 1F1B's is 0.375),
+        # and at p = 8, v = 2, G = 2, m = 8 it deadlocks.
         raise ConfigError("group", group, f"micro-batch groups must hold at least pp={pp} "
                           "micro-batches (a smaller group stalls the ring)")
     why = spec.refusal(pp, microbatches, virtual, group)
@@ -242,6 +257,24 @@ def _interleaved_rule(pp: int, m: int, v: int, group: int) -> str | None:
     return None
 
 
+def _all_forwards_first(pp: int, m: int, v: int, group: int) -> tuple[int, ...]:
+    return (v * m,) * pp  # every forward of a rank before its first backward
+
+
+def _one_f_one_b_inflight(pp: int, m: int, v: int, group: int) -> tuple[int, ...]:
+    return tuple(min(m, pp - r) for r in range(pp))  # p-r-1 warm-up forwards, then one more
+
+
+def _interleaved_inflight(pp: int, m: int, v: int, group: int, *,
+                          lean: bool = False) -> tuple[int, ...]:
+    # Warm-up k(p-r-1) + (v-1)G steps, then one more forward before the first backward:
+    # Megatron's k = 2 (every forward first when m = p), lean's k = 1.
+    if not lean and m == pp:
+        return (v * m,) * pp
+    k, g = (1 if lean else 2), group or pp
+    return tuple(min(v * m, k * (pp - r - 1) + (v - 1) * g + 1) for r in range(pp))
+
+
 def _bfs_bubble(pp: int, m: int, v: int) -> float:
     # Each loop over the p ranks takes max(m, p) forward slots on rank 0 (the first micro-batch
     # must come back around before the next chunk starts); backwards mirror the forwards.
@@ -252,25 +285,31 @@ def _bfs_bubble(pp: int, m: int, v: int) -> float:
 register(ScheduleSpec(
     name="naive", generate=naive_orders,
     description="model parallel, one micro-batch at a time (no overlap)",
-    closed_form_bubble=lambda pp, m, v: float(pp - 1)))
+    closed_form_bubble=lambda pp, m, v: float(pp - 1),
+    closed_form_inflight=lambda pp, m, v, group: (1,) * pp, steady_after_periods=1))
 register(ScheduleSpec(
     name="gpipe", generate=gpipe_orders, description="all forwards, then all backwards",
-    closed_form_bubble=lambda pp, m, v: (pp - 1) / m))
+    closed_form_bubble=lambda pp, m, v: (pp - 1) / m,
+    closed_form_inflight=_all_forwards_first, steady_after_periods=1))
 register(ScheduleSpec(
     name="1f1b", generate=one_f_one_b_orders,
     description="PipeDream-Flush one-forward-one-backward",
-    closed_form_bubble=lambda pp, m, v: (pp - 1) / m))
+    closed_form_bubble=lambda pp, m, v: (pp - 1) / m,
+    closed_form_inflight=_one_f_one_b_inflight, steady_after_periods=1))
 _INTERLEAVED = register(ScheduleSpec(
     name="interleaved", generate=interleaved_orders, virtual=True, min_virtual=2,
     description="Megatron interleaved 1F1B over v chunks per rank (depth-first)",
     microbatch_rule=_interleaved_rule,
     grouped=True,
-    closed_form_bubble=lambda pp, m, v: (pp - 1) / (v * m)))
+    closed_form_bubble=lambda pp, m, v: (pp - 1) / (v * m),
+    closed_form_inflight=_interleaved_inflight, steady_after_periods=1))
 register(replace(
     _INTERLEAVED, name="interleaved-lean",
     generate=functools.partial(interleaved_orders, lean=True),
-    description="interleaved 1F1B with the shortest warm-up: p-r-1 fewer sets in flight"))
+    description="interleaved 1F1B with the shortest warm-up: p-r-1 fewer sets in flight",
+    closed_form_inflight=functools.partial(_interleaved_inflight, lean=True)))
 register(ScheduleSpec(
     name="bfs", generate=bfs_orders, virtual=True,
     description="breadth-first looping over v chunks per rank (Lamy-Poirier 2023)",
-    closed_form_bubble=_bfs_bubble, breadth_first=True))
+    closed_form_bubble=_bfs_bubble, breadth_first=True,
+    closed_form_inflight=_all_forwards_first))

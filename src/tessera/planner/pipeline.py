@@ -3,11 +3,11 @@
 Every bubble the planner reports comes from ``tessera.pipeline.simulator.simulate`` run on the
 schedule ``tessera.pipeline.schedules`` generates. Two facts keep the search fast:
 
-1. *In-flight activations depend only on the order of actions*, not on their costs. For the
-   five registered schedules the per-rank peak has a closed form (:func:`inflight`), checked
-   equal to ``simulator.peak_inflight`` of the generated schedule for every
-   (schedule, p, v, m) of a grid in tests/test_planner_pipeline.py; any other registered
-   schedule is generated and counted.
+1. *In-flight activations depend only on the order of actions*, not on their costs. Each
+   registered schedule gives the per-rank peak as a closed form
+   (``ScheduleSpec.closed_form_inflight``, used by :func:`inflight`), checked equal to
+   ``simulator.peak_inflight`` of the generated schedule for every (schedule, p, v, m) of a
+   grid in the tests; a schedule registered without one is generated and counted.
 2. *Step time grows linearly in m once the pipeline is in its steady state*: every p further
    micro-batches add the same time (the steady state of every schedule here repeats with
    period p). A schedule with more than ``EXACT_ACTIONS`` compute actions is therefore
@@ -34,11 +34,10 @@ from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
 
 EXACT_ACTIONS = 3000
 """Largest schedule (compute actions, 2·p·v·m) simulated at its true m."""
-STEADY_AFTER_PERIODS = {"naive": 1, "gpipe": 1, "1f1b": 1, "interleaved": 1,
-                        "interleaved-lean": 1}
-"""From how many periods of p micro-batches on a schedule is in its steady state. Breadth-first
-(and any schedule registered later) waits a period longer: its loops stall until the first
-micro-batch comes back around (tests/test_planner_search.py checks both)."""
+UNKNOWN_STEADY_AFTER_PERIODS = 2
+"""A schedule the registry does not hold reaches its steady state, at the latest, after this
+many periods (a registered one says so itself: ``ScheduleSpec.steady_after_periods``;
+tests/test_planner_search.py checks the extrapolation against full simulations)."""
 
 
 @dataclass(frozen=True)
@@ -80,21 +79,12 @@ def period(p: int, group: int = 0) -> int:
 
 
 def inflight(name: str, p: int, m: int, v: int = 1, group: int = 0) -> tuple[int, ...]:
-    """Per rank, the peak number of (micro-batch, chunk) activation sets held."""
-    if name == "naive":
-        return (1,) * p
-    if name in ("gpipe", "bfs"):  # every forward of a rank before its first backward
-        return (v * m,) * p
-    if name == "1f1b":  # p − r − 1 warm-up forwards, then one more before each backward
-        return tuple(min(m, p - r) for r in range(p))
-    if name in ("interleaved", "interleaved-lean"):
-        # Warm-up k(p − r − 1) + (v − 1)G steps, then one more forward before the first
-        # backward: Megatron's k = 2 (every forward first when m = p), lean's k = 1.
-        if name == "interleaved" and m == p:
-            return (v * m,) * p
-        k = 2 if name == "interleaved" else 1
-        g = group or p
-        return tuple(min(v * m, k * (p - r - 1) + (v - 1) * g + 1) for r in range(p))
+    """Per rank, the peak number of (micro-batch, chunk) activation sets held: the schedule's
+    registered closed form (``ScheduleSpec.closed_form_inflight``), else counted over the
+    generated schedule."""
+    spec = SCHEDULES.get(name)
+    if spec is not None and spec.closed_form_inflight is not None:
+        return spec.closed_form_inflight(p, m, v, group)
     return _counted_inflight(name, p, m, v, group)
 
 
@@ -189,7 +179,8 @@ def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts,
     scale, key = _normalized(costs, p * v)
     key = key + (sharded, group)
     per = period(p, group)
-    start = STEADY_AFTER_PERIODS.get(name, 2) * per
+    spec = SCHEDULES.get(name)
+    start = (spec.steady_after_periods if spec else UNKNOWN_STEADY_AFTER_PERIODS) * per
     if 2 * p * v * m <= EXACT_ACTIONS or m < start + per:
         t = _simulate_normalized(name, p, m, v, key)
         return PipelineTiming(*(x * scale for x in t), simulated_m=(m,))
