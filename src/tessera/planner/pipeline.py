@@ -35,9 +35,10 @@ from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
 EXACT_ACTIONS = 3000
 """Largest schedule (compute actions, 2·p·v·m) simulated at its true m."""
 UNKNOWN_STEADY_AFTER_PERIODS = 2
-"""A schedule the registry does not hold reaches its steady state, at the latest, after this
-many periods (a registered one says so itself: ``ScheduleSpec.steady_after_periods``;
-tests/test_planner_search.py checks the extrapolation against full simulations)."""
+"""Periods before the steady state for a name the registry does not hold; a registered
+schedule says so itself (``ScheduleSpec.steady_after_periods``, whose default is this same
+cautious 2; tests/test_planner_search.py checks the extrapolation against full
+simulations)."""
 
 
 @dataclass(frozen=True)
