@@ -159,8 +159,8 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
         return cfg
 
     cfg = config(dp_world)
-    topo = Topology.build(cfg.parallel, "cpu") if dp_world > 1 else Topology.solo()
     solo = Topology.solo()
+    topo = Topology.build(cfg.parallel, "cpu") if dp_world > 1 else solo
 
     def build(dp: int):
         c = config(dp)

@@ -424,7 +424,6 @@ def check_layout(w: Workload, L: Layout) -> str | None:
                 f"{', '.join(n for n, s in SCHEDULES.items() if s.virtual)}")
     m = L.microbatches(w.global_batch)
     if L.pp > 1 or L.virtual > 1:  # the schedule's own rules (m, micro-batch groups)
-
         try:
             check_schedule(L.schedule, L.pp, m, L.virtual, L.microbatch_group)
         except ConfigError as e:
