@@ -15,12 +15,13 @@ from tessera.pipeline.schedule import (
     Kind,
     Schedule,
     ScheduleError,
+    add_sharding_actions,
     lower_comms,
     parse,
     validate,
 )
 from tessera.pipeline.schedules import SCHEDULES, ScheduleSpec, build_schedule, register
-from tessera.pipeline.simulator import StageCosts, simulate
+from tessera.pipeline.simulator import StageCosts, peak_inflight, prepare, simulate
 
 VIRTUAL = {"interleaved": (1, 2, 3), "interleaved-lean": (1, 2, 3), "bfs": (1, 2, 3)}
 INTERLEAVED = ("interleaved", "interleaved-lean")
@@ -179,6 +180,23 @@ def test_breadth_first_beats_depth_first_when_dp_reduction_is_costly():
     assert simulate(build_schedule("bfs", p, m, v), flat).exposed_dp_time == pytest.approx(12)
     assert simulate(build_schedule("interleaved", p, m, v), flat).exposed_dp_time == \
         pytest.approx(12)
+
+
+def test_one_preparation_times_a_schedule_under_many_costs():
+    # The planner prepares a schedule once and times it under each layout's costs: every
+    # result must equal a fresh simulation's, whatever was timed with it before.
+    schedule = add_sharding_actions(build_schedule("interleaved", 4, 8, 2), prefetch=1)
+    prepared = prepare(schedule)
+    n = schedule.n_chunks
+    for k in range(3):
+        costs = StageCosts(forward=[1 + 0.1 * c * k for c in range(n)],
+                           backward=[2 + 0.3 * (n - c) * k for c in range(n)],
+                           dp_reduce=0.5 * k, unshard=0.2 * k, p2p_latency=0.05 * k,
+                           dp_overlap=k % 2 == 0)
+        fresh, reused = simulate(schedule, costs), simulate(schedule, costs, prepared=prepared)
+        assert reused.step_time == fresh.step_time and reused.makespan == fresh.makespan
+        assert reused.timeline == fresh.timeline
+        assert reused.peak_inflight == fresh.peak_inflight == peak_inflight(schedule)
 
 
 def test_p2p_cost_delays_cross_rank_dependencies():

@@ -236,14 +236,14 @@ from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
 from tessera.planner.cost import Workload
 from tessera.planner.search import search
-from tessera.planner import cost, engine, pipeline
+from tessera.planner import cost, engine, pipeline, search as search_module
 from tessera.pipeline import schedule
 
 w = Workload(model=load_model("megatron-1t"), hardware=load_hardware("A100-80GB"), gpus=3072,
              global_batch=3072, seq_len=2048)
 runs = []
 for _ in range(5):
-    for module in (cost, engine, pipeline, schedule):  # every memo the search fills, emptied
+    for module in (cost, engine, pipeline, schedule, search_module):  # every memo, emptied
         for memo in vars(module).values():
             if hasattr(memo, "cache_clear"):
                 memo.cache_clear()

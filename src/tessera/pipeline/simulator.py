@@ -172,32 +172,59 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True) -> SimResult:
-    """Time `schedule` under `costs` (see module doc). `timeline=False` leaves the result's
-    timeline empty (the planner needs only the times)."""
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`simulate` reads off a schedule before timing it; it depends on the
+    schedule alone, so a caller timing one schedule under many costs (the planner) makes it
+    once with :func:`prepare`. Compute actions are numbered, keyed (chunk, is forward,
+    micro-batch): plain tuples are cheaper than Actions. Each rank's steps are (action, its
+    number, the (number, on another rank) pairs it waits for, is forward), number -1 for a
+    sharding action; a dependency missing from the schedule gets the number `never`, which
+    never finishes: its rank stays blocked and the schedule is refused."""
+
+    orders: list[list[Action]]
+    steps: list[list[tuple[Action, int, tuple[tuple[int, bool], ...], bool]]]
+    never: int
+    computed: frozenset[int]
+    """The chunks with compute actions."""
+    peak_inflight: list[int]
+
+
+def prepare(schedule: Schedule) -> Prepared:
     owner, n = schedule.chunk_rank, schedule.n_chunks
     orders = [[a for a in acts if not a.kind.is_p2p] for acts in schedule.actions]
-    # Compute actions by number, keyed (chunk, is forward, micro-batch): plain tuples are
-    # cheaper than Actions, and the planner runs thousands of simulations. Each rank's actions
-    # are prepared once, with the numbers of the actions they wait for. A dependency missing
-    # from the schedule gets the number `never`, which never finishes: its rank stays blocked
-    # and the schedule is refused below.
     number = {(a.chunk, a.kind is Kind.F, a.microbatch): i
               for i, a in enumerate(a for acts in orders for a in acts if a.kind.is_compute)}
     never = len(number)
-    finish: list[float | None] = [None] * (never + 1)
     steps = []
     for r, order in enumerate(orders):
         mine = []
         for a in order:
             if a.kind.is_sharding:
-                mine.append((a, -1, (), 0.0))
+                mine.append((a, -1, (), False))
                 continue
             c, mb, forward = a.chunk, a.microbatch, a.kind is Kind.F
             deps = tuple((number.get(d, never), owner[d[0]] != r)
                          for d in input_keys(c, forward, mb, n))
-            mine.append((a, number[(c, forward, mb)], deps, costs.compute(a)))
+            mine.append((a, number[(c, forward, mb)], deps, forward))
         steps.append(mine)
+    return Prepared(orders=orders, steps=steps, never=never,
+                    computed=frozenset(c for c, _, _ in number),
+                    peak_inflight=peak_inflight(schedule))
+
+
+def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True,
+             prepared: Prepared | None = None) -> SimResult:
+    """Time `schedule` under `costs` (see module doc). `timeline=False` leaves the result's
+    timeline empty (the planner needs only the times); `prepared`: ``prepare(schedule)``
+    where the caller keeps it."""
+    if prepared is None:
+        prepared = prepare(schedule)
+    orders, steps, never = prepared.orders, prepared.steps, prepared.never
+    finish: list[float | None] = [None] * (never + 1)
+    # Per-chunk compute costs, looked up once (a chunk that has actions and no entry raises).
+    forward_cost = {c: costs._at(costs.forward, c, "forward") for c in prepared.computed}
+    backward_cost = {c: costs._at(costs.backward, c, "backward") for c in prepared.computed}
     transfer = costs.transfer
     free = [0.0] * schedule.n_ranks
     busy = [0.0] * schedule.n_ranks
@@ -224,7 +251,7 @@ def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True) -> Si
         r = runnable.popleft()
         mine, i = steps[r], pc[r]
         while i < len(mine):
-            a, me, deps, cost = mine[i]
+            a, me, deps, forward = mine[i]
             if me < 0:  # a sharding action
                 if a.kind is Kind.UNSHARD:
                     gathered[a.chunk] = collective(r, "unshard", a.chunk, costs.gather(a.chunk))
@@ -244,13 +271,13 @@ def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True) -> Si
             if blocked >= 0:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            finish[me] = free[r] = ready + cost
+            cost = forward_cost[a.chunk] if forward else backward_cost[a.chunk]
+            finish[me] = free[r] = end = ready + cost
             busy[r] += cost
             if timeline:
-                events.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready,
-                                            ready + cost))
-            if a.kind is Kind.B:
-                last_backward[a.chunk] = max(last_backward.get(a.chunk, 0.0), ready + cost)
+                events.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready, end))
+            if not forward and end > last_backward.get(a.chunk, 0.0):
+                last_backward[a.chunk] = end
             runnable.extend(waiting.pop(me, ()))
             i += 1
         pc[r] = i
@@ -276,5 +303,5 @@ def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True) -> Si
     compute_time = max(busy, default=0.0)
     bubble = (makespan - compute_time) / compute_time if compute_time > 0 else 0.0
     return SimResult(step_time=step_time, compute_time=compute_time, bubble_fraction=bubble,
-                     peak_inflight=peak_inflight(schedule), exposed_dp_time=step_time - makespan,
+                     peak_inflight=prepared.peak_inflight, exposed_dp_time=step_time - makespan,
                      makespan=makespan, busy=busy, timeline=events)

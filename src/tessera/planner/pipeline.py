@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from tessera.pipeline.schedule import Schedule, add_sharding_actions
 from tessera.pipeline.schedules import SCHEDULES
-from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
+from tessera.pipeline.simulator import Prepared, StageCosts, peak_inflight, prepare, simulate
 
 EXACT_ACTIONS = 3000
 """Largest schedule (compute actions, 2·p·v·m) simulated at its true m."""
@@ -199,11 +199,20 @@ def _simulate_normalized(name: str, p: int, m: int, v: int,
     f, b, d, transfer, overlap, u, sharded, group = key
     costs = StageCosts(forward=list(f), backward=list(b), p2p_latency=transfer,
                        dp_reduce=list(d), dp_overlap=overlap, unshard=list(u))
-    schedule = build(name, p, m, v, group)
+    schedule, prepared = _prepared(name, p, m, v, group, sharded)
+    result = simulate(schedule, costs, timeline=False, prepared=prepared)
+    return result.step_time, result.makespan, result.compute_time, result.exposed_dp_time
+
+
+@lru_cache(maxsize=16)
+def _prepared(name: str, p: int, m: int, v: int, group: int,
+              sharded: int | None) -> tuple[Schedule, Prepared]:
+    """The schedule the simulator times, with what it reads off it: a search times the same
+    schedule under many layouts' costs (recomputation, sequence parallelism, ZeRO stage)."""
+    schedule = _built(name, p, m, v, group)  # shared with the memory walk, never changed
     if sharded is not None:
         schedule = add_sharding_actions(schedule, prefetch=sharded)
-    result = simulate(schedule, costs, timeline=False)
-    return result.step_time, result.makespan, result.compute_time, result.exposed_dp_time
+    return schedule, prepare(schedule)
 
 
 def lower_bound(chunk_f: list[float], chunk_b: list[float], dp: list[float], transfer: float,

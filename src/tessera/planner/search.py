@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from tessera.config import ConfigError
 from tessera.pipeline.schedules import SCHEDULES
@@ -368,10 +369,17 @@ def _rank_memory(L: Layout, costs: LayoutCosts, state: RankState, r: int, count:
         if min(weights) == max(weights):  # chunks alike (a middle rank): the most sets held
             acts = max(map(sum, sets)) * weights[0]
         else:
-            acts = max(sum(n * b for n, b in zip(held, weights, strict=True)) for held in sets)
+            acts = _heaviest(sets, tuple(weights))
     return Memory(params=state.params, grads=state.grads, optimizer=state.optimizer,
                   activations=acts,
                   transient=max(c.work_bytes for c in chunks) + state.zero3_buffer, rank=r)
+
+
+@lru_cache(maxsize=4096)
+def _heaviest(sets: tuple[tuple[int, ...], ...], weights: tuple[float, ...]) -> float:
+    """The most bytes any of the in-flight `sets` holds, each chunk weighing `weights` (cached:
+    layouts that differ only in ZeRO stage or data-parallel mode hold the same activations)."""
+    return max(sum(n * b for n, b in zip(held, weights, strict=True)) for held in sets)
 
 
 def memory_by_rank(est: Estimate) -> list[Memory]:
@@ -559,9 +567,9 @@ def _search(w: Workload, space: SearchSpace, top: int,
     smallest: Estimate | None = None
     # Layouts that differ only in the schedule have the same chunk and rank costs (the schedule
     # orders them; only breadth-first ZeRO-3 is costed from its actions): computed once.
-    shared: dict[Layout, LayoutCosts] = {}
+    shared: dict[Layout | tuple, LayoutCosts] = {}
     for L in candidates:
-        key = L if zero3_by_actions(L) else replace(L, schedule="")
+        key = L if zero3_by_actions(L) else L.key_without_schedule()
         est = estimate(w, L, simulate=False, check=layouts is not None, costs=shared.get(key))
         shared[key] = est.costs
         if smallest is None or est.memory.total < smallest.memory.total:
