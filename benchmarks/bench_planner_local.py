@@ -241,13 +241,15 @@ def inrun_hardware(hw_path: str, case: Case):
     all-reduce of the gradients its measured time in the ring form (α kept from the file), the
     all-gather and reduce-scatter of a unit against that ring form (gather_efficiency, as
     calibrate derives it), and where each rank has a core of its own, the jitter that gives the
-    straggler term the measured skew of the control steps (σ = skew / E[max of n normals],
-    jitter = σ / √compute). What stays the planner's own is the model under test: which
-    collectives a step runs, what overlaps what, the bucket copies, the scalar reductions."""
+    straggler term the measured skew of the control steps (σ = skew / E[max of n normals] at
+    T = the control's compute: the file's σ(T) law scaled to it, all its terms alike; a file
+    without one gets jitter = σ / √T). What stays the planner's own is the model under test:
+    which collectives a step runs, what overlaps what, the bucket copies, the scalar
+    reductions."""
     from dataclasses import replace
 
     from tessera.planner.calibrate import gather_efficiency, ring_beta
-    from tessera.planner.cost import expected_max_normal
+    from tessera.planner.cost import expected_max_normal, jitter_sigma
     from tessera.planner.hardware import Link, load_hardware
 
     hw, r, n = load_hardware(hw_path), case.paired, case.nproc
@@ -257,12 +259,17 @@ def inrun_hardware(hw_path: str, case: Case):
     timed = [(r.unit_bytes, statistics.median(r.allgather_s)),
              (r.unit_bytes, statistics.median(r.reduce_scatter_s))]
     efficiency = gather_efficiency(Link(alpha=alpha, bandwidth=1.0 / beta), n, timed)
-    jitter = hw.jitter
-    if not time_shared(case, hw):
-        jitter = (statistics.median(r.skew_s) / expected_max_normal(n)
-                  / statistics.median(r.control_compute_s) ** 0.5)
-    return replace(hw, intra_node_gbs=gbs, inter_node_gbs=gbs, gather_efficiency=efficiency,
-                   jitter=jitter)
+    hw = replace(hw, intra_node_gbs=gbs, inter_node_gbs=gbs, gather_efficiency=efficiency)
+    if time_shared(case, hw):
+        return hw
+    compute = statistics.median(r.control_compute_s)
+    sigma = statistics.median(r.skew_s) / expected_max_normal(n)
+    law = jitter_sigma(hw, compute)
+    if law <= 0:
+        return replace(hw, jitter=sigma / compute ** 0.5)
+    scale = sigma / law
+    return replace(hw, jitter=hw.jitter * scale, jitter_fixed_us=hw.jitter_fixed_us * scale,
+                   jitter_rate=hw.jitter_rate * scale)
 
 
 def time_shared(case: Case, hw) -> bool:

@@ -74,7 +74,8 @@ def test_tensor_and_sequence_parallel_collective_counts():
 def test_straggler_wait_grows_with_group_noise_and_compute():
     """The expected wait for the slowest of N ranks: 0 without jitter (the catalog's GPUs, so
     the published figures are untouched) and for one rank; for two ranks Blom's approximation
-    of E[max of 2 normals] = 1/√π within 5%; σ grows as √T."""
+    of E[max of 2 normals] = 1/√π within 5%; σ grows as √T with `jitter`, and linearly
+    with the calibrated fixed part and rate."""
     import dataclasses
 
     assert straggler_time(A100, 8, 1.0) == 0.0
@@ -84,6 +85,14 @@ def test_straggler_wait_grows_with_group_noise_and_compute():
     assert straggler_time(noisy, 2, 4.0) == pytest.approx(2 * straggler_time(noisy, 2, 1.0))
     assert straggler_time(noisy, 2, 1.0) < straggler_time(noisy, 8, 1.0) < straggler_time(
         noisy, 64, 1.0)
+    # A calibrated CPU: σ = a + r·T (a fixed part, ranks at different speeds for the stretch)
+    cpu = dataclasses.replace(A100, jitter_fixed_us=1500.0, jitter_rate=0.05)
+    e2 = straggler_time(cpu, 2, 1.0) / (0.0015 + 0.05)
+    assert straggler_time(cpu, 2, 0.1) == pytest.approx(e2 * (0.0015 + 0.005))
+    assert straggler_time(cpu, 2, 1e-9) == pytest.approx(e2 * 0.0015, rel=1e-6)
+    assert straggler_time(cpu, 2, 0.0) == 0.0  # no compute, nothing to wait for
+    with pytest.raises(ConfigError, match="hardware.jitter_rate"):
+        dataclasses.replace(A100, jitter_rate=-0.1)
 
 
 # -- the simulator, as the planner uses it ------------------------------------------------------

@@ -43,13 +43,16 @@ What is measured:
   planner uses; all-gather and reduce-scatter are timed too and their speed relative to the
   ring form on that link stored as ``gather_efficiency``. Intra- and inter-node are the same
   link: every rank lives on this machine;
-- jitter: how far apart ranks that start one block's forward + backward together (after a
-  barrier) finish it, in wall time: the median over repeats of (slowest rank − the ranks'
-  mean), which is what a collective after the compute waits for, divided by the expected
-  maximum of N standard normals and by √T (:func:`tessera.planner.cost.straggler_time`
-  inverted). Not one rank's spread over time: a slow minute slows every rank alike and
-  costs no collective anything (on this machine the per-rank spread over-priced the wait
-  2.4-6x);
+- jitter: how far apart ranks that start a stretch of one block's forward + backward, and
+  one of four, together (after a barrier) finish it, in wall time: per stretch the median
+  over repeats of (slowest rank − the ranks' mean), which is what a collective after the
+  compute waits for, divided by the expected maximum of N standard normals: σ at two
+  lengths T, and the line through them, σ = a + r·T (``jitter_fixed_us``, ``jitter_rate``;
+  :func:`tessera.planner.cost.straggler_time` inverted). Not √T: on this machine the wait
+  grows as T^0.86-0.91 over 1-16 blocks (benchmarks/straggler_scaling.py), ranks running
+  at different speeds for whole stretches. Not one rank's spread over time either: a slow
+  minute slows every rank alike and costs no collective anything (on this machine the
+  per-rank spread over-priced the wait 2.4-6x);
 - memory: the machine's RAM divided among its cores (one rank per core), and the cores
   themselves: with more ranks than cores, ranks time-share them (``cores``).
 
@@ -229,32 +232,58 @@ def block_seconds(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     return _typical_time(_block_step(spec, seq, micro_batch), repeats=9)
 
 
-def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 48) -> float:
-    """σ/√T of a block's forward + backward as the ranks of the default group run it side by
-    side (module docstring): the median over repeats of the slowest rank's wall time minus
-    the ranks' mean, over E[max of N standard normals] (Blom, as ``straggler_time``) and over
-    √T, T the median time. Every rank returns the same value; 0 on one rank."""
+JITTER_BLOCKS = (1, 4)
+"""The stretches calibrate times the ranks' spread over, in blocks of forward + backward."""
+
+
+def jitter(spec: ModelSpec, seq: int, micro_batch: int,
+           repeats: int = 48) -> tuple[float, float]:
+    """(a seconds, r per second): σ = a + r·T of a stretch of T seconds of compute as the
+    ranks of the default group run it side by side (module docstring). Per stretch of
+    JITTER_BLOCKS blocks, interleaved: the median over repeats of the slowest rank's wall
+    time minus the ranks' mean, over E[max of N standard normals] (Blom, as
+    ``straggler_time``), at T the median time; the line through the two (neither part
+    negative). Every rank returns the same values; zeros on one rank."""
     import torch.distributed as dist
 
     from tessera.planner.cost import expected_max_normal
 
     n = dist.get_world_size()
     if n <= 1:
-        return 0.0
+        return 0.0, 0.0
     step = _block_step(spec, seq, micro_batch)
     step()  # warm-up
-    skews, times = [], []
+    skews: dict[int, list[float]] = {k: [] for k in JITTER_BLOCKS}
+    times: dict[int, list[float]] = {k: [] for k in JITTER_BLOCKS}
     for _ in range(repeats):
-        dist.barrier()
-        start = _wall_clock()
-        step()
-        mine = torch.tensor([_wall_clock() - start], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(n)]
-        dist.all_gather(every, mine)
-        seconds = [float(t) for t in every]
-        skews.append(max(seconds) - statistics.fmean(seconds))
-        times.append(statistics.fmean(seconds))
-    return statistics.median(skews) / expected_max_normal(n) / statistics.median(times) ** 0.5
+        for k in JITTER_BLOCKS:
+            dist.barrier()
+            start = _wall_clock()
+            for _ in range(k):
+                step()
+            mine = torch.tensor([_wall_clock() - start], dtype=torch.float64)
+            every = [torch.zeros_like(mine) for _ in range(n)]
+            dist.all_gather(every, mine)
+            seconds = [float(t) for t in every]
+            skews[k].append(max(seconds) - statistics.fmean(seconds))
+            times[k].append(statistics.fmean(seconds))
+    (t1, s1), (t2, s2) = ((statistics.median(times[k]),
+                           statistics.median(skews[k]) / expected_max_normal(n))
+                          for k in JITTER_BLOCKS)
+    return sigma_line(t1, s1, t2, s2)
+
+
+def sigma_line(t1: float, s1: float, t2: float, s2: float) -> tuple[float, float]:
+    """(a, r) of σ = a + r·T through (t1, s1) and (t2, s2), t1 < t2, with a, r ≥ 0: a line
+    that would fall below 0 at T = 0 goes through the origin and the longer stretch's point,
+    one that would fall with T is flat at the mean σ."""
+    rate = (s2 - s1) / (t2 - t1)
+    if rate <= 0:
+        return (s1 + s2) / 2, 0.0
+    fixed = s1 - rate * t1
+    if fixed < 0:
+        return 0.0, s2 / t2
+    return fixed, rate
 
 
 def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, attn: float,
@@ -435,13 +464,14 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         overhead = op_overhead()
         passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
         optimizer = optimizer_tensor_seconds()
-        noise = jitter(spec, seq, micro_batch)  # every rank at once (a collective per repeat)
+        fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
         zero_unit, zero_passes = zero_unit_costs(spec, bw)
         ddp_tensor = ddp_tensor_seconds()
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
-            "optimizer": optimizer, "jitter": noise, "mm_large": large, "mm_tail": tail,
+            "optimizer": optimizer, "jitter_fixed": fixed, "jitter_rate": rate,
+            "mm_large": large, "mm_tail": tail,
             "zero_unit": zero_unit, "zero_passes": zero_passes, "ddp_tensor": ddp_tensor}
 
 
@@ -524,8 +554,8 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
     results = run_ranks(_calibration_worker, ranks, args=(spec, seq, micro_batch, device),
                         timeout=600, backend=backend)
     out = dict(results[0])
-    for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter", "mm_large",
-                "mm_tail", "zero_unit", "zero_passes", "ddp_tensor"):
+    for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter_fixed",
+                "jitter_rate", "mm_large", "mm_tail", "zero_unit", "zero_passes", "ddp_tensor"):
         out[key] = statistics.median(r[key] for r in results)
     return out
 
@@ -556,7 +586,8 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         op_overhead_us=overhead * 1e6, optimizer_tensor_us=r["optimizer"] * 1e6,
         zero_unit_us=r["zero_unit"] * 1e6, zero_unit_passes=r["zero_passes"],
         ddp_tensor_us=r["ddp_tensor"] * 1e6,
-        elementwise_passes=passes, jitter=r["jitter"],
+        elementwise_passes=passes, jitter_fixed_us=r["jitter_fixed"] * 1e6,
+        jitter_rate=r["jitter_rate"],
         dp_overlap=0.0,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, {ranks} ranks measuring at once, fp32, {device}, {backend}, "

@@ -78,9 +78,10 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
 - stragglers: ranks reach a collective after a stretch of compute whose time varies, and the
   collective waits for the slowest; for N ranks with independent normal noise the wait
   beyond a typical rank is the expected maximum of N standard normals (Blom's approximation,
-  ``Φ⁻¹((N − 0.375)/(N + 0.25))``) times σ, with σ = jitter·√T for T seconds of compute
-  (zero jitter on GPUs; a shared CPU measures several percent). Counted at every blocking
-  tensor-parallel collective and at each data-parallel reduction;
+  ``Φ⁻¹((N − 0.375)/(N + 0.25))``) times σ, with σ = a + jitter·√T + r·T for T seconds of
+  compute (a fixed part, noise adding up, and ranks running at different speeds for the
+  whole stretch; zero on GPUs; a shared CPU measures a ≈ 1-2 ms and r ≈ 5%). Counted at
+  every blocking tensor-parallel collective and at each data-parallel reduction;
 - the step: the pipeline simulator (``tessera.pipeline.simulator``) runs the chosen schedule
   with per-chunk forward/backward times (compute + exposed TP and CP communication), the
   point-to-point costs and each chunk's data-parallel reduction, and returns step time,
@@ -557,10 +558,17 @@ def expected_max_normal(n: int) -> float:
 
 def straggler_time(hw: Hardware, n: int, busy: float) -> float:
     """Expected wait at a collective of `n` ranks after `busy` seconds of compute on each:
-    σ·E[max of n standard normals] with σ = jitter·√busy (module docstring)."""
-    if n <= 1 or busy <= 0 or hw.jitter <= 0:
+    σ·E[max of n standard normals] with σ = jitter_fixed + jitter·√busy + jitter_rate·busy
+    (module docstring)."""
+    if n <= 1 or busy <= 0:
         return 0.0
-    return hw.jitter * busy ** 0.5 * expected_max_normal(n)
+    return jitter_sigma(hw, busy) * expected_max_normal(n)
+
+
+def jitter_sigma(hw: Hardware, busy: float) -> float:
+    """σ of `busy` seconds of compute on one rank (``Hardware.jitter`` and the two terms
+    beside it)."""
+    return hw.jitter_fixed_us * 1e-6 + hw.jitter * busy ** 0.5 + hw.jitter_rate * busy
 
 
 def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:

@@ -129,10 +129,20 @@ class Hardware:
     With more ranks on a machine than cores, ranks time-share the cores and every rank's
     compute stretches by ranks / cores."""
     jitter: float = 0.0
-    """Run-to-run noise of compute, in s^½: a stretch of T seconds of kernels takes T ± σ with
-    σ = jitter·√T (independent noise adding up). Ranks reach a collective that far apart, so
-    each collective waits for the slowest (:func:`tessera.planner.cost.straggler_time`). 0 for
-    the catalog's GPUs; calibrate measures it on a shared CPU, where it is several percent."""
+    """Noise of compute that adds up independently, in s^½: a stretch of T seconds of kernels
+    takes T ± σ with σ = jitter·√T (plus the two terms below). Ranks reach a collective that
+    far apart, so each collective waits for the slowest
+    (:func:`tessera.planner.cost.straggler_time`). 0 for the catalog's GPUs; files calibrated
+    before 2026-11-25 22:00 hold their whole σ here."""
+    jitter_fixed_us: float = 0.0
+    """σ's part that does not grow with the stretch (µs): how far apart ranks released
+    together start, and a collective's own wake-up; calibrate measures it on a CPU."""
+    jitter_rate: float = 0.0
+    """σ's part that grows with the stretch, per second of it: ranks that run at different
+    speeds for a whole stretch (a shared host's cores) finish it a fraction of T apart, so
+    σ = jitter_fixed_us + jitter·√T + jitter_rate·T. calibrate measures it on a CPU (with
+    jitter_fixed_us, from stretches of one and four blocks; benchmarks/straggler_scaling.py
+    shows the wait growing as T^0.86-0.91 here, not √T)."""
     dp_overlap: float = 1.0
     """Fraction of the data-parallel reduction that can hide behind backward compute (1 on
     GPUs, where NCCL runs on its own stream; calibrate measures it on a CPU)."""
@@ -155,7 +165,8 @@ class Hardware:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
                   "optimizer_tensor_us", "zero_unit_us", "zero_unit_passes", "ddp_tensor_us",
-                  "elementwise_passes", "jitter", "matmul_tail_us"):
+                  "elementwise_passes", "jitter", "jitter_fixed_us", "jitter_rate",
+                  "matmul_tail_us"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
