@@ -80,7 +80,7 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   beyond a typical rank is the expected maximum of N standard normals (Blom's approximation,
   ``Φ⁻¹((N − 0.375)/(N + 0.25))``) times σ, with σ = a + jitter·√T + r·T for T seconds of
   compute (a fixed part, noise adding up, and ranks running at different speeds for the
-  whole stretch; zero on GPUs; a shared CPU measures a ≈ 1-2 ms and r ≈ 5%). Counted at
+  whole stretch; zero on GPUs; a shared CPU measures a ≈ 1-3 ms and r ≈ 3-6%). Counted at
   every blocking tensor-parallel collective and at each data-parallel reduction;
 - the step: the pipeline simulator (``tessera.pipeline.simulator``) runs the chosen schedule
   with per-chunk forward/backward times (compute + exposed TP and CP communication), the
