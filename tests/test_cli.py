@@ -240,3 +240,17 @@ def test_launched_run_warns_once(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: ")]
     assert len(warnings) == 2 and "pipeline ranks idle" in warnings[0]
+
+
+@pytest.mark.parametrize("command", ["train", "schedule"])
+def test_schedule_help_names_every_registered_schedule(command):
+    # Before: the help listed five names by hand and left interleaved-lean out.
+    import re
+
+    from tessera.pipeline.schedules import SCHEDULES
+
+    r = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    listed = re.search(r"Pipeline schedule: ([^.]*)\.", " ".join(r.output.split()))
+    assert listed is not None, r.output
+    assert set(listed[1].split(", ")) == set(SCHEDULES)

@@ -26,7 +26,7 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from tessera.config import Config, ConfigError, load_file, make_config
+from tessera.config import SCHEDULES, Config, ConfigError, load_file, make_config
 
 EXIT_BAD_INPUT = 2
 
@@ -147,7 +147,7 @@ def train(
         "--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.")
     ] = None,
     schedule: Annotated[str | None, typer.Option(
-        help="Pipeline schedule: naive, gpipe, 1f1b, interleaved, bfs.")] = None,
+        help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")] = None,
     microbatches: Annotated[int | None, typer.Option(
         help="Micro-batches per step per dp rank (gradient accumulation; the pipeline's m).")
     ] = None,
@@ -326,7 +326,7 @@ def strip_option(argv: list[str], name: str) -> list[str]:
 @app.command("schedule")
 def schedule_cmd(
     schedule: Annotated[str, typer.Option(
-        help="Pipeline schedule: naive, gpipe, 1f1b, interleaved, bfs.")] = "1f1b",
+        help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")] = "1f1b",
     pp: Annotated[int, typer.Option(help="Pipeline ranks.")] = 4,
     microbatches: Annotated[int, typer.Option(help="Micro-batches per step.")] = 8,
     virtual: Annotated[int, typer.Option(help="Chunks per rank (interleaved, bfs).")] = 1,

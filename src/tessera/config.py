@@ -219,7 +219,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism: norms and residuals hold 1/tp of the sequence."""
     schedule: str = "1f1b"
-    """Pipeline schedule: one of naive, gpipe, 1f1b, interleaved, bfs."""
+    """Pipeline schedule: one of SCHEDULES (naive, gpipe, 1f1b, interleaved,
+    interleaved-lean, bfs)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (v) for interleaved and breadth-first schedules."""
     microbatch_group: int = 0
