@@ -28,40 +28,26 @@ import random
 import statistics
 from pathlib import Path
 
-import torch
-
 SIZES = (1, 2, 4, 8, 16)
 
 
 def _worker(micro_batch: int, rounds: int) -> dict[int, list[tuple[float, float]]]:
     """Per size k, per round: (the slowest rank's wall seconds minus the ranks' mean, the
     mean). Every rank returns the same lists."""
-    import torch.distributed as dist
-
     from tessera.config import make_config
-    from tessera.planner.calibrate import _block_step, _wall_clock
+    from tessera.planner.calibrate import _block_step, side_by_side
     from tessera.planner.models import from_model_config
 
     cfg = make_config("demo")
     spec = from_model_config("demo", cfg.model, cfg.data.seq_len)
     step = _block_step(spec, cfg.data.seq_len, micro_batch)
-    n = dist.get_world_size()
     step()  # warm-up
     out: dict[int, list[tuple[float, float]]] = {k: [] for k in SIZES}
     order = list(SIZES)
     for r in range(rounds):
         random.Random(r).shuffle(order)  # the same order on every rank
         for k in order:
-            dist.barrier()
-            start = _wall_clock()
-            for _ in range(k):
-                step()
-            mine = torch.tensor([_wall_clock() - start], dtype=torch.float64)
-            every = [torch.zeros_like(mine) for _ in range(n)]
-            dist.all_gather(every, mine)
-            seconds = [float(t) for t in every]
-            mean = statistics.fmean(seconds)
-            out[k].append((max(seconds) - mean, mean))
+            out[k].append(side_by_side(step, k))
     return out
 
 

@@ -236,6 +236,23 @@ JITTER_BLOCKS = (1, 4)
 """The stretches calibrate times the ranks' spread over, in blocks of forward + backward."""
 
 
+def side_by_side(step: Callable[[], None], times: int) -> tuple[float, float]:
+    """Every rank of the default group runs `step` `times` times from a barrier: (the
+    slowest rank's wall seconds minus the ranks' mean, the mean), the same on every rank."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = _wall_clock()
+    for _ in range(times):
+        step()
+    mine = torch.tensor([_wall_clock() - start], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    seconds = [float(t) for t in every]
+    mean = statistics.fmean(seconds)
+    return max(seconds) - mean, mean
+
+
 def jitter(spec: ModelSpec, seq: int, micro_batch: int,
            repeats: int = 48) -> tuple[float, float]:
     """(a seconds, r per second): σ = a + r·T of a stretch of T seconds of compute as the
@@ -257,16 +274,9 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int,
     times: dict[int, list[float]] = {k: [] for k in JITTER_BLOCKS}
     for _ in range(repeats):
         for k in JITTER_BLOCKS:
-            dist.barrier()
-            start = _wall_clock()
-            for _ in range(k):
-                step()
-            mine = torch.tensor([_wall_clock() - start], dtype=torch.float64)
-            every = [torch.zeros_like(mine) for _ in range(n)]
-            dist.all_gather(every, mine)
-            seconds = [float(t) for t in every]
-            skews[k].append(max(seconds) - statistics.fmean(seconds))
-            times[k].append(statistics.fmean(seconds))
+            skew, mean = side_by_side(step, k)
+            skews[k].append(skew)
+            times[k].append(mean)
     (t1, s1), (t2, s2) = ((statistics.median(times[k]),
                            statistics.median(skews[k]) / expected_max_normal(n))
                           for k in JITTER_BLOCKS)
