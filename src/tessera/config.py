@@ -366,6 +366,11 @@ class TrainConfig:
     of the run), and how long a rank's heartbeat may stay silent before the others stop with a
     line naming it (``tessera.watchdog``). Not torch's 30-minute default: a dead or stopped
     rank should end the job in minutes."""
+    keep_host_memory: bool = True
+    """On a CPU rank, keep the host memory malloc frees instead of handing it back to the
+    kernel, which faults it in again the next step (``tessera.host_memory``: 1-2% of a step
+    on the demo, more under DataParallel; ``benchmarks/host_memory.py``). The rank's resident
+    memory then stays at its peak. No effect on GPU ranks or without glibc."""
 
     init_from: str = ""
     """Start from these weights instead of the random initialization: a checkpoint (step

@@ -54,6 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from tessera.host_memory import keep_freed_memory
+
 COLLECTIVE_TIMEOUT_ENV = "TESSERA_TEST_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT = 20.0
 
@@ -64,9 +66,11 @@ class RankFailure(AssertionError):
 
 def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size: int,
                port: int, backend: str, threads: int, collective_timeout: float,
-               conn: Any) -> None:
+               keep_host_memory: bool, conn: Any) -> None:
     try:
         torch.set_num_threads(threads)
+        if keep_host_memory:  # as a CPU training rank does (tessera.trainer)
+            keep_freed_memory()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
@@ -100,13 +104,16 @@ def collective_timeout_s() -> float:
 def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict | None = None,
               *, timeout: float = 180.0, backend: str = "gloo", threads: int = 1,
               start_method: str = "forkserver",
-              collective_timeout: float | None = None) -> list[Any]:
+              collective_timeout: float | None = None,
+              keep_host_memory: bool = True) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on `world_size` ranks; return the per-rank results.
 
     `timeout`: seconds for the whole run before the ranks still running are killed.
     `collective_timeout`: seconds any one collective or receive may wait before it raises on
     its rank (default `collective_timeout_s()`): a deadlock fails fast, naming the rank that
-    timed out and the ranks that had not finished."""
+    timed out and the ranks that had not finished.
+    `keep_host_memory`: each rank keeps the host memory it frees, as a CPU training rank does
+    (:func:`tessera.host_memory.keep_freed_memory`); False leaves malloc as it comes."""
     if collective_timeout is None:
         collective_timeout = collective_timeout_s()
     ctx = mp.get_context(start_method)
@@ -121,7 +128,7 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict |
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, args=(fn, args, kwargs or {}, rank, world_size,
                                                  server.port, backend, threads,
-                                                 collective_timeout, send),
+                                                 collective_timeout, keep_host_memory, send),
                         daemon=True)
         p.start()
         send.close()

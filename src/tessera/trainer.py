@@ -28,6 +28,7 @@ from tessera.config import Config, ConfigError
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
 from tessera.data.tokenizer import load_tokenizer
 from tessera.generate import generate
+from tessera.host_memory import keep_freed_memory
 from tessera.launch import loopback_store
 from tessera.metrics import (
     JsonlLogger,
@@ -204,6 +205,8 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     if resume_from is not None:
         checkpoint.verify(resume_from, cfg, world)
 
+    if device.type == "cpu" and cfg.train.keep_host_memory:
+        keep_freed_memory()
     init_distributed(backend, device, cfg.train.collective_timeout_s)
     watchdog = Watchdog.start_for_run(dist.get_rank(), dist.get_world_size(),
                                       cfg.train.collective_timeout_s)

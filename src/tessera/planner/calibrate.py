@@ -2,7 +2,8 @@
 
 Every compute rate is measured the way ``tessera train`` computes: in ``ranks`` processes at
 once (every core busy, so the ranks share memory bandwidth and cache as they do in training,
-which costs ~10% against one process alone), one thread per process, fp32. Each rate is the
+which costs ~10% against one process alone), one thread per process, fp32, each keeping the
+host memory it frees as a CPU training rank does (:mod:`tessera.host_memory`). Each rate is the
 median of several repeats in thread CPU time, which other jobs on a shared machine do not
 inflate; the median, not the best, because a training step is a typical repeat, not the luckiest
 (the two differ by ~15% here). Collectives, which wait on another process, use wall time.
