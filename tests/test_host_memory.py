@@ -3,57 +3,61 @@ faults, and a CPU training rank applies it unless the config says not to."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
-import subprocess
-import sys
+import resource
 
 import pytest
 
 import tessera.trainer
 from tessera.config import make_config
+from tessera.host_memory import keep_freed_memory
+from tessera.testing import run_ranks
 from tessera.trainer import run
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
-# Allocates 16 MiB with malloc, touches every page, frees it, twice; prints the minor page
-# faults of the second round. glibc maps a block that large on its own (above its starting
-# 128 KiB mmap threshold) and unmaps it on free, then serves the second one from fresh heap:
-# about 4096 faults (16 MiB / 4 KiB). Kept, the first block comes from the heap and stays
-# there, so the second reuses its pages: none.
-ROUNDS = """
-import ctypes, resource, sys
-from tessera.host_memory import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-size = 16 * 2**20
-faults = []
-for _ in range(2):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    block = libc.malloc(size)
-    ctypes.memset(block, 1, size)
-    libc.free(block)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(faults[1])
-"""
+BLOCK = 16 * 2**20
+PAGES = BLOCK // 4096
 
 
-def _second_round_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", ROUNDS, mode], capture_output=True, text=True,
-                         check=True)
-    return int(out.stdout.strip())
+def _second_round_faults() -> int:
+    """Allocate a 16 MiB block with malloc, touch every page, free it, twice: the minor page
+    faults of the second round. glibc maps a block that large on its own (above its starting
+    128 KiB mmap threshold) and unmaps it when freed, then serves the second from fresh heap
+    pages: ~4096 faults (16 MiB / 4 KiB). Kept, the first block comes from the heap and stays
+    mapped, and the second reuses its pages: none."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    faults = []
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = libc.malloc(BLOCK)
+        ctypes.memset(block, 1, BLOCK)
+        libc.free(block)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return faults[1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not GLIBC, reason="the switches are glibc's; elsewhere nothing changes")
-def test_a_freed_block_is_reused_without_page_faults():
-    pages = 16 * 2**20 // 4096
-    # Without the switches the second block is faulted in afresh: at least half its pages
-    # (the exact count moves by a few with what else the interpreter allocates).
-    assert _second_round_faults("release") > pages // 2
+def test_ranks_that_keep_freed_memory_reuse_a_freed_block_without_page_faults():
+    # Test ranks keep it by default, as training ranks do (both calibrate and the benchmarks
+    # run in them); keep_host_memory=False leaves malloc as it comes.
+    released = run_ranks(_second_round_faults, 2, keep_host_memory=False)
+    kept = run_ranks(_second_round_faults, 2)
+    # As it comes, the second block is faulted in afresh: at least half its pages (the exact
+    # count moves by a few with what else the interpreter allocates).
+    assert all(f > PAGES // 2 for f in released), released
     # Kept: a handful at most (the interpreter's own small allocations), not the block's.
-    assert _second_round_faults("keep") < pages // 16
+    assert all(f < PAGES // 16 for f in kept), kept
+
+
+@pytest.mark.multiprocess
+def test_keep_freed_memory_says_whether_it_applied():
+    # Run in a rank, not here, so this test process's malloc stays as it comes.
+    assert run_ranks(keep_freed_memory, 1) == [GLIBC]
 
 
 def test_a_cpu_training_rank_keeps_freed_memory_unless_told_not_to(tiny_data, tmp_path,

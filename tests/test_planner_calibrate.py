@@ -31,7 +31,7 @@ def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     # DataParallel's gradient hook and ZeRO-3's work per unit
     assert 0 <= hw.optimizer_tensor_us < 10_000
     assert 0 <= hw.ddp_tensor_us < 10_000 and 0 <= hw.zero_unit_us < 100_000
-    assert 0 <= hw.zero_unit_passes < 1000
+    assert 0 <= hw.zero_unit_passes < 1000 and 0 <= hw.ddp_copy_passes < 1000
     assert hw.gpus_per_node >= 1 and hw.dp_overlap == 0.0
     assert 0.01 < hw.gather_efficiency <= 1.0
     w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,

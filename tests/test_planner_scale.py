@@ -437,6 +437,11 @@ def test_tessera_data_parallel_hook_uses_its_calibrated_cost():
     plain = _local_cpu(op_overhead_us=4.0)
     assert ddp_bucket_time(plain, 8e6, 40) == pytest.approx(
         4 * 8e6 / plain.memory_bw + 40 * 3 * 4e-6, rel=1e-12)
+    # Where calibrate measured the copy slower than a streaming one (ddp_copy_passes), the
+    # copy's passes replace its read and write; the division's two stay.
+    slow = _local_cpu(op_overhead_us=4.0, ddp_tensor_us=50.0, ddp_copy_passes=5.0)
+    assert ddp_bucket_time(slow, 8e6, 40) == pytest.approx(40 * 50e-6 + 7 * 8e6 / slow.memory_bw,
+                                                           rel=1e-12)
 
 
 def test_tessera_steps_pay_their_scalar_reductions():

@@ -32,10 +32,11 @@ What is measured:
   tiny parameters, per tensor (``optimizer_tensor_us``; the single-tensor AdamW loop on a CPU
   costs several times its kernels' ``op_overhead_us``);
 - tessera's data-parallel engine work, each on a chain of one-layer modules against the
-  chain unwrapped: DataParallel's gradient hook per parameter tensor (``ddp_tensor_us``,
-  tiny layers under ``no_sync()``) and ZeRO-3's work per unit per micro-batch besides its
-  collectives, over a one-rank group (``zero_unit_us`` from tiny layers,
-  ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones);
+  chain unwrapped: DataParallel's gradient hook under ``no_sync()``, per parameter tensor
+  (``ddp_tensor_us``, from tiny layers) and as passes over the gradient bytes of its copy
+  into the bucket (``ddp_copy_passes``, from 1024×1024 ones), and ZeRO-3's work per unit
+  per micro-batch besides its collectives, over a one-rank group (``zero_unit_us`` from
+  tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -411,20 +412,29 @@ def zero_unit_costs(spec: ModelSpec, bandwidth: float) -> tuple[float, float]:
     return fixed, max(0.0, large - fixed) * bandwidth / (4 * d * d)
 
 
-def ddp_tensor_seconds() -> float:
-    """Seconds per parameter tensor of tessera's DataParallel gradient hook beyond its copy's
-    traffic (the slot lookup, the re-pointed gradient, the used flag): a chain of 32 tiny
-    (8×8) layers under DataParallel over the default group inside ``no_sync()`` (the hooks
-    run, no bucket is launched) against the chain unwrapped, per tensor. Every rank of the
-    default group must call it (the wrapper broadcasts the weights)."""
+def ddp_hook_costs(bandwidth: float) -> tuple[float, float]:
+    """tessera's DataParallel gradient hook, as (seconds per parameter tensor beyond its
+    copy's traffic: the slot lookup, the re-pointed gradient, the used flag; passes over the
+    gradient bytes at `bandwidth` bytes/s of its copy into the bucket): chains of layers
+    under DataParallel over the default group inside ``no_sync()`` (the hooks run, no bucket
+    is launched) against the chains unwrapped, per tensor, with 32 tiny (8×8) layers (the
+    fixed part) and 8 of 1024×1024 (the copy of a gradient backward has just written, which
+    runs slower than a streaming copy). (0, 2) on one rank, where nothing is wrapped. Every
+    rank of the default group must call it (the wrapper broadcasts the weights)."""
     import torch.distributed as dist
 
     from tessera.parallel.ddp import DataParallel
 
     if dist.get_world_size() == 1:
-        return 0.0
-    return _extra_per_layer(lambda chain: DataParallel(chain, dist.group.WORLD), 32, 8,
-                            hooks_only=True)
+        return 0.0, 2.0
+
+    def wrap(chain: torch.nn.Module) -> torch.nn.Module:
+        return DataParallel(chain, dist.group.WORLD)
+
+    fixed = _extra_per_layer(wrap, 32, 8, hooks_only=True)
+    d = 1024  # 4 MiB gradients, as for ZeRO's units
+    large = _extra_per_layer(wrap, 8, d, hooks_only=True)
+    return fixed, max(0.0, large - fixed) * bandwidth / (4 * d * d)
 
 
 def op_overhead() -> float:
@@ -477,13 +487,14 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
         zero_unit, zero_passes = zero_unit_costs(spec, bw)
-        ddp_tensor = ddp_tensor_seconds()
+        ddp_tensor, ddp_passes = ddp_hook_costs(bw)
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
             "optimizer": optimizer, "jitter_fixed": fixed, "jitter_rate": rate,
             "mm_large": large, "mm_tail": tail,
-            "zero_unit": zero_unit, "zero_passes": zero_passes, "ddp_tensor": ddp_tensor}
+            "zero_unit": zero_unit, "zero_passes": zero_passes, "ddp_tensor": ddp_tensor,
+            "ddp_passes": ddp_passes}
 
 
 def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
@@ -566,7 +577,8 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
                         timeout=600, backend=backend)
     out = dict(results[0])
     for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter_fixed",
-                "jitter_rate", "mm_large", "mm_tail", "zero_unit", "zero_passes", "ddp_tensor"):
+                "jitter_rate", "mm_large", "mm_tail", "zero_unit", "zero_passes", "ddp_tensor",
+                "ddp_passes"):
         out[key] = statistics.median(r[key] for r in results)
     return out
 
@@ -596,7 +608,7 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         link_efficiency=1.0, gather_efficiency=r["gather_efficiency"],
         op_overhead_us=overhead * 1e6, optimizer_tensor_us=r["optimizer"] * 1e6,
         zero_unit_us=r["zero_unit"] * 1e6, zero_unit_passes=r["zero_passes"],
-        ddp_tensor_us=r["ddp_tensor"] * 1e6,
+        ddp_tensor_us=r["ddp_tensor"] * 1e6, ddp_copy_passes=r["ddp_passes"],
         elementwise_passes=passes, jitter_fixed_us=r["jitter_fixed"] * 1e6,
         jitter_rate=r["jitter_rate"],
         dp_overlap=0.0,

@@ -1146,13 +1146,14 @@ def ddp_bucket_time(hw: Hardware, grad_bytes: float, tensors: int) -> float:
     """Seconds tessera's DataParallel spends on its buckets besides the all-reduce: each
     freshly allocated gradient copied into its slot during backward by a per-tensor hook (the
     trainer zeroes gradients with set_to_none, as torch DDP's bucket views are also refilled
-    by a copy) and the buckets divided by dp after the wait: two reads and two writes of every
-    gradient byte, plus the hook's fixed cost per tensor (``ddp_tensor_us`` where calibrate
-    measured it, else OPS_PER_TENSOR_BUCKET kernels). Compute cannot hide it: it runs on the
-    rank's own thread."""
+    by a copy: ``ddp_copy_passes`` over every gradient byte, 2 unless calibrate measured it)
+    and the buckets divided by dp after the wait (a read and a write of every byte), plus the
+    hook's fixed cost per tensor (``ddp_tensor_us`` where calibrate measured it, else
+    OPS_PER_TENSOR_BUCKET kernels). Compute cannot hide it: it runs on the rank's own
+    thread."""
     per_tensor = (hw.ddp_tensor_us if hw.ddp_tensor_us > 0
                   else OPS_PER_TENSOR_BUCKET * hw.op_overhead_us) * 1e-6
-    return 4 * grad_bytes / hw.memory_bw + tensors * per_tensor
+    return (hw.ddp_copy_passes + 2) * grad_bytes / hw.memory_bw + tensors * per_tensor
 
 
 def optimizer_traffic(stepped: float, normed: float, nbytes: tuple[int, int, int, int],

@@ -120,6 +120,11 @@ class Hardware:
     """tessera's DataParallel gradient hook per parameter tensor beyond its copy's traffic
     (the slot lookup, the re-pointed gradient, the used flag), which calibrate measures on a
     CPU. 0: OPS_PER_TENSOR_BUCKET kernels at op_overhead_us each."""
+    ddp_copy_passes: float = 2.0
+    """Passes over the gradient bytes, at the memory bandwidth, of that hook's copy of each
+    fresh gradient into its bucket slot: 2 (a read and a write) for a plain copy; calibrate
+    measures it on a CPU, where the copy of a gradient just written by backward runs slower
+    than a streaming copy."""
     elementwise_passes: float = 2.0
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
@@ -165,8 +170,8 @@ class Hardware:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
                   "optimizer_tensor_us", "zero_unit_us", "zero_unit_passes", "ddp_tensor_us",
-                  "elementwise_passes", "jitter", "jitter_fixed_us", "jitter_rate",
-                  "matmul_tail_us"):
+                  "ddp_copy_passes", "elementwise_passes", "jitter", "jitter_fixed_us",
+                  "jitter_rate", "matmul_tail_us"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
