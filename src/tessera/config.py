@@ -368,9 +368,10 @@ class TrainConfig:
     rank should end the job in minutes."""
     keep_host_memory: bool = True
     """On a CPU rank, keep the host memory malloc frees instead of handing it back to the
-    kernel, which faults it in again the next step (``tessera.host_memory``: 1-2% of a step
-    on the demo, more under DataParallel; ``benchmarks/host_memory.py``). The rank's resident
-    memory then stays at its peak. No effect on GPU ranks or without glibc."""
+    kernel, which faults it in again the next step (``tessera.host_memory``; on the demo's
+    shape 1-4% of a one-rank step and 7% of a DataParallel step at dp 2,
+    ``benchmarks/host_memory.py``). The rank's resident memory then stays at its peak. No
+    effect on GPU ranks or without glibc."""
 
     init_from: str = ""
     """Start from these weights instead of the random initialization: a checkpoint (step
