@@ -199,6 +199,15 @@ def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def print_and_write(lines: list[str], summary: list[str], out: str | None) -> None:
+    """Print the summary (the table's lines were printed as they came) and write both to
+    `out` when given."""
+    print("\n".join(summary), flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines + summary) + "\n")
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
@@ -226,9 +235,7 @@ def rank_timing(names: list[str], model_cfg: ModelConfig, args: argparse.Namespa
     done = dict.fromkeys(names, 0)
     loss = dict.fromkeys(names, float("nan"))
 
-    def run(name: str, n: int) -> tuple[list[float], float, float]:
-        """`n` steps of `name`: their times, CPU seconds per step, minor page faults per step
-        (memory the kernel maps and zero-fills on its first touch)."""
+    def run(name: str, n: int) -> tuple[list[float], float]:
         times = []
         dist.barrier()
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -240,7 +247,7 @@ def rank_timing(names: list[str], model_cfg: ModelConfig, args: argparse.Namespa
             done[name] += 1
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-        return times, cpu / n, (cpu1.ru_minflt - cpu0.ru_minflt) / n
+        return times, cpu / n
 
     for name in names:
         run(name, args.warmup)
@@ -359,10 +366,7 @@ def main() -> None:
             summary.append(line)
             print("\n".join(rows), flush=True)
     summary.append(f"# load average at end {load_average()}")
-    print("\n".join(summary), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines + summary) + "\n")
+    print_and_write(lines, summary, args.out)
 
 
 if __name__ == "__main__":

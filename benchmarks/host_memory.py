@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from bench_data_parallel import CANDIDATES, batch, load_average, print_and_write
 
 from tessera.config import ModelConfig, TrainConfig
 from tessera.model import build_model
@@ -37,8 +38,6 @@ NAMES = ("ours-ddp", "torch-ddp")
 
 def rank_run(name: str, model_cfg: ModelConfig, args: argparse.Namespace) -> dict:
     """Train candidate `name`: this rank's timed step times and page faults per timed step."""
-    from bench_data_parallel import CANDIDATES, batch
-
     rank, world = dist.get_rank(), dist.get_world_size()
     step = CANDIDATES[name](build_model(model_cfg, seed=0), dist.group.WORLD,
                             TrainConfig(lr=1e-3, warmup_steps=0), args)
@@ -82,7 +81,7 @@ def main() -> None:
     torch.set_num_threads(1)
     lines = [f"# host_memory.py  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.node()}  "
              f"torch {torch.__version__}, {args.world} gloo ranks, 1 thread each, "
-             f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start",
+             f"{os.cpu_count()} cores, load average {load_average()} at start",
              f"# demo shape, global batch {args.global_batch}x{args.seq}, fp32 AdamW; "
              f"{args.rounds} rounds of four launches (candidate x malloc, the order rotating), "
              f"{args.steps} timed steps after {args.warmup} warm-up in each",
@@ -114,11 +113,8 @@ def main() -> None:
     for keep in (False, True):
         summary.append(f"{'keep' if keep else 'release'}: ours-ddp / torch-ddp "
                        f"{ratio(runs['ours-ddp', keep], runs['torch-ddp', keep])}")
-    summary.append(f"# load average at end {os.getloadavg()[0]:.1f}")
-    print("\n".join(summary), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines + summary) + "\n")
+    summary.append(f"# load average at end {load_average()}")
+    print_and_write(lines, summary, args.out)
 
 
 if __name__ == "__main__":
