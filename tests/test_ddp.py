@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ def ddp_cases(world: int) -> dict:
     out["overlap"] = launched_before_backward_ends(engine)
     out["unused"] = unused_parameter_grads()
     out["double_backward"] = second_backward_error()
+    out["hook_time"] = hook_time()
     return out
 
 
@@ -122,6 +125,17 @@ def second_backward_error() -> str:
     return message
 
 
+def hook_time() -> tuple[float, float, float]:
+    """DataParallel.hook_seconds before a backward, after it, and the backward's wall time."""
+    ddp = DataParallel(Branchy(), dist.group.WORLD, bucket_mb=1e-6)
+    before = ddp.hook_seconds
+    start = time.perf_counter()
+    ddp(torch.randn(3, 4), True).sum().backward()
+    wall = time.perf_counter() - start
+    ddp.finish_gradient_sync()
+    return before, ddp.hook_seconds, wall
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
@@ -155,6 +169,11 @@ def test_ddp_matches_single_process(world):
                                     msg=f"{pattern}: {name}")
 
         assert "no_sync" in res["double_backward"]
+
+        # The hooks' own time (what plan calibrate prices them from): counted from zero, by
+        # hooks that ran inside the backward.
+        before, after, wall = res["hook_time"]
+        assert before == 0.0 and 0.0 < after <= wall, res["hook_time"]
 
 
 def test_buckets_follow_backward_order_and_capacity():

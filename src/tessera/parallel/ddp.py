@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -191,6 +192,10 @@ class DataParallel(nn.Module):
         self.comm_log = CommLog()
         """Bucket launches, the end of backward and the waits on the all-reduces, timestamped
         (tessera.parallel.comm_timing): the measured exposed communication of the step."""
+        self.hook_seconds = 0.0
+        """Wall seconds this rank has spent in the gradient hooks (each gradient's copy into
+        its bucket slot, the bookkeeping, the launches), summed until the caller sets it back
+        to 0: what ``plan calibrate`` prices the hooks from."""
         self._sync = True
         self._params = [p for p in (module.parameters() if params is None else params)
                         if p.requires_grad]
@@ -241,6 +246,13 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: move the gradient into its bucket slot; maybe launch."""
+        start = time.perf_counter()
+        try:
+            self._move_to_slot(p)
+        finally:
+            self.hook_seconds += time.perf_counter() - start
+
+    def _move_to_slot(self, p: nn.Parameter) -> None:
         bucket, j = self._slot[p]
         if bucket.work is not None:  # its buffer is being reduced: changing it would race
             raise RuntimeError(

@@ -33,10 +33,12 @@ What is measured:
   costs several times its kernels' ``op_overhead_us``);
 - tessera's data-parallel engine work, each on a chain of one-layer modules against the
   chain unwrapped: DataParallel's gradient hook under ``no_sync()``, per parameter tensor
-  (``ddp_tensor_us``, from tiny layers) and as passes over the gradient bytes of its copy
-  into the bucket (``ddp_copy_passes``, from 1024×1024 ones), and ZeRO-3's work per unit
+  (``ddp_tensor_us``, from tiny layers), and ZeRO-3's work per unit
   per micro-batch besides its collectives, over a one-rank group (``zero_unit_us`` from
-  tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones);
+  tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones); and the
+  rest of the hook's time (its copy of each gradient into the bucket, the launch) as passes
+  over the gradient bytes (``ddp_copy_passes``), timed by the hooks themselves in training
+  steps of a one-layer model at the model's shapes and the user's micro-batch;
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -412,15 +414,17 @@ def zero_unit_costs(spec: ModelSpec, bandwidth: float) -> tuple[float, float]:
     return fixed, max(0.0, large - fixed) * bandwidth / (4 * d * d)
 
 
-def ddp_hook_costs(bandwidth: float) -> tuple[float, float]:
+def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
+                   bandwidth: float) -> tuple[float, float]:
     """tessera's DataParallel gradient hook, as (seconds per parameter tensor beyond its
     copy's traffic: the slot lookup, the re-pointed gradient, the used flag; passes over the
-    gradient bytes at `bandwidth` bytes/s of its copy into the bucket): chains of layers
-    under DataParallel over the default group inside ``no_sync()`` (the hooks run, no bucket
-    is launched) against the chains unwrapped, per tensor, with 32 tiny (8×8) layers (the
-    fixed part) and 8 of 1024×1024 (the copy of a gradient backward has just written, which
-    runs slower than a streaming copy). (0, 2) on one rank, where nothing is wrapped. Every
-    rank of the default group must call it (the wrapper broadcasts the weights)."""
+    gradient bytes at `bandwidth` bytes/s of the rest: the copy into the bucket, the launch).
+    The fixed part: a chain of 32 tiny (8×8) layers under DataParallel over the default group
+    inside ``no_sync()`` (the hooks run, no bucket is launched) against the chain unwrapped,
+    per tensor. The rest: :func:`ddp_copy_passes`, in training steps of a one-layer model at
+    the user's micro-batch. On a GPU the hook only queues the copy, which runs at the
+    streaming rate: 2 passes. (0, 2) on one rank, where nothing is wrapped. Every rank of the
+    default group must call it (the wrappers broadcast the weights)."""
     import torch.distributed as dist
 
     from tessera.parallel.ddp import DataParallel
@@ -432,9 +436,59 @@ def ddp_hook_costs(bandwidth: float) -> tuple[float, float]:
         return DataParallel(chain, dist.group.WORLD)
 
     fixed = _extra_per_layer(wrap, 32, 8, hooks_only=True)
-    d = 1024  # 4 MiB gradients, as for ZeRO's units
-    large = _extra_per_layer(wrap, 8, d, hooks_only=True)
-    return fixed, max(0.0, large - fixed) * bandwidth / (4 * d * d)
+    if _on_gpu():
+        return fixed, 2.0
+    return fixed, ddp_copy_passes(spec, seq, micro_batch, bandwidth, fixed)
+
+
+def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
+                    per_tensor: float, repeats: int = 30) -> float:
+    """Passes over the gradient bytes, at `bandwidth` bytes/s, that DataParallel's hooks take
+    beyond `per_tensor` seconds per parameter tensor, timed where training runs them: the
+    hooks' own time (``DataParallel.hook_seconds``: each fresh gradient's copy into its bucket
+    slot, and the bucket's launch) in steps of tessera's trainer path (``parallelize``, the
+    executor, clipping, AdamW) over the default group, for a one-layer model at `spec`'s
+    shapes (embedding, one block, head) on `micro_batch` × `seq` tokens; the median of
+    `repeats` steps. Not a chain of large layers: the copy of a gradient the backward has just
+    written runs slower the more activations that backward streams (the demo here: ~2.5
+    passes at micro-batch 2, ~5.5 at 16, against ~3 on a chain of 1024×1024 layers; one layer
+    or four give the same per byte). Every rank of the default group must call it."""
+    import torch.distributed as dist
+
+    from tessera.config import make_config
+    from tessera.parallelize import parallelize
+    from tessera.step import Executor
+    from tessera.topology import Topology
+
+    world = dist.get_world_size()
+    model_cfg = _block_config(spec, seq)
+    cfg = make_config(None, model=dict(
+        vocab_size=model_cfg.vocab_size, d_model=model_cfg.d_model, n_layers=1,
+        n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
+        ffn_hidden=model_cfg.ffn_hidden, max_seq_len=seq),
+        data=dict(seq_len=seq), parallel=dict(dp=world),
+        train=dict(micro_batch_size=micro_batch, grad_accum=1, precision="fp32"))
+    cfg.validate(world)
+    device = torch.get_default_device()
+    torch.manual_seed(0)
+    model = parallelize(cfg, Topology.build(cfg.parallel, device.type), device)
+    executor, optimizer = Executor(model), model.optimizer(cfg.train)
+    (wrapper,) = model.wrappers.values()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1))
+    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    seconds = []
+    for i in range(2 + repeats):
+        optimizer.zero_grad(set_to_none=True)  # fresh gradients, as the trainer leaves them
+        wrapper.hook_seconds = 0.0
+        executor.forward_backward([batch])
+        executor.clip_grad_norm_(cfg.train.grad_clip)
+        optimizer.step()
+        if i >= 2:
+            seconds.append(wrapper.hook_seconds)
+    rest = statistics.median(seconds) - len(params) * per_tensor
+    return max(0.0, rest) * bandwidth / grad_bytes
 
 
 def op_overhead() -> float:
@@ -487,7 +541,7 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
         zero_unit, zero_passes = zero_unit_costs(spec, bw)
-        ddp_tensor, ddp_passes = ddp_hook_costs(bw)
+        ddp_tensor, ddp_passes = ddp_hook_costs(spec, seq, micro_batch, bw)
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,

@@ -1146,7 +1146,8 @@ def ddp_bucket_time(hw: Hardware, grad_bytes: float, tensors: int) -> float:
     """Seconds tessera's DataParallel spends on its buckets besides the all-reduce: each
     freshly allocated gradient copied into its slot during backward by a per-tensor hook (the
     trainer zeroes gradients with set_to_none, as torch DDP's bucket views are also refilled
-    by a copy: ``ddp_copy_passes`` over every gradient byte, 2 unless calibrate measured it)
+    by a copy: ``ddp_copy_passes`` over every gradient byte, 2 unless calibrate measured it,
+    where it also holds the bucket's launch)
     and the buckets divided by dp after the wait (a read and a write of every byte), plus the
     hook's fixed cost per tensor (``ddp_tensor_us`` where calibrate measured it, else
     OPS_PER_TENSOR_BUCKET kernels). Compute cannot hide it: it runs on the rank's own
