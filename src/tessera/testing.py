@@ -69,7 +69,7 @@ def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size
                keep_host_memory: bool, conn: Any) -> None:
     try:
         torch.set_num_threads(threads)
-        if keep_host_memory:  # as a CPU training rank does (tessera.trainer)
+        if keep_host_memory and backend == "gloo":  # a CPU rank, as tessera.trainer does
             keep_freed_memory()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -112,8 +112,9 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), kwargs: dict |
     `collective_timeout`: seconds any one collective or receive may wait before it raises on
     its rank (default `collective_timeout_s()`): a deadlock fails fast, naming the rank that
     timed out and the ranks that had not finished.
-    `keep_host_memory`: each rank keeps the host memory it frees, as a CPU training rank does
-    (:func:`tessera.host_memory.keep_freed_memory`); False leaves malloc as it comes."""
+    `keep_host_memory`: each rank on gloo (a CPU rank; GPU ranks use NCCL) keeps the host
+    memory it frees, as a CPU training rank does (:func:`tessera.host_memory.keep_freed_memory`;
+    the trainer applies it on CPU ranks only); False leaves malloc as it comes."""
     if collective_timeout is None:
         collective_timeout = collective_timeout_s()
     ctx = mp.get_context(start_method)
