@@ -2,7 +2,7 @@
 
     flock /tmp/tessera-bench.lock python benchmarks/bench_planner_local.py \
         [--steps 16] [--rounds 2] [--hardware FILE] [--hardware4 FILE] [--only NAME ...]
-        [--overlap-only] [--blocks 24] [--from-json FILE]
+        [--overlap-only | --steps-only] [--blocks 24] [--from-json FILE]
         [--out benchmarks/results/planner_local.txt]
 
 1. ``tessera plan calibrate`` measures this machine at the demo model's shapes, with 2 ranks
@@ -354,6 +354,8 @@ def main() -> None:
                     "at micro-batch 16 gets SMALL_SHARE_BLOCKS times as many)")
     ap.add_argument("--overlap-only", action="store_true",
                     help="only the overlap rows' DP costs (no tessera train step-time runs)")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="only the step-time table (no DP-cost pairs for the overlap rows)")
     ap.add_argument("--from-json", help="the overlap rows' pairs saved by an earlier run "
                     "(with --overlap-only and its --hardware files: the table again)")
     args = ap.parse_args()
@@ -410,7 +412,7 @@ def main() -> None:
     raw_path = Path(args.from_json or Path(args.out).with_suffix(".json"))
     raw = json.loads(raw_path.read_text()) if args.from_json else {}
     for c in runnable:
-        if c.name not in OVERLAP_ROWS:
+        if c.name not in OVERLAP_ROWS or args.steps_only:
             continue
         if c.name not in raw:
             wait_for_quiet(args.quiet_wait)
@@ -419,7 +421,7 @@ def main() -> None:
         c.paired = PairedResult(**raw[c.name])
         print(f"paired: {c.name}:\n  " + "\n  ".join(summary(c.paired)), flush=True)
     aa = None
-    if any(c.name in OVERLAP_ROWS for c in runnable):
+    if any(c.name in OVERLAP_ROWS for c in runnable) and not args.steps_only:
         if AA_ROW not in raw:
             from dp_cost import measure_paired
 
