@@ -450,8 +450,8 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     executor, clipping, AdamW) over the default group, for a one-layer model at `spec`'s
     shapes (embedding, one block, head) on `micro_batch` × `seq` tokens; the median of
     `repeats` steps. Not a chain of large layers: the copy of a gradient the backward has just
-    written runs slower the more activations that backward streams (the demo here: ~2.5
-    passes at micro-batch 2, ~5.5 at 16, against ~3 on a chain of 1024×1024 layers; one layer
+    written runs slower the more activations that backward streams (the demo here: 2.5-4
+    passes at micro-batch 2, 5-7 at 16, against ~3 on a chain of 1024×1024 layers; one layer
     or four give the same per byte). Every rank of the default group must call it."""
     import torch.distributed as dist
 
