@@ -352,10 +352,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=24,
                     help="blocks of 4 steps of each model per overlap row (dp_cost.py; DDP "
                     "at micro-batch 16 gets SMALL_SHARE_BLOCKS times as many)")
-    ap.add_argument("--overlap-only", action="store_true",
-                    help="only the overlap rows' DP costs (no tessera train step-time runs)")
-    ap.add_argument("--steps-only", action="store_true",
-                    help="only the step-time table (no DP-cost pairs for the overlap rows)")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--overlap-only", action="store_true",
+                      help="only the overlap rows' DP costs (no tessera train step-time runs)")
+    only.add_argument("--steps-only", action="store_true",
+                      help="only the step-time table (no DP-cost pairs for the overlap rows)")
     ap.add_argument("--from-json", help="the overlap rows' pairs saved by an earlier run "
                     "(with --overlap-only and its --hardware files: the table again)")
     args = ap.parse_args()

@@ -73,6 +73,7 @@ are wall times after a ``torch.cuda.synchronize()``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -461,13 +462,9 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     from tessera.topology import Topology
 
     world = dist.get_world_size()
-    model_cfg = _block_config(spec, seq)
-    cfg = make_config(None, model=dict(
-        vocab_size=model_cfg.vocab_size, d_model=model_cfg.d_model, n_layers=1,
-        n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
-        ffn_hidden=model_cfg.ffn_hidden, max_seq_len=seq),
-        data=dict(seq_len=seq), parallel=dict(dp=world),
-        train=dict(micro_batch_size=micro_batch, grad_accum=1, precision="fp32"))
+    cfg = make_config(None, model=dataclasses.asdict(_block_config(spec, seq)),  # one layer
+                      data=dict(seq_len=seq), parallel=dict(dp=world),
+                      train=dict(micro_batch_size=micro_batch, grad_accum=1, precision="fp32"))
     cfg.validate(world)
     device = torch.get_default_device()
     torch.manual_seed(0)
