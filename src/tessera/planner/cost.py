@@ -674,17 +674,23 @@ def gemm_times(hw: Hardware, m: float, k: float, n: float) -> tuple[float, float
     return one, 2 * one
 
 
-def block_matmul_times(spec: ModelSpec, hw: Hardware, tokens: int, t: int,
-                       column_only: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's matrix multiplies on a tensor-parallel rank:
-    QKV (k = h), the output projection (k = h/t), the MLP's input matrices (k = h) and its
-    output matrix (k = f/t) (Shoeybi et al. 2019's column/row split); `column_only`: the
-    column-parallel ones (QKV, the MLP's input matrices)."""
+def block_gemm_shapes(spec: ModelSpec, t: int, column_only: bool = False
+                      ) -> tuple[tuple[float, float], ...]:
+    """(k, n) of each weight GEMM of one block on a tensor-parallel rank: QKV (k = h), the
+    output projection (k = h/t), the MLP's input matrices (k = h) and its output matrix
+    (k = f/t) (Shoeybi et al. 2019's column/row split); `column_only`: the column-parallel
+    ones (QKV, the MLP's input matrices)."""
     h, f = spec.hidden, spec.ffn_hidden
     column = ((h, (h + 2 * spec.kv_dim) / t), *(((h, f / t),) * (spec.mlp_matrices - 1)))
-    shapes = column if column_only else (*column, (h / t, h), (f / t, h))
+    return column if column_only else (*column, (h / t, h), (f / t, h))
+
+
+def block_matmul_times(spec: ModelSpec, hw: Hardware, tokens: int, t: int,
+                       column_only: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's matrix multiplies on a tensor-parallel rank
+    (:func:`block_gemm_shapes`, each with m = `tokens`)."""
     fwd = bwd = 0.0
-    for k, n in shapes:
+    for k, n in block_gemm_shapes(spec, t, column_only):
         a, b = gemm_times(hw, tokens, k, n)
         fwd, bwd = fwd + a, bwd + b
     return fwd, bwd
