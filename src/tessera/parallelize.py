@@ -76,7 +76,7 @@ from tessera.parallel.tensor_parallel import (
     param_specs,
     sync_partial_grads,
 )
-from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
+from tessera.parallel.zero import FlatUnit, ZeroModel, add_sum_of_squares, chunk_units
 from tessera.parallel.zero_state import (
     ShardedAdamW,
     gather_owned,
@@ -214,10 +214,16 @@ class ParallelModel:
         for c, z in zip(sorted(self.wrappers), self.zeros, strict=True):
             for u in z.units:
                 grad, base = u.dp_grad_slice(), u.lo
+                runs: list[list[int]] = []  # owned elements, adjacent slots merged
                 for s in u.slots:
                     a, b = max(s.offset, base), min(s.offset + s.numel, base + grad.numel())
                     if a < b and self._owned(c, s.name):
-                        sq += grad[a - base:b - base].double().pow(2).sum()
+                        if runs and runs[-1][1] == a:
+                            runs[-1][1] = b
+                        else:
+                            runs.append([a, b])
+                for a, b in runs:
+                    add_sum_of_squares(sq, grad[a - base:b - base])
         return sq
 
     @torch.no_grad()

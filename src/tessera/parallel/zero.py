@@ -123,6 +123,20 @@ class Slot:
         return math.prod(self.shape)
 
 
+SQUARES_PIECE = 1 << 24
+"""Elements per fp64 piece of a sum of squares: the fp64 copy a piece needs stays at 128 MiB
+whatever the tensor (an embedding's gradient can hold 500M elements)."""
+
+
+@torch.no_grad()
+def add_sum_of_squares(acc: torch.Tensor, x: torch.Tensor) -> None:
+    """acc (an fp64 scalar) += Σ x², in fp64: one reduction per SQUARES_PIECE elements of a
+    flat tensor, so a unit's whole gradient costs a few kernels, not a few per parameter."""
+    flat = x.reshape(-1)
+    for lo in range(0, flat.numel(), SQUARES_PIECE):
+        acc += flat[lo:lo + SQUARES_PIECE].double().pow(2).sum()
+
+
 class FlatUnit:
     """A unit's flat buffers on one rank; which exist depends on the stage (see module doc)."""
 
@@ -510,7 +524,7 @@ class ZeroModel(nn.Module):
         """Sum of squares of this rank's dp slice of every unit's gradient (fp64)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.units[0].grad.device)
         for u in self.units:
-            sq += u.dp_grad_slice().double().pow(2).sum()
+            add_sum_of_squares(sq, u.dp_grad_slice())
         return sq
 
     @torch.no_grad()
