@@ -561,3 +561,26 @@ def test_tessera_data_parallel_pays_its_bucket_copies():
             return [(c.dp_reduce, c.dp_total, c.zero_forward, c.zero_backward)
                     for c in costs.chunks]
         assert dp(slow) == dp(fast), layout
+
+
+def test_tessera_block_on_a_catalog_gpu_is_priced_with_its_eager_passes():
+    """A catalog GPU's elementwise_passes (2) stand for fused kernels. A model tessera's
+    engine runs with its own kernels is priced with the passes its unfused block measured on
+    an H200 (Hardware.eager_elementwise_passes): the same model with fused kernels, a GPT that
+    only Megatron-style kernels run, and a calibrated machine (measured on tessera's block,
+    eager None) keep elementwise_passes."""
+    from dataclasses import replace
+
+    spec = load_model("llama3-8b")
+    ours = Workload(model=spec, hardware=H100, gpus=8, global_batch=8, seq_len=2048)
+    assert ours.tessera_engine
+    assert ours.elementwise_passes == H100.eager_elementwise_passes > H100.elementwise_passes
+    assert replace(ours, kernels="fused").elementwise_passes == H100.elementwise_passes
+    gpt_run = replace(ours, model=gpt("gpt", 4096, 32, 32))
+    assert gpt_run.elementwise_passes == H100.elementwise_passes
+    calibrated = replace(H100, eager_elementwise_passes=None)
+    assert replace(ours, hardware=calibrated).elementwise_passes == H100.elementwise_passes
+    # and the step prices them: 10 more passes of the same bytes cost more time
+    L = Layout(dp=8, micro_batch=1)
+    assert estimate(ours, L).step_time > estimate(replace(ours, hardware=calibrated),
+                                                  L).step_time

@@ -44,6 +44,26 @@ def hardware_for(device: torch.device) -> str | None:
     return str(LOCAL_HARDWARE) if LOCAL_HARDWARE.is_file() else None
 
 
+def planner_workload(cfg: Config, world: int, hardware):
+    """The planner's (Workload, Layout) for cfg's run on `world` ranks of `hardware` (a
+    catalog name, a file, or a Hardware)."""
+    from tessera.planner.cost import Layout, Workload
+    from tessera.planner.hardware import Hardware, load_hardware
+    from tessera.planner.models import from_model_config
+
+    p, t = cfg.parallel, cfg.train
+    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
+                    micro_batch=t.micro_batch_size, zero=p.zero_stage,
+                    recompute=p.recompute, schedule=p.schedule,
+                    sequence_parallel=p.sequence_parallel)
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    w = Workload(model=from_model_config("run", cfg.model, cfg.data.seq_len),
+                 hardware=hw, gpus=world,
+                 global_batch=t.micro_batch_size * t.grad_accum * p.dp,
+                 seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False)
+    return w, layout
+
+
 def planner_prediction(cfg: Config, world: int, device: torch.device
                        ) -> tuple[float | None, str]:
     """The planner's step time for cfg's layout (seconds) and which hardware it assumed;
@@ -53,20 +73,9 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         return None, ("no hardware description (run `tessera plan calibrate`)"
                       if device.type == "cpu" else "GPU not in the planner's catalog")
     try:
-        from tessera.planner.cost import Layout, Workload
-        from tessera.planner.hardware import load_hardware
-        from tessera.planner.models import from_model_config
         from tessera.planner.search import estimate
 
-        p, t = cfg.parallel, cfg.train
-        layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
-                        micro_batch=t.micro_batch_size, zero=p.zero_stage,
-                        recompute=p.recompute, schedule=p.schedule,
-                        sequence_parallel=p.sequence_parallel)
-        w = Workload(model=from_model_config("run", cfg.model, cfg.data.seq_len),
-                     hardware=load_hardware(hardware), gpus=world,
-                     global_batch=t.micro_batch_size * t.grad_accum * p.dp,
-                     seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False)
+        w, layout = planner_workload(cfg, world, hardware)
         from tessera.planner.moe import MoESpec, active_spec, moe_terms
 
         moe = MoESpec.from_model_config(cfg.model)
@@ -74,7 +83,7 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
             return estimate(w, layout).step_time, hardware
         # a mixture of experts: the active model, plus all-to-all and expert sync
         active = estimate(dataclasses.replace(w, model=active_spec(w.model, moe)), layout)
-        extra = moe_terms(w, layout, w.model, moe, p.ep)
+        extra = moe_terms(w, layout, w.model, moe, cfg.parallel.ep)
         return active.step_time + extra.alltoall_time + extra.expert_sync_time, hardware
     except Exception as e:  # noqa: BLE001 - a summary line, never a failed run
         return None, f"the planner could not price this layout ({e})"

@@ -92,10 +92,11 @@ Compute time of a chunk: each matrix multiply at ``peak · matmul_efficiency`` p
 extra per-layer term (e.g. a mixture-of-experts layer's) belongs in :func:`block_costs`,
 which every chunk multiplies by its blocks; attention at the
 attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
-memory-bound kernels move every stored activation byte ``hardware.elementwise_passes`` times
-(2 with fused kernels: written by the kernel that makes it, read by the one that consumes it)
-in forward and twice as much in backward, at the memory bandwidth; a fixed overhead per
-kernel (zero on GPUs in the catalog).
+memory-bound kernels move every stored activation byte ``Workload.elementwise_passes`` times
+(2 with fused kernels: written by the kernel that makes it, read by the one that consumes it;
+on a catalog GPU running tessera's own unfused block, the 12 measured on an H200,
+``Hardware.eager_elementwise_passes``) in forward and twice as much in backward, at the memory
+bandwidth; a fixed overhead per kernel (zero on GPUs in the catalog).
 """
 
 from __future__ import annotations
@@ -277,6 +278,15 @@ class Workload:
         transformer expresses, in a precision it runs, with its own kernels."""
         return (engine.expressible(self.model) and self.kernels == "tessera"
                 and self.precision in TESSERA_PRECISIONS)
+
+    @cached_property
+    def elementwise_passes(self) -> float:
+        """Passes of the memory-bound kernels over the activation bytes: tessera's unfused
+        block's where its engine runs the model and the hardware says
+        (``Hardware.eager_elementwise_passes``), else the hardware's."""
+        eager = self.hardware.eager_elementwise_passes
+        return eager if eager is not None and self.tessera_engine else (
+            self.hardware.elementwise_passes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -711,12 +721,12 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     full_bytes = layer_activation_bytes(spec, b, s, t, sp, "none", w.flash_attention, cp, e)
     score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
                                                       w.flash_attention, cp, e)
-    mem_time = hw.elementwise_passes * full_bytes / hw.memory_bw
+    mem_time = w.elementwise_passes * full_bytes / hw.memory_bw
     ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
     fwd = mm_time + attn_time + mem_time + ops_time
     back = mm_back + 2 * (attn_time + mem_time + ops_time)
     redo = {"none": 0.0,
-            "selective": attn_time + hw.elementwise_passes * score_bytes / hw.memory_bw,
+            "selective": attn_time + w.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
     # Tensor parallel: 2 all-reduces forward, 2 backward (with sequence parallelism an
     # all-gather plus a reduce-scatter each: the same volume), 2 more for a recomputed forward.
@@ -953,7 +963,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     logits_bytes = 4 * tokens * spec.vocab_size / t
 
     def add_embedding(ch: ChunkCosts) -> None:
-        embed_mem = hw.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
+        embed_mem = w.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
         ch.forward_compute += embed_mem
         ch.backward_compute += 2 * embed_mem
         ch.params += spec.embedding_params / t
@@ -968,7 +978,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
 
     def add_head(ch: ChunkCosts) -> None:
         head_f, head_b = gemm_times(hw, tokens, spec.hidden, spec.vocab_size / t)
-        head = hw.elementwise_passes * logits_bytes / hw.memory_bw
+        head = w.elementwise_passes * logits_bytes / hw.memory_bw
         ch.forward_compute += head_f + head
         ch.backward_compute += head_b + 2 * head
         if t > 1:  # the loss over split logits all-reduces the b·s row maxima, then the sums

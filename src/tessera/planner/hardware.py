@@ -53,6 +53,13 @@ from tessera.config import ConfigError, load_yaml
 # predicted 5% slow and the 530B and 1T runs 15-16% slow.
 MATMUL_EFFICIENCY = 0.69
 MATMUL_TAIL_US = 40.0
+# tessera's own block on a GPU runs its memory-bound work as eager PyTorch kernels (RMSNorm
+# in fp32, RoPE, SwiGLU, residual adds, casts), not the fused kernels the catalog's
+# elementwise_passes = 2 stands for: on an H200, bench_gpu_step.py's model (d 1024, 12
+# layers, 16k tokens per step, bf16) spent 44 ms per step in such kernels, 12 passes over the
+# activation bytes the cost model counts for it (benchmarks/results/gpu_h200.txt), and the
+# trainer's predicted step was 0.49x the measured one with 2.
+EAGER_PASSES_GPU = 12.0
 LINK_EFFICIENCY = 0.8
 
 
@@ -131,6 +138,11 @@ class Hardware:
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
     unfused reference block."""
+    eager_elementwise_passes: float | None = None
+    """The same for tessera's own unfused block where it differs from elementwise_passes
+    (the catalog GPUs, whose elementwise_passes are fused kernels'): what a workload that
+    tessera's engine runs (``Workload.tessera_engine``) is priced with. None: a calibrated
+    machine, whose elementwise_passes were measured on tessera's block."""
     cores: int = 0
     """CPU cores that the ranks of one machine share (0: one device per rank, as on GPUs).
     With more ranks on a machine than cores, ranks time-share the cores and every rank's
@@ -173,8 +185,8 @@ class Hardware:
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
                   "optimizer_tensor_us", "zero_unit_us", "zero_unit_passes", "ddp_tensor_us",
                   "ddp_copy_passes", "elementwise_passes", "jitter", "jitter_fixed_us",
-                  "jitter_rate", "matmul_tail_us"):
-            if getattr(self, f) < 0:
+                  "jitter_rate", "matmul_tail_us", "eager_elementwise_passes"):
+            if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
     # -- derived rates, SI units ----------------------------------------------------------------
@@ -235,7 +247,8 @@ def _dgx(name: str, peak: float, mem: float, bw: float, nvlink: float, ib: float
          source: str) -> Hardware:
     return Hardware(name=name, peak_tflops=peak, memory_gb=mem, memory_bw_gbs=bw,
                     intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8,
-                    matmul_tail_us=MATMUL_TAIL_US, source=source)
+                    matmul_tail_us=MATMUL_TAIL_US, eager_elementwise_passes=EAGER_PASSES_GPU,
+                    source=source)
 
 
 CATALOG: dict[str, Hardware] = {
