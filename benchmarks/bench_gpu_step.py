@@ -46,6 +46,92 @@ def batches(n: int, b: int, seq: int, device: torch.device) -> list[tuple[torch.
     return out
 
 
+KERNEL_KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "efficient")),
+                ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+                ("optimizer", ("adam", "multi_tensor")),
+                ("reduction/norm", ("reduce", "norm")),
+                ("copy/cast", ("copy", "memcpy", "cat", "to_copy")))
+"""Kernel name fragments (lower case) per kind, first match wins; the rest is "elementwise"."""
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)),
+                "elementwise/other")
+
+
+def kernel_breakdown(name: str, step, data, device_time: str = "self_device_time_total",
+                     activities=None, kernel_rows: str = "CUDA"
+                     ) -> tuple[list[str], dict[str, float]]:
+    """Profile `step` over `data` (torch.profiler) and say where the device's time goes (the
+    lines, and the seconds per step of each kernel kind): wall
+    time per step, the kernels' summed time per step and the idle rest, per kernel kind
+    (KERNEL_KINDS), and the six longest kernels. Only the kernels' own rows count (device
+    type `kernel_rows`, not also a host row): an operator's row carries its kernels' time too.
+    `device_time`, `activities`, `kernel_rows`: what a CPU-only check of this function uses."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = activities or [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for x, y in data:
+            step(x, y)
+        sync()
+        wall = (time.perf_counter() - t0) / len(data)
+    averages = prof.key_averages()
+    # A user annotation (the optimizer's "Optimizer.step#...") has a host row and a device row
+    # of the same name; a kernel has only its device row.
+    host = {r.key for r in averages if r.device_type != getattr(DeviceType, kernel_rows)}
+    rows = [(r.key, getattr(r, device_time) * 1e-6 / len(data), r.count / len(data))
+            for r in averages
+            if r.device_type == getattr(DeviceType, kernel_rows) and getattr(r, device_time) > 0
+            and (r.key not in host or kernel_rows == "CPU")]
+    busy = sum(t for _, t, _ in rows)
+    kinds: dict[str, float] = {}
+    for key, t, _ in rows:
+        kinds[kernel_kind(key)] = kinds.get(kernel_kind(key), 0.0) + t
+    out = [f"{name}: {1e3 * wall:.2f} ms per step, kernels {1e3 * busy:.2f} ms "
+           f"({len(rows)} kinds, {sum(c for *_, c in rows):.0f} launches), idle "
+           f"{1e3 * (wall - busy):.2f} ms"]
+    out += [f"  {kind:<18} {1e3 * t:8.2f} ms" for kind, t in
+            sorted(kinds.items(), key=lambda kv: -kv[1])]
+    out += [f"  top: {1e3 * t:7.2f} ms x{c:.0f} {key[:90]}"
+            for key, t, c in sorted(rows, key=lambda r: -r[1])[:6]]
+    return out, kinds
+
+
+MEMORY_BOUND = ("elementwise/other", "copy/cast", "reduction/norm")
+"""The kernel kinds the cost model prices as passes over the activation bytes."""
+
+
+def passes_line(cfg, device: torch.device, kinds: dict[str, float]) -> str:
+    """The memory-bound kernels' time per step as passes over the activation bytes the cost
+    model counts for this model (``Hardware.eager_elementwise_passes``, which the catalog
+    GPUs take from this line): the planner's step at 1 pass minus its step at 0."""
+    from dataclasses import replace
+
+    from tessera.planner.search import estimate
+    from tessera.report import hardware_for, planner_workload
+
+    name = hardware_for(device) or "H100"
+    w, layout = planner_workload(cfg, 1, name)
+
+    def step(passes: float) -> float:
+        hw = replace(w.hardware, elementwise_passes=passes, eager_elementwise_passes=passes)
+        return estimate(replace(w, hardware=hw), layout).step_time
+
+    per_pass = step(1.0) - step(0.0)
+    memory = sum(kinds.get(k, 0.0) for k in MEMORY_BOUND)
+    return (f"ours: memory-bound kernels ({', '.join(MEMORY_BOUND)}) {1e3 * memory:.2f} ms per "
+            f"step = {memory / per_pass:.1f} passes over the cost model's activation bytes "
+            f"({1e3 * per_pass:.2f} ms per pass on {name}); the planner's step as the catalog "
+            f"prices it: {1e3 * estimate(w, layout).step_time:.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=5)
@@ -56,6 +142,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the timing, profile this many steps of each side and print "
+                         "where the GPU's time goes (kernel_breakdown)")
     args = ap.parse_args()
 
     device = torch.device("cuda", 0)
@@ -134,6 +223,11 @@ def main() -> None:
               f"loss after {args.steps * (args.pairs + 1)} steps {last_losses[name]:.4f}")
     print(f"ours/peer step time: median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    for name, step in (("ours", step_ours), ("peer", step_peer)) if args.profile else ():
+        lines, kinds = kernel_breakdown(name, step, data[:args.profile])
+        print("\n".join(lines))
+        if name == "ours":
+            print(passes_line(cfg, device, kinds))
     dist.destroy_process_group()
 
 
