@@ -19,7 +19,7 @@ timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_readiness.py \
 echo "pytest rc=$?" >> "$OUT/tests.txt"
 timeout 120 $PY benchmarks/gemm_curve.py > "$OUT/gemm_curve.txt" 2>&1
 echo "rc=$?" >> "$OUT/gemm_curve.txt"
-timeout 150 $PY benchmarks/bench_gpu_step.py --pairs 3 --steps 5 > "$OUT/gpu_step.txt" 2>&1
+timeout 150 $PY benchmarks/bench_gpu_step.py --pairs 5 --steps 10 --profile 3 > "$OUT/gpu_step.txt" 2>&1
 echo "rc=$?" >> "$OUT/gpu_step.txt"
 # bench_gpu_step's model through the CLI: 40 steps, the summary's planner line
 $PY -m tessera data prepare --source stdlib --out data/stdlib --if-missing > "$OUT/train.txt" 2>&1
