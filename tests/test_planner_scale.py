@@ -584,3 +584,24 @@ def test_tessera_block_on_a_catalog_gpu_is_priced_with_its_eager_passes():
     L = Layout(dp=8, micro_batch=1)
     assert estimate(ours, L).step_time > estimate(replace(ours, hardware=calibrated),
                                                   L).step_time
+
+
+def test_fp32_runs_are_priced_at_the_fp32_peak_on_catalog_gpus():
+    """PyTorch keeps TF32 off, so an fp32 run's GEMMs get the data sheet's fp32 peak (67 of the
+    H100's 989 TFLOP/s): slower than bf16 by less than that ratio (its memory-bound work only
+    doubles its bytes) but by more than 5x on a GEMM-bound model; MFU stays against the bf16
+    peak, and a calibrated machine (fp32_tflops None) is unchanged."""
+    from dataclasses import replace
+
+    assert H100.for_precision("fp32").matmul_flops == pytest.approx(
+        67e12 * H100.matmul_efficiency)
+    assert H100.for_precision("bf16") is H100
+    calibrated = replace(H100, fp32_tflops=None)
+    assert calibrated.for_precision("fp32") is calibrated
+    bf16 = Workload(model=load_model("llama3-8b"), hardware=H100, gpus=8, global_batch=16,
+                    seq_len=2048)
+    fp32 = replace(bf16, precision="fp32")
+    L = Layout(dp=8, micro_batch=2)  # whole GEMMs (tensor parallel 8 has narrow ones)
+    slow = estimate(fp32, L).step_time / estimate(bf16, L).step_time
+    assert 5 < slow < 989 / 67
+    assert estimate(fp32, L).mfu < estimate(bf16, L).mfu

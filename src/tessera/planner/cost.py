@@ -87,7 +87,8 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   point-to-point costs and each chunk's data-parallel reduction, and returns step time,
   bubble and exposed DP time; the optimizer step (memory-bound) is added after.
 
-Compute time of a chunk: each matrix multiply at ``peak · matmul_efficiency`` plus a fixed
+Compute time of a chunk: each matrix multiply at ``peak · matmul_efficiency`` (in fp32 the
+catalog GPUs' fp32 peak, ``Workload.compute_hardware``: PyTorch keeps TF32 off) plus a fixed
 ``matmul_tail_us`` (its shape dependence: :func:`gemm_times`, :func:`block_matmul_times`); an
 extra per-layer term (e.g. a mixture-of-experts layer's) belongs in :func:`block_costs`,
 which every chunk multiplies by its blocks; attention at the
@@ -278,6 +279,12 @@ class Workload:
         transformer expresses, in a precision it runs, with its own kernels."""
         return (engine.expressible(self.model) and self.kernels == "tessera"
                 and self.precision in TESSERA_PRECISIONS)
+
+    @cached_property
+    def compute_hardware(self) -> Hardware:
+        """The hardware as this workload's precision computes on it
+        (:meth:`Hardware.for_precision`: fp32 GEMMs at the fp32 peak)."""
+        return self.hardware.for_precision(self.precision)
 
     @cached_property
     def elementwise_passes(self) -> float:
@@ -710,7 +717,7 @@ def block_matmul_times(spec: ModelSpec, hw: Hardware, tokens: int, t: int,
 def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
                 cp_method: str = "ring") -> BlockCosts:
     """Forward/backward seconds of one block and its activation bytes (module docstring)."""
-    spec, hw = w.model, w.hardware
+    spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
     s = w.seq_len
     tp_link, cp_link = group_link(hw, t), p2p_link(hw, t * cp)
@@ -934,7 +941,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                  ) -> tuple[list[ChunkCosts], float, float, float]:
     """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
     asks for the same chunks under many layouts; the returned chunks are read-only)."""
-    spec, hw = w.model, w.hardware
+    spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
     gb = w.bytes[1]
     s = w.seq_len

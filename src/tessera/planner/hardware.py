@@ -138,6 +138,10 @@ class Hardware:
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
     unfused reference block."""
+    fp32_tflops: float | None = None
+    """Dense fp32 peak TFLOP/s of one device without tensor cores: what an fp32 run's matrix
+    multiplies get under PyTorch's default (TF32 off). A workload in fp32 is priced at it
+    (:meth:`for_precision`). None: peak_tflops (a calibrated machine measures in fp32)."""
     eager_elementwise_passes: float | None = None
     """The same for tessera's own unfused block where it differs from elementwise_passes
     (the catalog GPUs, whose elementwise_passes are fused kernels'): what a workload that
@@ -169,6 +173,9 @@ class Hardware:
     """Where the figures come from."""
 
     def __post_init__(self) -> None:
+        if self.fp32_tflops is not None and not self.fp32_tflops > 0:
+            raise ConfigError("hardware.fp32_tflops", self.fp32_tflops,
+                              "must be a positive number")
         for f in ("peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gbs",
                   "inter_node_gbs", "matmul_efficiency", "link_efficiency",
                   "gather_efficiency"):
@@ -188,6 +195,13 @@ class Hardware:
                   "jitter_rate", "matmul_tail_us", "eager_elementwise_passes"):
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
+
+    def for_precision(self, precision: str) -> Hardware:
+        """This hardware as a run in `precision` computes on it: in fp32, matrix multiplies
+        and attention at fp32_tflops (where given) instead of the 16-bit peak."""
+        if precision != "fp32" or self.fp32_tflops is None:
+            return self
+        return dataclasses.replace(self, peak_tflops=self.fp32_tflops, attention_tflops=None)
 
     # -- derived rates, SI units ----------------------------------------------------------------
     @property
@@ -243,31 +257,31 @@ class Link:
         return 1.0 / self.bandwidth
 
 
-def _dgx(name: str, peak: float, mem: float, bw: float, nvlink: float, ib: float,
+def _dgx(name: str, peak: float, fp32: float, mem: float, bw: float, nvlink: float, ib: float,
          source: str) -> Hardware:
-    return Hardware(name=name, peak_tflops=peak, memory_gb=mem, memory_bw_gbs=bw,
-                    intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8,
+    return Hardware(name=name, peak_tflops=peak, fp32_tflops=fp32, memory_gb=mem,
+                    memory_bw_gbs=bw, intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8,
                     matmul_tail_us=MATMUL_TAIL_US, eager_elementwise_passes=EAGER_PASSES_GPU,
                     source=source)
 
 
 CATALOG: dict[str, Hardware] = {
     h.name: h for h in (
-        _dgx("V100", 125.0, 32.0, 900.0, 150.0, 6.25,
-             "V100 SXM2 data sheet (125 TFLOP/s fp16 tensor, 32 GB HBM2 at 900 GB/s, NVLink2 "
-             "300 GB/s bidirectional); DGX-1: 4x100 Gb/s EDR per 8 GPUs"),
-        _dgx("A100-40GB", 312.0, 40.0, 1555.0, 300.0, 25.0,
-             "A100 data sheet (312 TFLOP/s dense bf16, 40 GB HBM2 at 1555 GB/s, NVLink3 600 "
-             "GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
-        _dgx("A100-80GB", 312.0, 80.0, 2039.0, 300.0, 25.0,
-             "A100 data sheet (312 TFLOP/s dense bf16, 80 GB HBM2e at 2039 GB/s, NVLink3 600 "
-             "GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
-        _dgx("H100-SXM", 989.0, 80.0, 3350.0, 450.0, 50.0,
-             "H100 SXM data sheet (989 TFLOP/s dense bf16, 80 GB HBM3 at 3.35 TB/s, NVLink4 "
-             "900 GB/s bidirectional); DGX H100: one 400 Gb/s NDR adapter per GPU"),
-        _dgx("H200", 989.0, 141.0, 4800.0, 450.0, 50.0,
-             "H200 SXM data sheet (989 TFLOP/s dense bf16, 141 GB HBM3e at 4.8 TB/s, NVLink4 "
-             "900 GB/s bidirectional); DGX H200: one 400 Gb/s NDR adapter per GPU"),
+        _dgx("V100", 125.0, 15.7, 32.0, 900.0, 150.0, 6.25,
+             "V100 SXM2 data sheet (125 TFLOP/s fp16 tensor, 15.7 fp32, 32 GB HBM2 at 900 "
+             "GB/s, NVLink2 300 GB/s bidirectional); DGX-1: 4x100 Gb/s EDR per 8 GPUs"),
+        _dgx("A100-40GB", 312.0, 19.5, 40.0, 1555.0, 300.0, 25.0,
+             "A100 data sheet (312 TFLOP/s dense bf16, 19.5 fp32, 40 GB HBM2 at 1555 GB/s, "
+             "NVLink3 600 GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
+        _dgx("A100-80GB", 312.0, 19.5, 80.0, 2039.0, 300.0, 25.0,
+             "A100 data sheet (312 TFLOP/s dense bf16, 19.5 fp32, 80 GB HBM2e at 2039 GB/s, "
+             "NVLink3 600 GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
+        _dgx("H100-SXM", 989.0, 67.0, 80.0, 3350.0, 450.0, 50.0,
+             "H100 SXM data sheet (989 TFLOP/s dense bf16, 67 fp32, 80 GB HBM3 at 3.35 TB/s, "
+             "NVLink4 900 GB/s bidirectional); DGX H100: one 400 Gb/s NDR adapter per GPU"),
+        _dgx("H200", 989.0, 67.0, 141.0, 4800.0, 450.0, 50.0,
+             "H200 SXM data sheet (989 TFLOP/s dense bf16, 67 fp32, 141 GB HBM3e at 4.8 TB/s, "
+             "NVLink4 900 GB/s bidirectional); DGX H200: one 400 Gb/s NDR adapter per GPU"),
     )
 }
 ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM"}
