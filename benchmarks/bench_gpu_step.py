@@ -1,6 +1,6 @@
 """One GPU: tessera's step executor (NCCL, one rank) against a plain PyTorch training loop.
 
-    python benchmarks/bench_gpu_step.py [--pairs 5] [--steps 10] [--precision bf16]
+    python benchmarks/bench_gpu_step.py [--pairs 5] [--steps 10] [--precision bf16] [--profile 3]
 
 What runs: the same Llama-style reference model (``tessera.model``), seed, batch and AdamW
 settings on both sides.
@@ -16,6 +16,8 @@ each step is synchronized (``torch.cuda.synchronize``). Printed: median step tim
 model TFLOP/s (PaLM's 6N + 12·L·H·Q·T per token, ``tessera.model.flops_per_token``), MFU
 against the device's dense bf16 peak (989 TFLOP/s on H100/H200), the ratio ours/peer, and both
 sides' losses (the same batches; bf16 rounding differs between the two recipes).
+``--profile N``: then N profiled steps of each side, the GPU's time per kernel kind, and ours'
+memory-bound kernels as passes over the cost model's activation bytes (``passes_line``).
 """
 
 from __future__ import annotations
@@ -63,11 +65,12 @@ def kernel_kind(name: str) -> str:
 def kernel_breakdown(name: str, step, data, device_time: str = "self_device_time_total",
                      activities=None, kernel_rows: str = "CUDA"
                      ) -> tuple[list[str], dict[str, float]]:
-    """Profile `step` over `data` (torch.profiler) and say where the device's time goes (the
-    lines, and the seconds per step of each kernel kind): wall
-    time per step, the kernels' summed time per step and the idle rest, per kernel kind
-    (KERNEL_KINDS), and the six longest kernels. Only the kernels' own rows count (device
-    type `kernel_rows`, not also a host row): an operator's row carries its kernels' time too.
+    """Profile `step` over `data` (torch.profiler) and say where the device's time goes.
+    Returns the lines (wall time per step, the kernels' summed time and the idle rest, the
+    time per kernel kind of KERNEL_KINDS, the six longest kernels) and the seconds per step of
+    each kind. The profiler's own host cost inflates the wall and idle times. Only the
+    kernels' own rows count (device type `kernel_rows`, not also a host row): an operator's
+    row carries its kernels' time too.
     `device_time`, `activities`, `kernel_rows`: what a CPU-only check of this function uses."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
