@@ -43,3 +43,18 @@ def lr_lambda(cfg: TrainConfig):
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
 
     return factor
+
+
+SQUARES_PIECE = 1 << 24
+"""Elements per fp64 piece of a sum of squares: the fp64 copy a piece needs stays at 128 MiB
+whatever the tensor (an embedding's gradient can hold 500M elements)."""
+
+
+@torch.no_grad()
+def add_sum_of_squares(acc: torch.Tensor, x: torch.Tensor) -> None:
+    """acc (an fp64 scalar) += Σ x², in fp64, one reduction per SQUARES_PIECE elements: the
+    squares of a gradient norm. A ZeRO unit's whole flat gradient costs a few kernels, not a
+    few per parameter."""
+    flat = x.reshape(-1)
+    for lo in range(0, flat.numel(), SQUARES_PIECE):
+        acc += flat[lo:lo + SQUARES_PIECE].double().pow(2).sum()

@@ -54,7 +54,7 @@ from tessera.config import Config, ConfigError, TrainConfig
 from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
 from tessera.moe import materialize_buffers
-from tessera.optim import adamw
+from tessera.optim import adamw, add_sum_of_squares
 from tessera.parallel.comm import CommStats, all_reduce
 from tessera.parallel.context_parallel import CPContext, apply_context_parallel, hybrid_groups
 from tessera.parallel.ddp import DataParallel
@@ -76,7 +76,7 @@ from tessera.parallel.tensor_parallel import (
     param_specs,
     sync_partial_grads,
 )
-from tessera.parallel.zero import FlatUnit, ZeroModel, add_sum_of_squares, chunk_units
+from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
 from tessera.parallel.zero_state import (
     ShardedAdamW,
     gather_owned,
@@ -207,7 +207,7 @@ class ParallelModel:
             for c, name, p in self.named_chunk_parameters():
                 if p.grad is not None and self._owned(c, name):
                     part = experts if self.ep is not None and is_expert_param(name) else sq
-                    part += p.grad.double().pow(2).sum()
+                    add_sum_of_squares(part, p.grad)
             if self.ep is not None:  # each ep rank holds other experts: their squares add up
                 dist.all_reduce(experts, group=self.ep.group)
             return sq + experts

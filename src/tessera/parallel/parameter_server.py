@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ParallelConfig, TrainConfig
-from tessera.optim import adamw
+from tessera.optim import adamw, add_sum_of_squares
 from tessera.topology import Topology
 
 SERVER = 0
@@ -283,8 +283,11 @@ class ServerSync:
         return opt
 
     def _local_grad_norm(self) -> float:
-        sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if p.grad is not None)
-        return sq ** 0.5
+        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        for p in self.params:
+            if p.grad is not None:
+                add_sum_of_squares(sq, p.grad)
+        return float(sq) ** 0.5
 
     def exchange(self, loss: float, model=None) -> float:
         """After the local backward. Sync: the mean loss over all ranks (workers return after

@@ -62,6 +62,7 @@ from tessera.model import (
     init_tensor,
     rope_tables,
 )
+from tessera.optim import add_sum_of_squares
 from tessera.parallel import sequence_parallel as sp
 from tessera.parallel.comm import CommStats, all_gather, all_reduce, group_rank, group_size
 
@@ -622,7 +623,7 @@ def owned_grad_sq(module: nn.Module, tp: TPContext) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float64, device=next(module.parameters()).device)
     for name, p in module.named_parameters():
         if p.grad is not None and specs[name].owns(tp.rank, tp.size):
-            sq += p.grad.detach().double().pow(2).sum()
+            add_sum_of_squares(sq, p.grad.detach())
     return sq
 
 

@@ -65,6 +65,7 @@ from torch import nn
 
 from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 from tessera.model import Transformer
+from tessera.optim import add_sum_of_squares
 from tessera.parallel.comm_timing import CommLog
 
 
@@ -121,20 +122,6 @@ class Slot:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-SQUARES_PIECE = 1 << 24
-"""Elements per fp64 piece of a sum of squares: the fp64 copy a piece needs stays at 128 MiB
-whatever the tensor (an embedding's gradient can hold 500M elements)."""
-
-
-@torch.no_grad()
-def add_sum_of_squares(acc: torch.Tensor, x: torch.Tensor) -> None:
-    """acc (an fp64 scalar) += Σ x², in fp64: one reduction per SQUARES_PIECE elements of a
-    flat tensor, so a unit's whole gradient costs a few kernels, not a few per parameter."""
-    flat = x.reshape(-1)
-    for lo in range(0, flat.numel(), SQUARES_PIECE):
-        acc += flat[lo:lo + SQUARES_PIECE].double().pow(2).sum()
 
 
 class FlatUnit:
