@@ -257,8 +257,13 @@ class Link:
         return 1.0 / self.bandwidth
 
 
-def _dgx(name: str, peak: float, fp32: float, mem: float, bw: float, nvlink: float, ib: float,
-         source: str) -> Hardware:
+def _dgx(name: str, sheet: str, peak: float, fp32: float, mem: float, memory: str, bw: float,
+         nvlink: float, ib: float, system: str) -> Hardware:
+    """A catalog GPU in an 8-GPU node; its source names the data sheet and the node's guide,
+    with the figures taken from them (nvlink is one direction: half the sheet's figure)."""
+    source = (f"{sheet} data sheet ({peak:g} TFLOP/s dense 16-bit tensor, {fp32:g} fp32, "
+              f"{mem:g} GB {memory} at {bw:g} GB/s, NVLink {2 * nvlink:g} GB/s bidirectional); "
+              f"{system}")
     return Hardware(name=name, peak_tflops=peak, fp32_tflops=fp32, memory_gb=mem,
                     memory_bw_gbs=bw, intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8,
                     matmul_tail_us=MATMUL_TAIL_US, eager_elementwise_passes=EAGER_PASSES_GPU,
@@ -267,21 +272,16 @@ def _dgx(name: str, peak: float, fp32: float, mem: float, bw: float, nvlink: flo
 
 CATALOG: dict[str, Hardware] = {
     h.name: h for h in (
-        _dgx("V100", 125.0, 15.7, 32.0, 900.0, 150.0, 6.25,
-             "V100 SXM2 data sheet (125 TFLOP/s fp16 tensor, 15.7 fp32, 32 GB HBM2 at 900 "
-             "GB/s, NVLink2 300 GB/s bidirectional); DGX-1: 4x100 Gb/s EDR per 8 GPUs"),
-        _dgx("A100-40GB", 312.0, 19.5, 40.0, 1555.0, 300.0, 25.0,
-             "A100 data sheet (312 TFLOP/s dense bf16, 19.5 fp32, 40 GB HBM2 at 1555 GB/s, "
-             "NVLink3 600 GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
-        _dgx("A100-80GB", 312.0, 19.5, 80.0, 2039.0, 300.0, 25.0,
-             "A100 data sheet (312 TFLOP/s dense bf16, 19.5 fp32, 80 GB HBM2e at 2039 GB/s, "
-             "NVLink3 600 GB/s bidirectional); DGX A100: one 200 Gb/s HDR adapter per GPU"),
-        _dgx("H100-SXM", 989.0, 67.0, 80.0, 3350.0, 450.0, 50.0,
-             "H100 SXM data sheet (989 TFLOP/s dense bf16, 67 fp32, 80 GB HBM3 at 3.35 TB/s, "
-             "NVLink4 900 GB/s bidirectional); DGX H100: one 400 Gb/s NDR adapter per GPU"),
-        _dgx("H200", 989.0, 67.0, 141.0, 4800.0, 450.0, 50.0,
-             "H200 SXM data sheet (989 TFLOP/s dense bf16, 67 fp32, 141 GB HBM3e at 4.8 TB/s, "
-             "NVLink4 900 GB/s bidirectional); DGX H200: one 400 Gb/s NDR adapter per GPU"),
+        _dgx("V100", "V100 SXM2", 125.0, 15.7, 32.0, "HBM2", 900.0, 150.0, 6.25,
+             "DGX-1: 4x100 Gb/s EDR per 8 GPUs"),
+        _dgx("A100-40GB", "A100", 312.0, 19.5, 40.0, "HBM2", 1555.0, 300.0, 25.0,
+             "DGX A100: one 200 Gb/s HDR adapter per GPU"),
+        _dgx("A100-80GB", "A100", 312.0, 19.5, 80.0, "HBM2e", 2039.0, 300.0, 25.0,
+             "DGX A100: one 200 Gb/s HDR adapter per GPU"),
+        _dgx("H100-SXM", "H100 SXM", 989.0, 67.0, 80.0, "HBM3", 3350.0, 450.0, 50.0,
+             "DGX H100: one 400 Gb/s NDR adapter per GPU"),
+        _dgx("H200", "H200 SXM", 989.0, 67.0, 141.0, "HBM3e", 4800.0, 450.0, 50.0,
+             "DGX H200: one 400 Gb/s NDR adapter per GPU"),
     )
 }
 ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM"}
