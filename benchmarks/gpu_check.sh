@@ -21,13 +21,5 @@ timeout 120 $PY benchmarks/gemm_curve.py > "$OUT/gemm_curve.txt" 2>&1
 echo "rc=$?" >> "$OUT/gemm_curve.txt"
 timeout 150 $PY benchmarks/bench_gpu_step.py --pairs 5 --steps 10 --profile 3 > "$OUT/gpu_step.txt" 2>&1
 echo "rc=$?" >> "$OUT/gpu_step.txt"
-# bench_gpu_step's model through the CLI: 40 steps, the summary's planner line
-$PY -m tessera data prepare --source stdlib --out data/stdlib --if-missing > "$OUT/train.txt" 2>&1
-timeout 180 $PY -m tessera train --preset demo --nproc 1 --dp 1 --steps 40 --precision bf16 \
-  --micro-batch-size 16 --set model.d_model=1024 --set model.n_layers=12 \
-  --set model.n_heads=16 --set model.n_kv_heads=4 --set model.max_seq_len=1024 \
-  --set data.seq_len=1024 --set train.eval_interval=0 --set train.log_interval=10 \
-  --set train.sample_tokens=0 --set train.warmup_steps=5 --no-progress \
-  --out "$OUT/train_run" >> "$OUT/train.txt" 2>&1
-echo "rc=$?" >> "$OUT/train.txt"
-rm -rf "$OUT/train_run"
+# bench_gpu_step's model through the CLI, 40 steps: the summary's planner line
+OUT=$OUT bash benchmarks/gpu_variants.sh bf16
