@@ -29,12 +29,12 @@ import torch
 
 from tessera.planner.cost import block_gemm_shapes
 from tessera.planner.hardware import load_hardware
-from tessera.planner.models import ModelSpec, from_model_config, gpt, llama3
+from tessera.planner.models import KORTHIKANTI_RUNS, ModelSpec, from_model_config, llama3
 
-# name, spec, tensor-parallel degree, tokens per micro-batch (m)
-KORTHIKANTI_SHAPES = [(f"gpt-{name} t8", gpt(name, h, 1, a), 8, 2048)
-                      for name, h, a in (("22B", 6144, 48), ("175B", 12288, 96),
-                                         ("530B", 20480, 128), ("1T", 25600, 160))]
+# name, spec, tensor-parallel degree, tokens per micro-batch (m): the published runs'
+# layouts (sequence 2048, micro-batch 1)
+KORTHIKANTI_SHAPES = [(f"{row.model.name} t{row.tp}", row.model, row.tp, 2048)
+                      for row in KORTHIKANTI_RUNS]
 
 
 def workloads() -> list[tuple[str, ModelSpec, int, int]]:

@@ -35,7 +35,7 @@ from tessera.planner.cost import (
     zero_model_state_bytes,
 )
 from tessera.planner.hardware import load_hardware
-from tessera.planner.models import gpt, load_model
+from tessera.planner.models import KORTHIKANTI_RUNS, gpt, load_model
 from tessera.planner.search import SearchSpace, estimate, memory_by_rank, search
 
 H100 = load_hardware("H100")
@@ -150,38 +150,20 @@ def test_zero3_falls_behind_ptdp_for_175b_at_fixed_batch():
     assert all(p > z for p, z in zip(ptdp, zero3, strict=True))
 
 
-# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-# arXiv:2205.05198), Table 3 (a, h, l, t, p, GPUs, global batch) and Table 5 (seconds per
-# iteration with sequence parallelism and selective recomputation), A100 80GB, s = 2048,
-# micro-batch 1, 1F1B, no flash attention; Megatron-LM of 2022 overlaps the backward's
-# tensor-parallel collectives with the GEMMs (Workload.tp_async_backward).
-# Verification (2026-11-23, the `search` tool): the paper's tables were not among the stored
-# pages, so the seconds are NOT verified against the paper's text. They are cross-checked
-# against the MFU the Megatron-LM README states for the same configurations "measured using a
-# data parallel size of one" (22B 41.5%, 175B 51.4%, 530B 56.0%, 1T 56.3%; README section
-# on scaling, which cites this paper): model FLOPs (Narayanan et al. eq. 3 without
-# recomputation) / (GPUs · 312 TFLOP/s · seconds) reproduces each within 0.2 points
-# (test_korthikanti_rows_agree_with_megatron_readme_mfu). The paper's abstract (verified) gives
-# 54.2% MFU for 530B on 2240 GPUs, i.e. with data parallelism, a different run.
-KORTHIKANTI = [
-    ("22B", 64, 6144, 48, 8, 1, 8, 4, 1.10),
-    ("175B", 96, 12288, 96, 8, 8, 64, 64, 13.75),
-    ("530B", 128, 20480, 105, 8, 35, 280, 280, 37.83),
-    ("1T", 160, 25600, 128, 8, 64, 512, 512, 71.49),
-]
-
-
-# MFU of each KORTHIKANTI row as stated in the Megatron-LM README (see above), same order.
+# KORTHIKANTI_RUNS (tessera.planner.models): Korthikanti et al. 2022, Tables 3 and 5, with
+# how the seconds were checked.
+# MFU of each KORTHIKANTI_RUNS row as stated in the Megatron-LM README (see above), same order.
 MEGATRON_README_MFU = [0.415, 0.514, 0.560, 0.563]
 
 
 def test_korthikanti_rows_agree_with_megatron_readme_mfu():
     """The entered configurations and seconds imply the README's MFU (a check on the data, not
     the planner): within 0.2 points, the rounding of a 3-significant-digit time."""
-    for (name, _a, h, l_, _t, _p, n, batch, seconds), mfu in zip(
-            KORTHIKANTI, MEGATRON_README_MFU, strict=True):
-        implied = megatron_model_flops(batch, 2048, l_, h, 51200) / (n * 312e12 * seconds)
-        assert implied == pytest.approx(mfu, abs=0.002), name
+    for row, mfu in zip(KORTHIKANTI_RUNS, MEGATRON_README_MFU, strict=True):
+        m = row.model
+        implied = (megatron_model_flops(row.global_batch, 2048, m.layers, m.hidden, 51200)
+                   / (row.gpus * 312e12 * row.seconds))
+        assert implied == pytest.approx(mfu, abs=0.002), m.name
 
 
 def test_llama3_table4_rows_agree_with_16m_tokens():
@@ -197,8 +179,9 @@ def test_iteration_time_error_does_not_grow_with_model_size():
     least-squares slope of the error against log10(parameters) under 5 points per decade (one
     GEMM rate for all shapes gave +5% at 22B rising to +16% at 530B)."""
     errors, sizes = [], []
-    for name, a, h, l_, t, p, n, batch, seconds in KORTHIKANTI:
-        spec = gpt(f"gpt-{name}", h, l_, a)
+    for row in KORTHIKANTI_RUNS:
+        spec, name, t, p, n, batch, seconds = (row.model, row.model.name, row.tp, row.pp,
+                                               row.gpus, row.global_batch, row.seconds)
         w = Workload(model=spec, hardware=A100, gpus=n, global_batch=batch, seq_len=2048,
                      flash_attention=False, tp_async_backward=True)
         est = estimate(w, Layout(dp=n // (t * p), tp=t, pp=p, micro_batch=1,

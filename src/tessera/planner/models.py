@@ -203,6 +203,40 @@ MEGATRON_WEAK_SCALING: tuple[WeakScalingRow, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class IterationTimeRow:
+    """A published training run's layout and seconds per iteration (sequence 2048, micro-batch
+    1, 1F1B, sequence parallelism and selective recomputation, no flash attention)."""
+
+    model: ModelSpec
+    tp: int
+    pp: int
+    gpus: int
+    global_batch: int
+    seconds: float
+
+
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+# arXiv:2205.05198), Table 3 (a, h, l, t, p, GPUs, global batch) and Table 5 (seconds per
+# iteration with sequence parallelism and selective recomputation), A100 80GB; Megatron-LM of
+# 2022 overlaps the backward's tensor-parallel collectives with the GEMMs
+# (Workload.tp_async_backward). Verification (2026-11-23, the `search` tool): the paper's
+# tables were not among the stored pages, so the seconds are NOT verified against the paper's
+# text. They are cross-checked against the MFU the Megatron-LM README states for the same
+# configurations "measured using a data parallel size of one" (22B 41.5%, 175B 51.4%, 530B
+# 56.0%, 1T 56.3%; README section on scaling, which cites this paper): model FLOPs (Narayanan
+# et al. eq. 3 without recomputation) / (GPUs · 312 TFLOP/s · seconds) reproduces each within
+# 0.2 points (tests/test_planner_scale.py). The paper's abstract (verified) gives 54.2% MFU
+# for 530B on 2240 GPUs, i.e. with data parallelism, a different run.
+KORTHIKANTI_RUNS: tuple[IterationTimeRow, ...] = tuple(
+    IterationTimeRow(gpt(f"gpt-{name}", h, l_, a), t, p, n, batch, seconds)
+    for name, a, h, l_, t, p, n, batch, seconds in (
+        ("22B", 64, 6144, 48, 8, 1, 8, 4, 1.10),
+        ("175B", 96, 12288, 96, 8, 8, 64, 64, 13.75),
+        ("530B", 128, 20480, 105, 8, 35, 280, 280, 37.83),
+        ("1T", 160, 25600, 128, 8, 64, 512, 512, 71.49)))
+
+
 def _catalog() -> dict[str, ModelSpec]:
     out: dict[str, ModelSpec] = {}
     for name in PRESETS:
