@@ -270,12 +270,23 @@ def test_new_schedules_plug_in_through_the_registry():
         del SCHEDULES[spec.name]
 
 
-def test_config_knows_every_registered_schedule():
-    """`--schedule` is checked by the config against its own list of names (the command line's
-    choices); it must name exactly what the registry holds."""
-    from tessera import config
+def test_config_accepts_exactly_the_registered_schedules():
+    """The config checks `parallel.schedule` against the registry: every built-in name is
+    accepted, a schedule added with register() becomes trainable by name, and once removed it
+    is refused naming the field and the registered names."""
+    from tessera.config import ConfigError, ParallelConfig
 
-    assert config.SCHEDULES == tuple(SCHEDULES)
+    for name in SCHEDULES:
+        ParallelConfig(schedule=name, virtual_stages=SCHEDULES[name].min_virtual)
+    spec = register(ScheduleSpec(name="test-gpipe-copy", generate=SCHEDULES["gpipe"].generate,
+                                 description="test"))
+    try:
+        assert ParallelConfig(pp=2, schedule=spec.name).schedule == spec.name
+    finally:
+        del SCHEDULES[spec.name]
+    with pytest.raises(ConfigError, match=r"^parallel.schedule='test-gpipe-copy': must be one "
+                                          r"of naive, gpipe, 1f1b"):
+        ParallelConfig(schedule=spec.name)
 
 
 def test_text_grid_shows_bubbles():

@@ -18,7 +18,8 @@ import itertools
 import pytest
 import torch
 
-from tessera.config import DP_MODES, SCHEDULES, Config, ConfigError, make_config
+from tessera.config import DP_MODES, Config, ConfigError, make_config
+from tessera.pipeline.schedules import SCHEDULES
 from tessera.planner import engine
 from tessera.planner.cost import RECOMPUTE, Layout, Workload
 from tessera.planner.hardware import load_hardware

@@ -26,7 +26,8 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from tessera.config import SCHEDULES, Config, ConfigError, load_file, make_config
+from tessera.config import Config, ConfigError, load_file, make_config
+from tessera.pipeline.schedules import SCHEDULES
 
 EXIT_BAD_INPUT = 2
 
@@ -359,8 +360,6 @@ def schedule_cmd(
             raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
         if gather and zero_stage != 3:
             raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
-        from tessera.pipeline.schedules import SCHEDULES
-
         least = SCHEDULES[schedule].min_virtual if schedule in SCHEDULES else 1
         if virtual < least and file is None:
             raise ConfigError("--virtual", virtual, f"{schedule} needs --virtual >= {least} "

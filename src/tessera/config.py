@@ -178,9 +178,6 @@ class RopeScaling:
 
 
 DP_MODES = ("allreduce", "ps", "ps-async")
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "interleaved-lean", "bfs")
-"""The registered schedules' names (``tessera.pipeline.schedules`` holds the generators and
-what each takes; a test keeps the two lists equal)."""
 CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
 ALLREDUCE_ALGORITHMS = ("backend", "auto", "naive", "parallel", "ring", "rabenseifner")
 
@@ -219,8 +216,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism: norms and residuals hold 1/tp of the sequence."""
     schedule: str = "1f1b"
-    """Pipeline schedule: one of SCHEDULES (naive, gpipe, 1f1b, interleaved,
-    interleaved-lean, bfs)."""
+    """Pipeline schedule: a name in the registry ``tessera.pipeline.schedules.SCHEDULES``
+    (naive, gpipe, 1f1b, interleaved, interleaved-lean, bfs, and any added with register())."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (v) for interleaved and breadth-first schedules."""
     microbatch_group: int = 0
@@ -249,8 +246,12 @@ class ParallelConfig:
                  "must be 0, 1, 2 or 3")
         _require(self.dp_mode in DP_MODES, "parallel.dp_mode", self.dp_mode,
                  f"must be one of {', '.join(DP_MODES)}")
-        _require(self.schedule in SCHEDULES, "parallel.schedule", self.schedule,
-                 f"must be one of {', '.join(SCHEDULES)}")
+        # The pipeline's registry (imported here: it imports ConfigError from this module), so
+        # a schedule added with register() is trainable by name.
+        from tessera.pipeline.schedules import SCHEDULES as REGISTERED
+
+        _require(self.schedule in REGISTERED, "parallel.schedule", self.schedule,
+                 f"must be one of {', '.join(REGISTERED)}")
         _require(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "must be > 0")
         _require(self.allreduce_algorithm in ALLREDUCE_ALGORITHMS,
                  "parallel.allreduce_algorithm", self.allreduce_algorithm,
@@ -267,8 +268,6 @@ class ParallelConfig:
                  self.zero_stage, f"needs parallel.dp_mode='allreduce', not {self.dp_mode!r}")
         _require(self.dp_mode == "allreduce" or self.dp >= 2, "parallel.dp_mode", self.dp_mode,
                  f"a parameter server needs parallel.dp >= 2 (server and workers), got {self.dp}")
-        from tessera.pipeline.schedules import SCHEDULES as REGISTERED
-
         spec = REGISTERED[self.schedule]
         _require(self.virtual_stages == 1 or spec.virtual,
                  "parallel.virtual_stages", self.virtual_stages,
