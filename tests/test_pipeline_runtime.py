@@ -268,6 +268,30 @@ def test_every_schedule_matches_reference_pp4_and_pp2_dp2():
 # Message tags: every activation and gradient lands on the micro-batch it was sent for.
 
 
+def _registered_schedule_rank(references: bytes):
+    """Register a schedule under a new name in this rank (GPipe's generator), then train the
+    case that names it: config, layout check, executor and runtime all look it up by name."""
+    from tessera.pipeline.schedules import SCHEDULES, ScheduleSpec, register
+
+    register(ScheduleSpec(name="test-registered", generate=SCHEDULES["gpipe"].generate,
+                          description="GPipe under another name"))
+    return run_parity_cases([REGISTERED_CASE], references)
+
+
+REGISTERED_CASE = dict(schedule="test-registered", pp=2, m=3, layers=4)
+
+
+@pytest.mark.multiprocess
+def test_a_registered_schedule_trains_by_name():
+    """docs/pipeline.md: adding a schedule is one register() call; the trainer then runs it
+    by name. Untied and one replica, so bitwise equal to the reference (is_exact)."""
+    results = run_ranks(_registered_schedule_rank, 2,
+                        args=(references_for([REGISTERED_CASE]),), timeout=300)
+    for per_rank in results:
+        assert [c for c, *_ in per_rank] == [REGISTERED_CASE]
+        check_results(per_rank)
+
+
 def test_every_message_of_every_schedule_has_its_own_tag():
     """Both ends of every send/receive pair compute the same tag, and no two messages between
     the same two ranks share one, for every built-in schedule over a grid of (p, v, m). The
