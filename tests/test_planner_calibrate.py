@@ -60,6 +60,34 @@ def test_calibrate_default_out_is_untracked(tmp_path, monkeypatch):
     assert not (tmp_path / "benchmarks").exists()
 
 
+def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkeypatch):
+    """A CPU run's planner line uses the file `tessera plan calibrate` wrote (runs/), else the
+    repository's calibration, said so, else none. Before: only the repository's file, so a
+    user's own calibration was never read."""
+    import dataclasses
+
+    import torch
+
+    from tessera.config import make_config
+    from tessera.planner.hardware import save_hardware
+    from tessera.report import SHIPPED_HARDWARE, planner_prediction
+
+    cpu, cfg = torch.device("cpu"), make_config("tiny")
+    monkeypatch.chdir(tmp_path)
+    assert planner_prediction(cfg, 1, cpu) == (
+        None, "no hardware description (run `tessera plan calibrate`)")
+    slow = dataclasses.replace(load_hardware("H100"), peak_tflops=1.0, fp32_tflops=1.0)
+    save_hardware(slow, tmp_path / SHIPPED_HARDWARE)
+    shipped_s, label = planner_prediction(cfg, 1, cpu)
+    assert label == f"{SHIPPED_HARDWARE}, the repository's: `tessera plan calibrate` measures " \
+                    "this machine"
+    # where test_calibrate_default_out_is_untracked finds calibrate's output
+    save_hardware(load_hardware("H100"), tmp_path / "runs" / "local_hardware.toml")
+    own_s, label = planner_prediction(cfg, 1, cpu)
+    assert label == "runs/local_hardware.toml"
+    assert own_s < shipped_s  # priced with the faster file: the machine's own
+
+
 def test_plan_prints_small_parameter_counts():
     # Before: `plan --model tiny` printed `0.00B parameters`.
     from tessera.planner.report import human_count

@@ -5,8 +5,9 @@ What it shows, and where each number comes from:
 - the layout (``Topology.describe``-style degrees, schedule, ZeRO stage, precision);
 - tokens/s and model FLOP/s from the median step (after warm-up), MFU when the peak is known;
 - the planner's predicted step time for this very layout (``tessera.planner``: on a GPU the
-  catalog entry of that GPU, on CPU the file ``tessera plan calibrate`` writes,
-  ``benchmarks/results/local_hardware.toml``) beside the measured median;
+  catalog entry of that GPU; on CPU the file ``tessera plan calibrate`` writes,
+  ``runs/local_hardware.toml``, or where this machine has none, the calibration shipped in
+  ``benchmarks/results/local_hardware.toml``, said so) beside the measured median;
 - the pipeline bubble measured on the last step's timestamps beside the closed form
   (p−1)/(v·m) of the schedule;
 - memory per rank by category: parameters, gradients and optimizer state counted from the
@@ -28,20 +29,25 @@ import torch.distributed as dist
 
 from tessera.config import Config
 
-LOCAL_HARDWARE = Path("benchmarks/results/local_hardware.toml")
+SHIPPED_HARDWARE = Path("benchmarks/results/local_hardware.toml")
+"""The CPU calibration in the repository (benchmarks/results: the machine the benchmarks ran
+on), used where this machine has none of its own."""
 MIB = 2**20
 
 
 def hardware_for(device: torch.device) -> str | None:
     """The planner's hardware for this run: the catalog GPU whose name the device's contains
-    (longest match), or on CPU the file `tessera plan calibrate` writes; None if neither."""
+    (longest match); on CPU this machine's calibration (the file `tessera plan calibrate`
+    writes by default), else the shipped one; None if none applies."""
     if device.type == "cuda":
         from tessera.planner.hardware import known_hardware
 
         name = torch.cuda.get_device_name(device).lower()
         matches = [k for k in known_hardware() if k.split("-")[0].lower() in name]
         return max(matches, key=len) if matches else None
-    return str(LOCAL_HARDWARE) if LOCAL_HARDWARE.is_file() else None
+    from tessera.planner.hardware import CALIBRATED
+
+    return next((str(p) for p in (CALIBRATED, SHIPPED_HARDWARE) if p.is_file()), None)
 
 
 def planner_workload(cfg: Config, world: int, hardware):
@@ -72,6 +78,9 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
     if hardware is None:
         return None, ("no hardware description (run `tessera plan calibrate`)"
                       if device.type == "cpu" else "GPU not in the planner's catalog")
+    label = hardware
+    if hardware == str(SHIPPED_HARDWARE):
+        label += ", the repository's: `tessera plan calibrate` measures this machine"
     try:
         from tessera.planner.search import estimate
 
@@ -80,11 +89,11 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
 
         moe = MoESpec.from_model_config(cfg.model)
         if moe is None:
-            return estimate(w, layout).step_time, hardware
+            return estimate(w, layout).step_time, label
         # a mixture of experts: the active model, plus all-to-all and expert sync
         active = estimate(dataclasses.replace(w, model=active_spec(w.model, moe)), layout)
         extra = moe_terms(w, layout, w.model, moe, cfg.parallel.ep)
-        return active.step_time + extra.alltoall_time + extra.expert_sync_time, hardware
+        return active.step_time + extra.alltoall_time + extra.expert_sync_time, label
     except Exception as e:  # noqa: BLE001 - a summary line, never a failed run
         return None, f"the planner could not price this layout ({e})"
 

@@ -22,6 +22,7 @@ from typing import Annotated
 import typer
 
 from tessera.config import CP_METHODS, DP_MODES, ConfigError
+from tessera.planner.hardware import CALIBRATED
 
 plan_app = typer.Typer(add_completion=False, invoke_without_command=True,
                        pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -278,7 +279,7 @@ def calibrate_cmd(
     micro_batch: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 16,
     out: Annotated[str, typer.Option(
         help="Hardware file to write (TOML); the default is under runs/, which git ignores.")
-    ] = "runs/local_hardware.toml",
+    ] = str(CALIBRATED),
     ranks: Annotated[int, typer.Option(help="Ranks for the collective measurement.")] = 2,
     device: Annotated[str | None, typer.Option(
         help="cpu or cuda: where to measure; default cuda if this machine has a GPU.")] = None,

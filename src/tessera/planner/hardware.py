@@ -285,6 +285,9 @@ CATALOG: dict[str, Hardware] = {
     )
 }
 ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM"}
+CALIBRATED = Path("runs/local_hardware.toml")
+"""Where ``tessera plan calibrate`` writes this machine's hardware file by default (git
+ignores runs/); a training run's summary prices its layout with it."""
 
 
 def known_hardware() -> list[str]:
