@@ -54,7 +54,7 @@ from tessera.config import Config, ConfigError, TrainConfig
 from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
 from tessera.moe import materialize_buffers
-from tessera.optim import adamw, add_sum_of_squares
+from tessera.optim import adamw, add_sums_of_squares
 from tessera.parallel.comm import CommStats, all_reduce
 from tessera.parallel.context_parallel import CPContext, apply_context_parallel, hybrid_groups
 from tessera.parallel.ddp import DataParallel
@@ -204,13 +204,16 @@ class ParallelModel:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if not self.sharded:
             experts = torch.zeros((), dtype=torch.float64, device=self.device)
+            grads: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # expert or not
             for c, name, p in self.named_chunk_parameters():
                 if p.grad is not None and self._owned(c, name):
-                    part = experts if self.ep is not None and is_expert_param(name) else sq
-                    add_sum_of_squares(part, p.grad)
+                    grads[self.ep is not None and is_expert_param(name)].append(p.grad)
+            add_sums_of_squares(sq, grads[False])
+            add_sums_of_squares(experts, grads[True])
             if self.ep is not None:  # each ep rank holds other experts: their squares add up
                 dist.all_reduce(experts, group=self.ep.group)
             return sq + experts
+        owned: list[torch.Tensor] = []
         for c, z in zip(sorted(self.wrappers), self.zeros, strict=True):
             for u in z.units:
                 grad, base = u.dp_grad_slice(), u.lo
@@ -222,8 +225,8 @@ class ParallelModel:
                             runs[-1][1] = b
                         else:
                             runs.append([a, b])
-                for a, b in runs:
-                    add_sum_of_squares(sq, grad[a - base:b - base])
+                owned += [grad[a - base:b - base] for a, b in runs]
+        add_sums_of_squares(sq, owned)
         return sq
 
     @torch.no_grad()

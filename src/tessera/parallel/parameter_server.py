@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ParallelConfig, TrainConfig
-from tessera.optim import adamw, add_sum_of_squares
+from tessera.optim import adamw, add_sums_of_squares
 from tessera.topology import Topology
 
 SERVER = 0
@@ -284,9 +284,7 @@ class ServerSync:
 
     def _local_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for p in self.params:
-            if p.grad is not None:
-                add_sum_of_squares(sq, p.grad)
+        add_sums_of_squares(sq, [p.grad for p in self.params if p.grad is not None])
         return float(sq) ** 0.5
 
     def exchange(self, loss: float, model=None) -> float:

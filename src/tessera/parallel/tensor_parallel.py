@@ -62,7 +62,7 @@ from tessera.model import (
     init_tensor,
     rope_tables,
 )
-from tessera.optim import add_sum_of_squares
+from tessera.optim import add_sums_of_squares
 from tessera.parallel import sequence_parallel as sp
 from tessera.parallel.comm import CommStats, all_gather, all_reduce, group_rank, group_size
 
@@ -621,9 +621,8 @@ def owned_grad_sq(module: nn.Module, tp: TPContext) -> torch.Tensor:
     on their first holder only, so an all-reduce over tp gives the full model's squared norm."""
     specs = param_specs(module, tp)
     sq = torch.zeros((), dtype=torch.float64, device=next(module.parameters()).device)
-    for name, p in module.named_parameters():
-        if p.grad is not None and specs[name].owns(tp.rank, tp.size):
-            add_sum_of_squares(sq, p.grad.detach())
+    add_sums_of_squares(sq, [p.grad.detach() for name, p in module.named_parameters()
+                             if p.grad is not None and specs[name].owns(tp.rank, tp.size)])
     return sq
 
 

@@ -65,7 +65,7 @@ from torch import nn
 
 from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 from tessera.model import Transformer
-from tessera.optim import add_sum_of_squares
+from tessera.optim import add_sums_of_squares
 from tessera.parallel.comm_timing import CommLog
 
 
@@ -510,8 +510,7 @@ class ZeroModel(nn.Module):
     def local_grad_sq(self) -> torch.Tensor:
         """Sum of squares of this rank's dp slice of every unit's gradient (fp64)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.units[0].grad.device)
-        for u in self.units:
-            add_sum_of_squares(sq, u.dp_grad_slice())
+        add_sums_of_squares(sq, [u.dp_grad_slice() for u in self.units])
         return sq
 
     @torch.no_grad()
