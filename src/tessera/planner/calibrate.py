@@ -316,12 +316,13 @@ def elementwise_passes(spec: ModelSpec, seq: int, micro_batch: int, mm: float, a
 
 def optimizer_tensor_seconds(tensors: int = 256, repeats: int = 15) -> float:
     """Seconds per parameter tensor of a step's gradient norm, clipping and AdamW update
-    beyond their memory traffic: tessera's own loops (``ParallelModel.local_grad_sq``'s fp64
-    Σ g², the clipping's scale, ``tessera.optim.adamw``) over `tensors` parameters of 64
+    beyond their memory traffic: tessera's own code (``ParallelModel.local_grad_sq``'s fp64
+    Σ g², one batched norm: ``tessera.optim.add_sums_of_squares``; the clipping's scale;
+    ``tessera.optim.adamw``) over `tensors` parameters of 64
     elements, whose traffic is nothing, so the time is the loops' fixed cost (measured
     directly, not as a small difference of two large timings)."""
     from tessera.config import TrainConfig
-    from tessera.optim import adamw
+    from tessera.optim import adamw, add_sums_of_squares
 
     params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(tensors)]
     for p in params:
@@ -331,8 +332,7 @@ def optimizer_tensor_seconds(tensors: int = 256, repeats: int = 15) -> float:
     @torch.no_grad()
     def run() -> None:
         sq = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            sq += p.grad.double().pow(2).sum()
+        add_sums_of_squares(sq, [p.grad for p in params])
         scale = 1.0 / (float(sq.sqrt()) + 1.0)  # clipped, as early in training
         for p in params:
             p.grad.mul_(scale)
