@@ -403,30 +403,28 @@ def test_cli_zero_with_parameter_server_is_refused(tiny_data):
 
 
 def test_sums_of_squares_batch_small_tensors_and_cap_large_ones(monkeypatch):
-    """add_sums_of_squares (every gradient-norm site): Σ x² over all the tensors in fp64, the
-    small tensors through one batched norm, a tensor over SQUARES_PIECE elements piece by
-    piece (the fp64 copy cap). Against the plain fp64 sum: equal to fp64 rounding (a sum of
-    ~10⁴ fp64 terms and a square root squared: 1e-12 relative is ~10⁴ ε(fp64))."""
+    """add_sums_of_squares (every gradient-norm site): Σ x² over all the tensors in fp64, in
+    one batched norm whose inputs hold at most SQUARES_PIECE elements each (the fp64 copy
+    cap: a larger tensor goes in as pieces). Against the plain fp64 sum: equal to fp64
+    rounding (a sum of ~10⁴ fp64 terms and a square root squared: 1e-12 relative is ~10⁴
+    ε(fp64))."""
     import tessera.optim as optim
 
     monkeypatch.setattr(optim, "SQUARES_PIECE", 1000)
-    calls = {"norm": 0, "pieces": 0}
-    norm, pieces = torch._foreach_norm, optim.add_sum_of_squares
+    calls: list[list[int]] = []
+    norm = torch._foreach_norm
 
-    def counted_norm(*a, **k):
-        calls["norm"] += 1
-        return norm(*a, **k)
-
-    def counted_pieces(acc, x):
-        calls["pieces"] += 1
-        pieces(acc, x)
+    def counted_norm(tensors, *a, **k):
+        calls.append([t.numel() for t in tensors])
+        return norm(tensors, *a, **k)
 
     monkeypatch.setattr(torch, "_foreach_norm", counted_norm)
-    monkeypatch.setattr(optim, "add_sum_of_squares", counted_pieces)
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=g) for n in (3, 1000, 250, 4096, 0, 17)]
     acc = torch.zeros((), dtype=torch.float64)
     optim.add_sums_of_squares(acc, tensors)
     want = sum(t.double().pow(2).sum() for t in tensors)
     assert float(acc) == pytest.approx(float(want), rel=1e-12)
-    assert calls == {"norm": 1, "pieces": 1}  # five small tensors at once; the 4096 in pieces
+    assert len(calls) == 1  # one batched call for all six tensors
+    assert max(calls[0]) == 1000 and sum(calls[0]) == 3 + 1000 + 250 + 4096 + 17
+    assert calls[0].count(1000) == 5  # 1000, and the 4096 as 1000 x 4 + 96

@@ -51,25 +51,12 @@ whatever the tensor (an embedding's gradient can hold 500M elements)."""
 
 
 @torch.no_grad()
-def add_sum_of_squares(acc: torch.Tensor, x: torch.Tensor) -> None:
-    """acc (an fp64 scalar) += Σ x², in fp64, one reduction per SQUARES_PIECE elements: the
-    squares of a gradient norm. A ZeRO unit's whole flat gradient costs a few kernels, not a
-    few per parameter."""
-    flat = x.reshape(-1)
-    for lo in range(0, flat.numel(), SQUARES_PIECE):
-        acc += flat[lo:lo + SQUARES_PIECE].double().pow(2).sum()
-
-
-@torch.no_grad()
 def add_sums_of_squares(acc: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """acc (an fp64 scalar) += Σ x² over every element of `tensors` (one device), in fp64:
-    the tensors of at most SQUARES_PIECE elements through one batched fp64 norm
-    (``torch._foreach_norm``, what ``clip_grad_norm_`` uses: on a GPU a few kernels for all of
-    them, where a loop launches a few per tensor), larger ones piece by piece
-    (:func:`add_sum_of_squares`), so no fp64 copy exceeds SQUARES_PIECE elements."""
-    small = [t for t in tensors if t.numel() <= SQUARES_PIECE]
-    for t in tensors:
-        if t.numel() > SQUARES_PIECE:
-            add_sum_of_squares(acc, t)
-    if small:
-        acc += torch.stack(torch._foreach_norm(small, 2.0, dtype=torch.float64)).pow(2).sum()
+    """acc (an fp64 scalar) += Σ x² over every element of `tensors` (one device), in fp64: the
+    squares of a gradient norm, as one batched fp64 norm (``torch._foreach_norm``, what
+    ``clip_grad_norm_`` uses: on a GPU a few kernels for all the tensors, where a loop launches
+    a few per tensor) over views of at most SQUARES_PIECE elements, so no fp64 copy exceeds
+    SQUARES_PIECE elements."""
+    pieces = [p for t in tensors for p in t.reshape(-1).split(SQUARES_PIECE)]
+    if pieces:
+        acc += torch.stack(torch._foreach_norm(pieces, 2.0, dtype=torch.float64)).pow(2).sum()
