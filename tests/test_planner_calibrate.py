@@ -88,6 +88,46 @@ def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkey
     assert own_s < shipped_s  # priced with the faster file: the machine's own
 
 
+def test_training_summary_prices_with_the_runs_rank_count(tmp_path, monkeypatch):
+    """A run on N CPU ranks is priced with the calibration of N ranks where there is one
+    (`tessera plan calibrate --ranks N` writes runs/local_hardware_N.toml), else with the
+    two-rank file, saying so. Before: always the two-rank file, whose collectives' α and β
+    and jitter were measured by 2 processes (at 4 ranks on 2 cores gloo's latency is several
+    times the 2-rank figure)."""
+    import dataclasses
+
+    import torch
+
+    import tessera.planner.calibrate as calibrate_module
+    from tessera.config import make_config
+    from tessera.planner.hardware import save_hardware
+    from tessera.report import SHIPPED_HARDWARE, planner_prediction
+
+    cpu, cfg = torch.device("cpu"), make_config("tiny", parallel=dict(dp=4))
+    monkeypatch.chdir(tmp_path)
+    shipped_four = tmp_path / SHIPPED_HARDWARE.with_name("local_hardware_4.toml")
+    save_hardware(load_hardware("H100"), shipped_four)
+    assert planner_prediction(cfg, 4, cpu)[1] == (
+        f"{shipped_four.relative_to(tmp_path)}, the repository's: "
+        "`tessera plan calibrate --ranks 4` measures this machine")
+    # this machine's own file comes before the repository's, even at another rank count
+    two = dataclasses.replace(load_hardware("H100"), peak_tflops=1.0, fp32_tflops=1.0)
+    save_hardware(two, tmp_path / "runs" / "local_hardware.toml")
+    two_s, label = planner_prediction(cfg, 4, cpu)
+    assert label == ("runs/local_hardware.toml, measured with 2 ranks: "
+                     "`tessera plan calibrate --ranks 4` measures 4")
+    # calibrate --ranks 4 writes the file the 4-rank run then reads
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: load_hardware("H100"))
+    r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "tiny", "--ranks", "4"])
+    assert r.exit_code == 0, r.output
+    assert "wrote runs/local_hardware_4.toml" in r.output
+    four_s, label = planner_prediction(cfg, 4, cpu)
+    assert label == "runs/local_hardware_4.toml" and four_s < two_s
+    # a 2-rank run still reads the two-rank file
+    two_rank = make_config("tiny", parallel=dict(dp=2))
+    assert planner_prediction(two_rank, 2, cpu)[1] == "runs/local_hardware.toml"
+
+
 def test_plan_prints_small_parameter_counts():
     # Before: `plan --model tiny` printed `0.00B parameters`.
     from tessera.planner.report import human_count
@@ -147,3 +187,22 @@ def test_sigma_line_through_two_stretches():
     # falls with T (noise between the two medians).
     assert sigma_line(0.1, 0.001, 0.4, 0.009) == pytest.approx((0.0, 0.009 / 0.4))
     assert sigma_line(0.1, 0.004, 0.4, 0.002) == pytest.approx((0.003, 0.0))
+
+
+def test_gpu_calibration_describes_the_gpu_not_the_host(monkeypatch):
+    """A calibration on GPUs gives one GPU's memory, the GPUs as the node and no CPU cores to
+    time-share. Before: the host's RAM over its CPU cores and `cores` = the CPU count, so the
+    planner priced GPU ranks as time-sharing CPU cores and cut their memory."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from tessera.planner.calibrate import LOCAL_RANKS, machine_shape, physical_memory_bytes
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert machine_shape("cuda") == (0, 80e9, 8)
+    cores = os.cpu_count() or 1
+    assert machine_shape("cpu") == (cores, physical_memory_bytes() / cores, LOCAL_RANKS)

@@ -18,6 +18,7 @@ No processes; the file runs in a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -480,11 +481,11 @@ def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
     """A tessera step's optimizer time is its traffic over the memory bandwidth plus a fixed
     cost per parameter tensor. Traffic: AdamW over the parameters it steps (states read and
     written, gradient read, parameter read and written: 2·8 + 4 + 2·4 bytes in fp32) and the
-    gradient norm over the gradient elements the rank holds, with tessera's fp64 sum (4 + 32)
-    and the clipping's read and write (2·4). The per-tensor cost is the calibrated
-    optimizer_tensor_us where there is one, else 12 kernels at op_overhead_us. ZeRO-1 steps
-    half the parameters at dp 2 but still norms every gradient; fused kernels (Megatron-LM's
-    multi-tensor norm) only read the gradient."""
+    gradient norm over the gradient elements the rank holds, with tessera's fp64 sum (4, and
+    on CPU ranks 16 more for torch's fp64 cast copy) and the clipping's read and write (2·4).
+    The per-tensor cost is the calibrated optimizer_tensor_us where there is one, else 12
+    kernels at op_overhead_us. ZeRO-1 steps half the parameters at dp 2 but still norms every
+    gradient; fused kernels (Megatron-LM's multi-tensor norm) only read the gradient."""
     from tessera.planner.cost import OPS_PER_TENSOR_ADAMW, layout_costs
 
     for calibrated in (0.0, 50.0):
@@ -496,7 +497,7 @@ def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
             costs = layout_costs(w, L)
             params = sum(ch.params for ch in costs.chunks)
             tensors = sum(ch.tensors for ch in costs.chunks)
-            traffic = params * (4 + 32 + 2 * 4) + stepped_share * params * (2 * 8 + 4 + 2 * 4)
+            traffic = params * (4 + 16 + 2 * 4) + stepped_share * params * (2 * 8 + 4 + 2 * 4)
             want = traffic / hw.memory_bw + tensors * per_tensor
             assert costs.optimizer_time == pytest.approx(want, rel=1e-12), (calibrated, layout)
     # Fused kernels: the norm reads each gradient once, no fp64 copy, no Python loop priced.
@@ -507,6 +508,16 @@ def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
     params = sum(ch.params for ch in costs.chunks)
     assert costs.optimizer_time == pytest.approx(params * (2 + 2 * 12 + 2 + 2 * 2)
                                                  / hw.memory_bw, rel=1e-12)
+    # On a GPU tessera's batched fp64 norm reads each gradient once (no cast copy): the same
+    # traffic as on CPU ranks less 16 bytes per normed element. Before: the CPU's copy was
+    # priced on GPUs too.
+    for gpu in (load_hardware("H100"), dataclasses.replace(_local_cpu(), cores=0)):
+        cpu = dataclasses.replace(gpu, cores=2)
+        w, L = _demo(gpu, 1, dp=1)
+        params = sum(ch.params for ch in layout_costs(w, L).chunks)
+        on_cpu = layout_costs(dataclasses.replace(w, hardware=cpu), L).optimizer_time
+        assert layout_costs(w, L).optimizer_time == pytest.approx(
+            on_cpu - 16 * params / gpu.memory_bw, rel=1e-9)
 
 
 def test_tessera_data_parallel_pays_its_bucket_copies():

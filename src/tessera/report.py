@@ -35,19 +35,54 @@ on), used where this machine has none of its own."""
 MIB = 2**20
 
 
-def hardware_for(device: torch.device) -> str | None:
-    """The planner's hardware for this run: the catalog GPU whose name the device's contains
-    (longest match); on CPU this machine's calibration (the file `tessera plan calibrate`
-    writes by default), else the shipped one; None if none applies."""
+def cpu_calibrations(world: int) -> list[tuple[Path, int, bool]]:
+    """The CPU hardware files a run on `world` ranks may be priced with, best first, as (path,
+    ranks it was measured with, shipped): this machine's calibrations, at the run's rank count
+    (``tessera plan calibrate --ranks N`` writes it) and then at two (calibrate measures at
+    least 2), before the repository's, in the same order: the machine's own compute rates and
+    cores matter more than the rank count the collectives were timed at."""
+    from tessera.planner.hardware import CALIBRATED, calibrated_path
+
+    ranks = max(2, world)
+    out = [(calibrated_path(ranks), ranks, False), (CALIBRATED, 2, False),
+           (calibrated_path(ranks, SHIPPED_HARDWARE), ranks, True),
+           (SHIPPED_HARDWARE, 2, True)]
+    return list({path: (path, n, shipped) for path, n, shipped in out}.values())
+
+
+def calibrate_command(world: int) -> str:
+    """The command that measures this machine for a run on `world` CPU ranks."""
+    return "`tessera plan calibrate" + (f" --ranks {world}`" if world > 2 else "`")
+
+
+def cpu_hardware(world: int) -> tuple[str, str] | None:
+    """(file, label) of the CPU hardware a run on `world` ranks is priced with (the first of
+    :func:`cpu_calibrations` that exists); the label says when the file is the repository's
+    or was measured with another rank count, and which command measures the right one."""
+    for path, ranks, shipped in cpu_calibrations(world):
+        if not path.is_file():
+            continue
+        ask = calibrate_command(world)
+        if shipped:
+            return str(path), f"{path}, the repository's: {ask} measures this machine"
+        if ranks != max(2, world):
+            return str(path), f"{path}, measured with {ranks} ranks: {ask} measures {world}"
+        return str(path), str(path)
+    return None
+
+
+def hardware_for(device: torch.device, world: int = 2) -> str | None:
+    """The planner's hardware for a run on `world` ranks of `device`: the catalog GPU whose
+    name the device's contains (longest match); on CPU this machine's calibration at the run's
+    rank count, else the nearest (:func:`cpu_hardware`); None if none applies."""
     if device.type == "cuda":
         from tessera.planner.hardware import known_hardware
 
         name = torch.cuda.get_device_name(device).lower()
         matches = [k for k in known_hardware() if k.split("-")[0].lower() in name]
         return max(matches, key=len) if matches else None
-    from tessera.planner.hardware import CALIBRATED
-
-    return next((str(p) for p in (CALIBRATED, SHIPPED_HARDWARE) if p.is_file()), None)
+    found = cpu_hardware(world)
+    return found[0] if found else None
 
 
 def planner_workload(cfg: Config, world: int, hardware):
@@ -74,13 +109,11 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
                        ) -> tuple[float | None, str]:
     """The planner's step time for cfg's layout (seconds) and which hardware it assumed;
     None with the reason when it cannot predict."""
-    hardware = hardware_for(device)
+    hardware = hardware_for(device, world)
     if hardware is None:
-        return None, ("no hardware description (run `tessera plan calibrate`)"
+        return None, (f"no hardware description (run {calibrate_command(world)})"
                       if device.type == "cpu" else "GPU not in the planner's catalog")
-    label = hardware
-    if hardware == str(SHIPPED_HARDWARE):
-        label += ", the repository's: `tessera plan calibrate` measures this machine"
+    label = hardware if device.type == "cuda" else cpu_hardware(world)[1]
     try:
         from tessera.planner.search import estimate
 

@@ -58,7 +58,8 @@ What is measured:
   minute slows every rank alike and costs no collective anything (on this machine the
   per-rank spread over-priced the wait 2.4-6x);
 - memory: the machine's RAM divided among its cores (one rank per core), and the cores
-  themselves: with more ranks than cores, ranks time-share them (``cores``).
+  themselves: with more ranks than cores, ranks time-share them (``cores``). On GPUs: one
+  GPU's memory, no cores to share (``cores = 0``) and the GPUs as the node.
 
 Data-parallel overlap: gloo runs its collectives on a thread that competes with the ranks'
 compute for the same cores, and tessera's data parallelism reduces after the backward, so the
@@ -639,6 +640,17 @@ def physical_memory_bytes() -> float:
     return float(pages * page)
 
 
+def machine_shape(device: str) -> tuple[int, float, int]:
+    """(cores the ranks share, memory bytes per rank, ranks per node) of this machine for
+    ranks on `device`: on the CPU every core, the RAM divided among them, and LOCAL_RANKS; on
+    GPUs no cores to share (0: one device per rank), one GPU's memory, and the GPU count."""
+    if device == "cuda":
+        return (0, float(torch.cuda.get_device_properties(0).total_memory),
+                torch.cuda.device_count())
+    cores = os.cpu_count() or 1
+    return cores, physical_memory_bytes() / cores, LOCAL_RANKS
+
+
 def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
               name: str = "local-cpu", device: str = "cpu", backend: str = "gloo") -> Hardware:
     """Measure this machine at `spec`'s shapes on `device` over `backend` (module docstring)."""
@@ -646,14 +658,14 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
     r = measure(spec, seq, micro_batch, ranks, device, backend)
     attn, bw, overhead, passes = r["attn"], r["bw"], r["overhead"], r["passes"]
     p2p_alpha, p2p_beta, alpha, beta = r["p2p_alpha"], r["p2p_beta"], r["alpha"], r["beta"]
-    cores = os.cpu_count() or 1
+    cores, memory, per_node = machine_shape(device)
     link_gbs = 1.0 / beta / 1e9
     return Hardware(
         name=name, peak_tflops=r["mm_large"] / 1e12, matmul_efficiency=1.0,
         matmul_tail_us=r["mm_tail"] * 1e6,
-        attention_tflops=attn / 1e12, memory_gb=physical_memory_bytes() / cores / 1e9,
+        attention_tflops=attn / 1e12, memory_gb=memory / 1e9,
         memory_bw_gbs=bw / 1e9, intra_node_gbs=link_gbs, inter_node_gbs=link_gbs,
-        gpus_per_node=LOCAL_RANKS, cores=cores, intra_node_alpha_us=alpha * 1e6,
+        gpus_per_node=per_node, cores=cores, intra_node_alpha_us=alpha * 1e6,
         inter_node_alpha_us=alpha * 1e6, p2p_alpha_us=p2p_alpha * 1e6,
         p2p_gbs=1.0 / p2p_beta / 1e9,
         link_efficiency=1.0, gather_efficiency=r["gather_efficiency"],

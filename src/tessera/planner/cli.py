@@ -22,7 +22,7 @@ from typing import Annotated
 import typer
 
 from tessera.config import CP_METHODS, DP_MODES, ConfigError
-from tessera.planner.hardware import CALIBRATED
+from tessera.planner.hardware import calibrated_path
 
 plan_app = typer.Typer(add_completion=False, invoke_without_command=True,
                        pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -277,9 +277,10 @@ def calibrate_cmd(
     seq: Annotated[int | None, typer.Option(help="Sequence length (default: the model's).")
                    ] = None,
     micro_batch: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 16,
-    out: Annotated[str, typer.Option(
-        help="Hardware file to write (TOML); the default is under runs/, which git ignores.")
-    ] = str(CALIBRATED),
+    out: Annotated[str | None, typer.Option(
+        help="Hardware file to write (TOML); default runs/local_hardware.toml for 2 ranks, "
+             "runs/local_hardware_N.toml for N (git ignores runs/; a training run on N CPU "
+             "ranks reads it).")] = None,
     ranks: Annotated[int, typer.Option(help="Ranks for the collective measurement.")] = 2,
     device: Annotated[str | None, typer.Option(
         help="cpu or cuda: where to measure; default cuda if this machine has a GPU.")] = None,
@@ -304,7 +305,7 @@ def calibrate_cmd(
                        backend=backend)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    path = save_hardware(hw, out)
+    path = save_hardware(hw, out or calibrated_path(ranks))
     cores = os.cpu_count() or 1
     if os.getloadavg()[0] > cores:
         print(f"warning: the 1-minute load average is {os.getloadavg()[0]:.1f} on {cores} "

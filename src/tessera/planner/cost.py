@@ -117,11 +117,13 @@ OPS_PER_LAYER_FORWARD = 70
 (tessera's reference block, counted with torch.profiler); backward runs about twice as many."""
 OPS_PER_TENSOR_ADAMW = 12
 """Kernels per parameter tensor in one single-tensor (foreach=False) AdamW update."""
-TESSERA_NORM_BYTES = 32
-"""Bytes per gradient element that tessera's gradient norm moves besides reading the gradient:
-Σ g² accumulated in fp64 over a cast copy (write 8, read 8, write 8, read 8:
-``tessera.parallelize.ParallelModel.local_grad_sq``); a fused multi-tensor norm (Megatron-LM)
-only reads the gradient."""
+TESSERA_NORM_BYTES_CPU = 16
+"""Bytes per gradient element that tessera's gradient norm (``optim.add_sums_of_squares``: one
+``torch._foreach_norm`` in fp64) moves besides reading the gradient, on CPU ranks: torch's CPU
+kernel casts each piece to an fp64 copy first (write 8) and sums the copy (read 8); timed
+here, a 16M-element fp32 norm in fp64 costs a cast copy plus an fp64 sum. On a GPU the batched
+kernel reads each gradient once and accumulates in fp64 registers: nothing more, as a fused
+multi-tensor norm (Megatron-LM)."""
 
 PRECISIONS = {
     # name: (parameter, gradient, optimizer-state bytes per parameter; activation bytes)
@@ -1181,14 +1183,14 @@ def ddp_bucket_time(hw: Hardware, grad_bytes: float, tensors: int) -> float:
 
 
 def optimizer_traffic(stepped: float, normed: float, nbytes: tuple[int, int, int, int],
-                      tessera: bool) -> float:
+                      tessera: bool, cpu_ranks: bool = False) -> float:
     """Bytes one rank's optimizer step moves: the gradient norm over the `normed` gradient
-    elements it holds (one read; tessera's fp64 sum moves TESSERA_NORM_BYTES more per element,
-    and tessera prices the clipping too, a read and a write of each, as a step whose norm is
-    above train.grad_clip), then AdamW over the `stepped` parameters (reads and writes its
-    states, reads the gradient, writes the parameter)."""
+    elements it holds (one read; on CPU ranks tessera's fp64 sum moves TESSERA_NORM_BYTES_CPU
+    more per element, and tessera prices the clipping too, a read and a write of each, as a
+    step whose norm is above train.grad_clip), then AdamW over the `stepped` parameters
+    (reads and writes its states, reads the gradient, writes the parameter)."""
     pb, gb, ob, _ = nbytes
-    norm = 3 * gb + TESSERA_NORM_BYTES if tessera else gb
+    norm = 3 * gb + (TESSERA_NORM_BYTES_CPU if cpu_ranks else 0) if tessera else gb
     return normed * norm + stepped * (2 * ob + gb + 2 * pb)
 
 
@@ -1199,7 +1201,7 @@ def optimizer_step_time(hw: Hardware, stepped: float, normed: float, tensors: in
     tessera's per-parameter loops, else OPS_PER_TENSOR_ADAMW kernels at ``op_overhead_us``)."""
     per_tensor = (hw.optimizer_tensor_us if hw.optimizer_tensor_us > 0
                   else OPS_PER_TENSOR_ADAMW * hw.op_overhead_us) * 1e-6
-    return (optimizer_traffic(stepped, normed, nbytes, tessera) / hw.memory_bw
+    return (optimizer_traffic(stepped, normed, nbytes, tessera, hw.cpu_ranks) / hw.memory_bw
             + tensors * per_tensor)
 
 

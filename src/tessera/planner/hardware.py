@@ -196,6 +196,12 @@ class Hardware:
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
 
+    @property
+    def cpu_ranks(self) -> bool:
+        """Ranks compute on CPU cores (a calibrated CPU machine: ``cores`` > 0), not one
+        accelerator each."""
+        return self.cores > 0
+
     def for_precision(self, precision: str) -> Hardware:
         """This hardware as a run in `precision` computes on it: in fp32, matrix multiplies
         and attention at fp32_tflops (where given) instead of the 16-bit peak."""
@@ -286,8 +292,19 @@ CATALOG: dict[str, Hardware] = {
 }
 ALIASES = {"A100": "A100-80GB", "H100": "H100-SXM"}
 CALIBRATED = Path("runs/local_hardware.toml")
-"""Where ``tessera plan calibrate`` writes this machine's hardware file by default (git
-ignores runs/); a training run's summary prices its layout with it."""
+"""Where ``tessera plan calibrate`` writes this machine's hardware file by default (two ranks;
+git ignores runs/); a training run's summary prices its layout with it."""
+
+
+def calibrated_path(ranks: int, default: Path = CALIBRATED) -> Path:
+    """The hardware file of a calibration with `ranks` processes measuring at once, beside
+    `default` (the two-rank file): `default` itself for 2 ranks or fewer, else
+    ``local_hardware_<ranks>.toml``. ``tessera plan calibrate --ranks N`` writes there, and a
+    training run on N CPU ranks reads there first: the collectives' α and β, the jitter and,
+    with more ranks than cores, the time-shared rates all depend on the rank count."""
+    if ranks <= 2:
+        return default
+    return default.with_name(f"{default.stem}_{ranks}{default.suffix}")
 
 
 def known_hardware() -> list[str]:
