@@ -4,7 +4,8 @@
                  [--top K] [--explain] [--json] [--plot PNG] [--tokens T]
     tessera plan ... --layout "dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp"
                  [--explain]      (evaluate one layout instead of searching)
-    tessera plan calibrate [--model NAME|FILE] [--out FILE]   (default runs/local_hardware.toml)
+    tessera plan calibrate [--model NAME|FILE] [--ranks N] [--out FILE]
+        (default runs/local_hardware.toml; runs/local_hardware_N.toml for --ranks N > 2)
 
 Bad input (an unknown model or hardware, a request no layout can satisfy) prints one line,
 ``error: ...``, and exits with code 2.
