@@ -115,7 +115,7 @@ def test_training_summary_prices_with_the_runs_rank_count(tmp_path, monkeypatch)
     save_hardware(two, tmp_path / "runs" / "local_hardware.toml")
     two_s, label = planner_prediction(cfg, 4, cpu)
     assert label == ("runs/local_hardware.toml, measured with 2 ranks: "
-                     "`tessera plan calibrate --ranks 4` measures 4")
+                     "`tessera plan calibrate --ranks 4` measures this machine with 4")
     # calibrate --ranks 4 writes the file the 4-rank run then reads
     monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: load_hardware("H100"))
     r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "tiny", "--ranks", "4"])

@@ -66,7 +66,8 @@ def cpu_hardware(world: int) -> tuple[str, str] | None:
         if shipped:
             return str(path), f"{path}, the repository's: {ask} measures this machine"
         if ranks != max(2, world):
-            return str(path), f"{path}, measured with {ranks} ranks: {ask} measures {world}"
+            return str(path), (f"{path}, measured with {ranks} ranks: {ask} measures this "
+                               f"machine with {world}")
         return str(path), str(path)
     return None
 
