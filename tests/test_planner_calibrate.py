@@ -34,6 +34,7 @@ def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     assert 0 <= hw.zero_unit_passes < 1000 and 0 <= hw.ddp_copy_passes < 1000
     assert hw.gpus_per_node >= 1 and hw.dp_overlap == 0.0
     assert 0.01 < hw.gather_efficiency <= 1.0
+    assert hw.calibrated_micro_batch == 4  # what it measured at, for the training summary
     w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,
                  precision="fp32")
     for layout in (Layout(dp=2, micro_batch=8), Layout(tp=2, micro_batch=8),
@@ -206,3 +207,29 @@ def test_gpu_calibration_describes_the_gpu_not_the_host(monkeypatch):
     assert machine_shape("cuda") == (0, 80e9, 8)
     cores = os.cpu_count() or 1
     assert machine_shape("cpu") == (cores, physical_memory_bytes() / cores, LOCAL_RANKS)
+
+
+def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, monkeypatch):
+    """A calibration records its micro-batch (the matmul shapes, the DDP hooks' copy and the
+    jitter's stretches depend on it), and a run at another micro-batch says so, naming the
+    command that measures its own. Before: nothing told them apart (make demo at micro-batch
+    8 read 0.72x with a calibration at 16 and 2 ranks, 0.96x with one at 8 and 4 ranks)."""
+    import dataclasses
+
+    import torch
+
+    from tessera.config import make_config
+    from tessera.planner.hardware import save_hardware
+    from tessera.report import planner_prediction
+
+    monkeypatch.chdir(tmp_path)
+    cpu = torch.device("cpu")
+    save_hardware(dataclasses.replace(load_hardware("H100"), calibrated_micro_batch=16),
+                  tmp_path / "runs" / "local_hardware_4.toml")
+    assert load_hardware(tmp_path / "runs" / "local_hardware_4.toml").calibrated_micro_batch == 16
+    at_8 = make_config("tiny", parallel=dict(dp=4), train=dict(micro_batch_size=8))
+    assert planner_prediction(at_8, 4, cpu)[1] == (
+        "runs/local_hardware_4.toml; calibrated at micro-batch 16, this run's is 8: "
+        "`tessera plan calibrate --micro-batch 8 --ranks 4`")
+    at_16 = make_config("tiny", parallel=dict(dp=4), train=dict(micro_batch_size=16))
+    assert planner_prediction(at_16, 4, cpu)[1] == "runs/local_hardware_4.toml"

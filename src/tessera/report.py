@@ -119,6 +119,12 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         from tessera.planner.search import estimate
 
         w, layout = planner_workload(cfg, world, hardware)
+        calibrated_at, micro_batch = (w.hardware.calibrated_micro_batch,
+                                      cfg.train.micro_batch_size)
+        if calibrated_at and calibrated_at != micro_batch:
+            label += (f"; calibrated at micro-batch {calibrated_at}, this run's is "
+                      f"{micro_batch}: `tessera plan calibrate --micro-batch {micro_batch}"
+                      + (f" --ranks {world}`" if world > 2 else "`"))
         from tessera.planner.moe import MoESpec, active_spec, moe_terms
 
         moe = MoESpec.from_model_config(cfg.model)

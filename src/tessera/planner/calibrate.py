@@ -674,7 +674,7 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         ddp_tensor_us=r["ddp_tensor"] * 1e6, ddp_copy_passes=r["ddp_passes"],
         elementwise_passes=passes, jitter_fixed_us=r["jitter_fixed"] * 1e6,
         jitter_rate=r["jitter_rate"],
-        dp_overlap=0.0,
+        dp_overlap=0.0, calibrated_micro_batch=micro_batch,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, {ranks} ranks measuring at once, fp32, {device}, {backend}, "
                f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")

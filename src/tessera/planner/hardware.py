@@ -169,6 +169,9 @@ class Hardware:
     dp_overlap: float = 1.0
     """Fraction of the data-parallel reduction that can hide behind backward compute (1 on
     GPUs, where NCCL runs on its own stream; calibrate measures it on a CPU)."""
+    calibrated_micro_batch: int = 0
+    """The micro-batch `tessera plan calibrate` measured at (matmul shapes, the DDP hooks'
+    copy, the jitter's stretches all depend on it); 0: not a calibration."""
     source: str = ""
     """Where the figures come from."""
 
@@ -185,8 +188,9 @@ class Hardware:
         if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
             raise ConfigError("hardware.gpus_per_node", self.gpus_per_node,
                               "must be a positive integer")
-        if not (isinstance(self.cores, int) and self.cores >= 0):
-            raise ConfigError("hardware.cores", self.cores, "must be an integer >= 0")
+        for f in ("cores", "calibrated_micro_batch"):
+            if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 0):
+                raise ConfigError(f"hardware.{f}", getattr(self, f), "must be an integer >= 0")
         if not 0.0 <= self.dp_overlap <= 1.0:
             raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
