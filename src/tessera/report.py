@@ -50,9 +50,11 @@ def cpu_calibrations(world: int) -> list[tuple[Path, int, bool]]:
     return list({path: (path, n, shipped) for path, n, shipped in out}.values())
 
 
-def calibrate_command(world: int) -> str:
-    """The command that measures this machine for a run on `world` CPU ranks."""
-    return "`tessera plan calibrate" + (f" --ranks {world}`" if world > 2 else "`")
+def calibrate_command(world: int, micro_batch: int | None = None) -> str:
+    """The command that measures this machine for a run on `world` CPU ranks (at
+    `micro_batch`, where given)."""
+    return ("`tessera plan calibrate" + (f" --micro-batch {micro_batch}" if micro_batch else "")
+            + (f" --ranks {world}" if world > 2 else "") + "`")
 
 
 def cpu_hardware(world: int) -> tuple[str, str] | None:
@@ -110,11 +112,16 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
                        ) -> tuple[float | None, str]:
     """The planner's step time for cfg's layout (seconds) and which hardware it assumed;
     None with the reason when it cannot predict."""
-    hardware = hardware_for(device, world)
-    if hardware is None:
-        return None, (f"no hardware description (run {calibrate_command(world)})"
-                      if device.type == "cpu" else "GPU not in the planner's catalog")
-    label = hardware if device.type == "cuda" else cpu_hardware(world)[1]
+    if device.type == "cuda":
+        hardware = hardware_for(device, world)
+        if hardware is None:
+            return None, "GPU not in the planner's catalog"
+        label = hardware
+    else:
+        found = cpu_hardware(world)
+        if found is None:
+            return None, f"no hardware description (run {calibrate_command(world)})"
+        hardware, label = found
     try:
         from tessera.planner.search import estimate
 
@@ -123,8 +130,7 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
                                       cfg.train.micro_batch_size)
         if calibrated_at and calibrated_at != micro_batch:
             label += (f"; calibrated at micro-batch {calibrated_at}, this run's is "
-                      f"{micro_batch}: `tessera plan calibrate --micro-batch {micro_batch}"
-                      + (f" --ranks {world}`" if world > 2 else "`"))
+                      f"{micro_batch}: {calibrate_command(world, micro_batch)}")
         from tessera.planner.moe import MoESpec, active_spec, moe_terms
 
         moe = MoESpec.from_model_config(cfg.model)
