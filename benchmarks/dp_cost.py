@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -176,6 +177,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                            generator=gen)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     clip = cfg.train.grad_clip
+    cores = os.cpu_count() or 1  # the ranks share this machine's cores (calibrate's rule)
     out = PairedResult()
     share = [blocks // rebuilds + (k < blocks % rebuilds) for k in range(rebuilds)]
     bucket = unit = 0
@@ -193,7 +195,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                 for _ in range(block):
                     dist.barrier()  # every rank starts the step together, as control runs would
                     times[which].append(timed_step(ex, opt, batch, clip))
-            timed = {name: timed_collective(op, size, 2, lambda: x @ w.t())
+            timed = {name: timed_collective(op, size, 2, lambda: x @ w.t(), cores)
                      for name, op, size in (("allreduce_s", "all_reduce", bucket),
                                             ("allgather_s", "all_gather", unit),
                                             ("reduce_scatter_s", "reduce_scatter", unit))}

@@ -180,6 +180,50 @@ def test_jitter_is_the_spread_between_ranks_not_over_time():
     assert t_rate < 0.25 * expected and t_fixed < 2e-3
 
 
+def test_sync_idle_seconds_counts_only_the_cores_arrivals_leave_idle():
+    from tessera.planner.calibrate import sync_idle_seconds
+
+    # A core each: every arrived rank's core idles until the last; over the cores that is the
+    # last arrival minus the mean one (what a rank's own-start timing averages to).
+    assert sync_idle_seconds([0.0, 0.004], 2) == pytest.approx(0.002)
+    assert sync_idle_seconds([0.0, 0.001, 0.004], 8) == pytest.approx(0.004 - 0.005 / 3)
+    # 4 ranks on 2 cores: the first two arrivals leave their cores to the two still
+    # computing; from the third, one core idles until the last (gap 0.003), over 2 cores.
+    assert sync_idle_seconds([0.0, 0.010, 0.020, 0.023], 2) == pytest.approx(0.0015)
+    # in any order; nothing for one rank, or ranks that arrive together
+    assert sync_idle_seconds([0.023, 0.0, 0.020, 0.010], 2) == pytest.approx(0.0015)
+    assert sync_idle_seconds([0.5], 2) == 0.0
+    assert sync_idle_seconds([0.5, 0.5, 0.5, 0.5], 2) == 0.0
+
+
+def _collective_after_a_late_rank(late_s: float, cores: int) -> float:
+    """timed_collective's all-reduce of 4 KiB with rank 1 arriving `late_s` after rank 0 (a
+    sleep, which leaves the core to other processes as a time-shared rank's turn does)."""
+    import time
+
+    import torch.distributed as dist
+
+    from tessera.planner.calibrate import timed_collective
+
+    late = late_s if dist.get_rank() == 1 else 0.0
+    return timed_collective("all_reduce", 4096, 5, lambda: time.sleep(late), cores)
+
+
+@pytest.mark.multiprocess
+def test_time_shared_ranks_time_a_collective_without_their_turns():
+    """With a core each, rank 0's call holds its wait for rank 1 (50 ms late: the median of
+    the calls is at least that); where the ranks outnumber the cores (2 ranks, 1 core) the
+    late rank's sleep left no core idle, so the call costs only its own time (a 4 KiB
+    all-reduce: well under 25 ms even on a loaded machine), the same on both ranks."""
+    from tessera.testing import run_ranks
+
+    own = run_ranks(_collective_after_a_late_rank, 2, args=(0.05, 2), timeout=120)
+    assert own[0] >= 0.05
+    shared = run_ranks(_collective_after_a_late_rank, 2, args=(0.05, 1), timeout=120)
+    assert shared[0] == shared[1]
+    assert 0 < shared[0] < 0.025
+
+
 def test_sigma_line_through_two_stretches():
     from tessera.planner.calibrate import sigma_line
 

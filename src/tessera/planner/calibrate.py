@@ -46,7 +46,12 @@ What is measured:
   which costs several times what the ping-pong predicts, converted to the ring form the
   planner uses; all-gather and reduce-scatter are timed too and their speed relative to the
   ring form on that link stored as ``gather_efficiency``. Intra- and inter-node are the same
-  link: every rank lives on this machine;
+  link: every rank lives on this machine. Each collective follows a matmul and is timed from
+  the rank's own start, so it holds the wait for later ranks, except where the ranks
+  outnumber the cores: there a rank's early arrival gives its core to a late rank, and a
+  call is timed from the last arrival plus the core-time the arrivals left idle
+  (``timed_collective``, ``sync_idle_seconds``; the planner adds no straggler wait for
+  time-shared ranks, ``cost.rank_skew``);
 - jitter: how far apart ranks that start a stretch of one block's forward + backward, and
   one of four, together (after a barrier) finish it, in wall time: per stretch the median
   over repeats of (slowest rank − the ranks' mean), which is what a collective after the
@@ -500,15 +505,42 @@ def op_overhead() -> float:
     return _typical_time(run, repeats=9) / 200
 
 
+def sync_idle_seconds(arrivals: list[float], cores: int) -> float:
+    """Wall seconds the ranks' spread of `arrivals` (instants on one clock) at a collective
+    costs a step when they share `cores` CPU cores: the core-time left idle between the first
+    arrival and the last, over the cores they use (min(cores, ranks)). While k of N ranks have
+    arrived, N − k still compute, and a core idles only when fewer than that many are left:
+    with a core each (N ≤ cores) that is every arrived rank's, and the cost is the last
+    arrival minus the mean one (what a rank's own-start timing averages to); N ranks
+    time-sharing fewer cores give an early rank's core to a late one, and only the last
+    ranks' gaps idle any (4 ranks on 2 cores: half the gap between the last two)."""
+    t = sorted(arrivals)
+    n = len(t)
+    used = min(cores, n)
+    if n <= 1 or used <= 0:
+        return 0.0
+    idle = sum(max(0, used - (n - k)) * (t[k] - t[k - 1]) for k in range(1, n))
+    return idle / used
+
+
 def timed_collective(op: str, nbytes: int, repeats: int,
-                      before: Callable[[], object] | None = None) -> float:
+                     before: Callable[[], object] | None = None, cores: int = 0) -> float:
     """Median wall seconds of gloo's `op` ('all_reduce', 'all_gather', 'reduce_scatter') whose
-    full (unsharded) tensor has `nbytes`, each call right after `before` (compute)."""
+    full (unsharded) tensor has `nbytes`, each call right after `before` (compute).
+
+    Each call is timed from this rank's own start, which holds the wait for the ranks that
+    arrive after it: with a core each, what the step's collective waits for too. Where the
+    ranks time-share `cores` CPU cores of this machine (0 < cores < ranks), a rank that
+    arrives early leaves its core to a late one, so that wait is mostly someone's compute:
+    there each call costs the ranks' mean time from the last arrival to their return, plus
+    the cores its arrivals left idle (:func:`sync_idle_seconds`), read across the ranks on
+    the clock the machine's processes share. Every rank returns the same value then."""
     import torch.distributed as dist
 
     from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 
     n = dist.get_world_size()
+    shared = 0 < cores < n
     full = torch.ones(nbytes // 4 // n * n)
     shard = torch.ones(full.numel() // n)
     run = {"all_reduce": lambda: dist.all_reduce(full),
@@ -521,7 +553,17 @@ def timed_collective(op: str, nbytes: int, repeats: int,
             before()
         start = _wall_clock()
         run()
-        samples.append(_wall_clock() - start)
+        end = _wall_clock()
+        if not shared:
+            samples.append(end - start)
+            continue
+        mine = torch.tensor([start, end], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(n)]
+        dist.all_gather(every, mine)  # outside the timed call
+        starts = [float(e[0]) for e in every]
+        last = max(starts)
+        samples.append(statistics.fmean(float(e[1]) - last for e in every)
+                       + sync_idle_seconds(starts, cores))
     return statistics.median(samples[3:])
 
 
@@ -549,8 +591,10 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
             "ddp_passes": ddp_passes}
 
 
-def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
-    """Point-to-point and collective α and β of this process's default group."""
+def _collective_link(spec: ModelSpec, seq: int, micro_batch: int,
+                     cores: int = 0) -> dict[str, float]:
+    """Point-to-point and collective α and β of this process's default group, its ranks
+    sharing `cores` CPU cores (0: a device each)."""
     import torch.distributed as dist
 
     from tessera.collectives import fit_alpha_beta, measure_alpha_beta
@@ -563,7 +607,8 @@ def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, f
     # form 2(N−1)·α + 2(N−1)/N·n·β that the planner uses, α = a / (2(N−1)), β = b·N / (2(N−1)).
     # Each call follows a matmul at the model's shapes, as in training: the ranks arrive a
     # little apart, with cold caches and idle gloo threads, which costs up to twice a call
-    # timed back to back.
+    # timed back to back. Ranks time-sharing the cores pay for their spread of arrivals only
+    # the cores it leaves idle (timed_collective).
     x = torch.randn(micro_batch * seq, spec.hidden)
     w = torch.randn(spec.ffn_hidden, spec.hidden)
 
@@ -571,14 +616,14 @@ def _collective_link(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, f
         x @ w.t()
 
     sizes = [4 ** k for k in range(6, 13)]  # 4 KiB to 16 MiB
-    seconds = [timed_collective("all_reduce", n, 25, compute) for n in sizes]
+    seconds = [timed_collective("all_reduce", n, 25, compute, cores) for n in sizes]
     a, b = fit_alpha_beta(sizes, seconds)
     n = dist.get_world_size()
     alpha, beta = a / (2 * (n - 1)), b * n / (2 * (n - 1))
     # All-gather and reduce-scatter against the ring form on that link, at the sizes tensor
     # and sequence parallelism move (64 KiB to 16 MiB).
     ring = Link(alpha=alpha, bandwidth=1.0 / beta)
-    timed = [(size, timed_collective(op, size, 25, compute))
+    timed = [(size, timed_collective(op, size, 25, compute, cores))
              for op in ("all_gather", "reduce_scatter") for size in sizes[2:]]
     return {"p2p_alpha": p2p.alpha, "p2p_beta": p2p.beta + p2p.gamma, "alpha": alpha,
             "beta": beta, "gather_efficiency": gather_efficiency(ring, n, timed)}
@@ -616,7 +661,8 @@ def _calibration_worker(spec: ModelSpec, seq: int, micro_batch: int,
         dist.barrier()  # every rank computes at once, as in training
         rates = _compute_rates(spec, seq, micro_batch)
         dist.barrier()
-        return {**rates, **_collective_link(spec, seq, micro_batch)}
+        cores = machine_shape(device)[0]
+        return {**rates, **_collective_link(spec, seq, micro_batch, cores)}
 
 
 def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device: str = "cpu",

@@ -565,7 +565,8 @@ def rank_skew(w: Workload, n: int, busy: float) -> float:
     """The wait for the slowest of `n` ranks at a collective (:func:`straggler_time`), except
     where ranks time-share cores: there a rank that arrives early leaves its core to the late
     ones, so the skew costs nothing beyond :func:`shared_cpu_bound`'s count of all the work
-    (and a calibration's wall-time jitter at that rank count measures the turn-taking)."""
+    and the cores it leaves idle, which a calibration at that rank count holds in its
+    collectives' times (``calibrate.timed_collective``)."""
     return 0.0 if time_shared(w) else straggler_time(w.hardware, n, busy)
 
 
