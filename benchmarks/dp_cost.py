@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tessera.planner.calibrate import timed_collective
+from tessera.planner.calibrate import machine_shape, timed_collective
 
 FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "skew_s",
           "allreduce_s", "allgather_s", "reduce_scatter_s")
@@ -177,7 +176,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                            generator=gen)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     clip = cfg.train.grad_clip
-    cores = os.cpu_count() or 1  # the ranks share this machine's cores (calibrate's rule)
+    cores = machine_shape("cpu")[0]  # the ranks share this machine's cores
     out = PairedResult()
     share = [blocks // rebuilds + (k < blocks % rebuilds) for k in range(rebuilds)]
     bucket = unit = 0

@@ -171,7 +171,8 @@ class Hardware:
     GPUs, where NCCL runs on its own stream; calibrate measures it on a CPU)."""
     calibrated_micro_batch: int = 0
     """The micro-batch `tessera plan calibrate` measured at (matmul shapes, the DDP hooks'
-    copy, the jitter's stretches all depend on it); 0: not a calibration."""
+    copy, the jitter's stretches all depend on it); 0: not known (a catalog GPU, or a
+    file written before the field)."""
     source: str = ""
     """Where the figures come from."""
 
