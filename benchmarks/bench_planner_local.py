@@ -301,7 +301,7 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
            "medians over pairs [95% interval]",
            f"{'layout':<24} {'measured ms':>11} {'interval':>13} {'in-run':>7} {'ratio':>6} "
            f"{'file':>6} {'ratio':>6} {'waits':>6} {'interval':>13} {'exposed':>7} "
-           f"{'all-red':>7} {'skew':>5} {'slowed':>6}"]
+           f"{'all-red':>7} {'skew':>5} {'slowed':>6} {'hooks':>5}"]
     within = within_file = 0
     for c in cases:
         r = c.paired
@@ -322,7 +322,9 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
                    f"{1e3 * predict_exposed_dp(c, inrun):>7.1f} "
                    f"{1e3 * statistics.median(r.allreduce_s):>7.1f} "
                    f"{1e3 * statistics.median(r.skew_s):>5.1f} "
-                   f"{1e3 * statistics.median(r.slowed_compute_s):>6.1f}{mark}")
+                   f"{1e3 * statistics.median(r.slowed_compute_s):>6.1f} "
+                   f"{f'{1e3 * statistics.median(r.hooks_s):.1f}' if r.hooks_s else '-':>5}"
+                   f"{mark}")
     out.append(f"DP costs within ±15%: {within_file} of {len(cases)} with the calibration file, "
                f"{within} of {len(cases)} with the run's own link rates and jitter")
     out.append("measured: DP step minus control step (where ranks time-share the cores, "
@@ -336,7 +338,8 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
                "planner's dp_exposed (in-run rates); all-red: gloo's all-reduce of the "
                "gradients, timed in the run; skew: slowest rank's control step minus the mean; "
                "slowed: the DP step's compute actions minus the control's (DDP's hooks, ZeRO's "
-               "copies, collectives' threads on the cores)")
+               "copies, collectives' threads on the cores); hooks: of which DDP's gradient hooks "
+               "(DataParallel.hook_seconds; - where not recorded)")
     return out
 
 

@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 from tessera.planner.calibrate import machine_shape, timed_collective
 
-FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "skew_s",
-          "allreduce_s", "allgather_s", "reduce_scatter_s")
+FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "hooks_s",
+          "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s")
 COLLECTIVES = ("allreduce_s", "allgather_s", "reduce_scatter_s")
 """Per block, timed as ``plan calibrate`` times them (each call right after a matmul at the
 model's shapes), on the DP group: gloo's all-reduce of the whole model's gradients (DDP's one
@@ -70,6 +70,10 @@ class PairedResult:
     waits_s: list[float] = field(default_factory=list)
     dp_compute_s: list[float] = field(default_factory=list)
     control_compute_s: list[float] = field(default_factory=list)
+    hooks_s: list[float] = field(default_factory=list)
+    """Per pair: the DP step's seconds in DDP's gradient hooks (``DataParallel.hook_seconds``:
+    each fresh gradient's copy into its bucket slot and the bucket's launch), part of its
+    compute; 0 for ZeRO, empty in results saved before the field."""
     skew_s: list[float] = field(default_factory=list)
     """Per pair: the slowest rank's control step minus the ranks' mean (what a collective
     after the step would wait for the slowest rank: the planner's straggler term)."""
@@ -166,7 +170,10 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
         c = config(dp)
         torch.manual_seed(c.train.seed)
         model = parallelize(c, topo if dp > 1 else solo, device)
-        return Executor(model), model.optimizer(c.train)
+        return Executor(model), model.optimizer(c.train), list(model.wrappers.values())
+
+    def hook_seconds(wrappers: list) -> float:
+        return sum(getattr(w, "hook_seconds", 0.0) for w in wrappers)
 
     # The collectives, in this window: the whole model's fp32 gradients and one block's.
     x = torch.randn(micro_batch * cfg.data.seq_len, cfg.model.d_model)
@@ -188,12 +195,14 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
         bucket = 4 * sum(p.numel() for p in models["control"][0].parameters())
         unit = bucket // cfg.model.n_layers
         for i in range(warmup + share[k]):
-            times: dict[str, list[tuple[float, float, float]]] = {"dp": [], "control": []}
+            times: dict[str, list[tuple[float, ...]]] = {"dp": [], "control": []}
             for which in (("dp", "control") if i % 2 == 0 else ("control", "dp")):
-                ex, opt = models[which]
+                ex, opt, wrappers = models[which]
                 for _ in range(block):
                     dist.barrier()  # every rank starts the step together, as control runs would
-                    times[which].append(timed_step(ex, opt, batch, clip))
+                    hooks = hook_seconds(wrappers)
+                    step = timed_step(ex, opt, batch, clip)
+                    times[which].append((*step, hook_seconds(wrappers) - hooks))
             timed = {name: timed_collective(op, size, 2, lambda: x @ w.t(), cores)
                      for name, op, size in (("allreduce_s", "all_reduce", bucket),
                                             ("allgather_s", "all_gather", unit),
@@ -207,6 +216,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                     out.waits_s.append(dp_t[1])
                     out.dp_compute_s.append(dp_t[2])
                     out.control_compute_s.append(ctl_t[2])
+                    out.hooks_s.append(dp_t[3])
         del models
     out.bucket_bytes, out.unit_bytes = bucket, unit
     return out.to_dict()
@@ -256,9 +266,12 @@ def summary(r: PairedResult) -> list[str]:
     out = []
     for name, values in (("DP step", r.dp_s), ("control step", r.control_s),
                          ("DP cost", r.cost_s), ("waits", r.waits_s),
-                         ("slowed compute", r.slowed_compute_s), ("skew", r.skew_s),
+                         ("slowed compute", r.slowed_compute_s), ("DDP hooks", r.hooks_s),
+                         ("skew", r.skew_s),
                          ("all-reduce", r.allreduce_s), ("all-gather", r.allgather_s),
                          ("reduce-scatter", r.reduce_scatter_s)):
+        if not values:  # a field that results saved before it lack
+            continue
         m, lo, hi = median_interval(values)
         out.append(f"{name:<15} {1e3 * m:8.2f} ms  (95% interval of the median {1e3 * lo:.2f}"
                    f"-{1e3 * hi:.2f}, {len(values)} samples)")
