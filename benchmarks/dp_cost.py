@@ -28,8 +28,9 @@ second one-rank model in place of the DP model): its "cost" is the method's own 
 Beside it, from the same run: the DP step's waits on collective handles
 (``Executor.last_comm_wait_s``: the runtime's timestamps) and how much longer its compute
 actions took than the control's (collectives' threads taking the cores, DDP's gradient
-hooks); the skew of the control steps (slowest rank minus the mean: what a collective right
-after a step waits for); and after each block, gloo's all-reduce of the whole model's
+hooks), and of that the seconds in DDP's hooks (``DataParallel.hook_seconds``); the skew of
+the control steps (slowest rank minus the mean: what a collective right after a step waits
+for); and after each block, gloo's all-reduce of the whole model's
 gradients and the all-gather and reduce-scatter of one block's parameters, each right after a
 matmul as ``plan calibrate`` times them, so that the planner can be given the link rates of
 this run (``bench_planner_local.inrun_hardware``).
