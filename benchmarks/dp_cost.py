@@ -42,10 +42,13 @@ The interval printed beside a median is the distribution-free 95% interval of a 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,7 +56,7 @@ import torch.distributed as dist
 from tessera.planner.calibrate import machine_shape, timed_collective
 
 FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "hooks_s",
-          "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s")
+          "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s", "build")
 COLLECTIVES = ("allreduce_s", "allgather_s", "reduce_scatter_s")
 """Per block, timed as ``plan calibrate`` times them (each call right after a matmul at the
 model's shapes), on the DP group: gloo's all-reduce of the whole model's gradients (DDP's one
@@ -81,6 +84,9 @@ class PairedResult:
     allreduce_s: list[float] = field(default_factory=list)
     allgather_s: list[float] = field(default_factory=list)
     reduce_scatter_s: list[float] = field(default_factory=list)
+    build: list[int] = field(default_factory=list)
+    """Per pair: which build of the two models it ran in (0 .. rebuilds-1); empty in results
+    saved before the field."""
     bucket_bytes: int = 0
     unit_bytes: int = 0
 
@@ -109,15 +115,41 @@ class PairedResult:
         return {k: getattr(self, k) for k in (*FIELDS, "bucket_bytes", "unit_bytes")}
 
 
-def median_interval(values: list[float]) -> tuple[float, float, float]:
-    """(median, low, high): the 95% distribution-free interval of the median (the binomial
-    order statistics n/2 ± 0.98·√n, i.e. ±1.96 standard deviations of Binomial(n, 1/2))."""
+def median_interval(values: list[float],
+                    build: list[int] | None = None) -> tuple[float, float, float]:
+    """(median, low, high): a 95% interval of the median.
+
+    Without `build` (or with one build): the distribution-free interval of independent
+    samples (the binomial order statistics n/2 ± 0.98·√n, i.e. ±1.96 standard deviations of
+    Binomial(n, 1/2)). With the build each pair ran in: pairs of one build share where the
+    two models' tensors landed, which moves a model's step by a few percent for the whole
+    build, so they are not independent; the interval is then the 2.5th-97.5th percentile of
+    the median over a bootstrap that resamples whole builds (CLUSTER_RESAMPLES, fixed seed)."""
+    if build and len(set(build)) > 1:
+        return statistics.median(values), *cluster_bootstrap(values, build)
     xs = sorted(values)
     n = len(xs)
     half = 0.98 * math.sqrt(n)
     lo = max(0, math.floor(n / 2 - half))
     hi = min(n - 1, math.ceil(n / 2 + half))
     return statistics.median(xs), xs[lo], xs[hi]
+
+
+CLUSTER_RESAMPLES = 2000
+
+
+def cluster_bootstrap(values: list[float], build: list[int]) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the median of `values` over resamples (with
+    replacement) of whole builds."""
+    groups: dict[int, list[float]] = {}
+    for v, k in zip(values, build, strict=True):
+        groups.setdefault(k, []).append(v)
+    clusters = list(groups.values())
+    rng = random.Random(0)
+    medians = sorted(statistics.median([v for c in rng.choices(clusters, k=len(clusters))
+                                        for v in c]) for _ in range(CLUSTER_RESAMPLES))
+    return (medians[int(0.025 * CLUSTER_RESAMPLES)],
+            medians[int(0.975 * CLUSTER_RESAMPLES) - 1])
 
 
 def timed_step(executor, optimizer, batch, clip: float) -> tuple[float, float, float]:
@@ -218,6 +250,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                     out.dp_compute_s.append(dp_t[2])
                     out.control_compute_s.append(ctl_t[2])
                     out.hooks_s.append(dp_t[3])
+                    out.build.append(k)
         del models
     out.bucket_bytes, out.unit_bytes = bucket, unit
     return out.to_dict()
@@ -236,10 +269,11 @@ def measure_paired(dp: int, zero_stage: int, micro_batch: int, blocks: int = 20,
     res = PairedResult(bucket_bytes=per_rank[0]["bucket_bytes"],
                        unit_bytes=per_rank[0]["unit_bytes"])
     for key in FIELDS:
-        if key == "skew_s":
+        if key in ("skew_s", "build"):
             continue
         columns = zip(*(r[key] for r in per_rank), strict=True)
         getattr(res, key).extend(statistics.fmean(c) for c in columns)
+    res.build = list(per_rank[0]["build"])
     res.skew_s = [max(c) - statistics.fmean(c)
                   for c in zip(*(r["control_s"] for r in per_rank), strict=True)]
     return res
@@ -256,10 +290,13 @@ def main() -> None:
                     help="builds of the two models, alternating which is built first")
     ap.add_argument("--same", action="store_true",
                     help="A/A: the 'DP' model is a second one-rank model (the method's bias)")
+    ap.add_argument("--json", help="also write every pair to this file (PairedResult fields)")
     args = ap.parse_args()
     r = measure_paired(args.dp, args.zero_stage, args.micro_batch, args.blocks,
                        args.block, rebuilds=args.rebuilds, same=args.same)
     print("\n".join(summary(r)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(r.to_dict()))
 
 
 def summary(r: PairedResult) -> list[str]:
@@ -273,10 +310,24 @@ def summary(r: PairedResult) -> list[str]:
                          ("reduce-scatter", r.reduce_scatter_s)):
         if not values:  # a field that results saved before it lack
             continue
-        m, lo, hi = median_interval(values)
+        per_pair = len(values) == len(r.build)  # the collectives are timed once a block
+        m, lo, hi = median_interval(values, r.build if per_pair else None)
         out.append(f"{name:<15} {1e3 * m:8.2f} ms  (95% interval of the median {1e3 * lo:.2f}"
-                   f"-{1e3 * hi:.2f}, {len(values)} samples)")
+                   f"-{1e3 * hi:.2f}, {len(values)} samples"
+                   f"{f' in {len(set(r.build))} builds' if per_pair else ''})")
+    if len(set(r.build)) > 1:
+        per_build = build_medians(r.cost_s, r.build)
+        out.append("DP cost by build (median of each build's pairs, ms): "
+                   + " ".join(f"{1e3 * v:.1f}" for v in per_build))
     return out
+
+
+def build_medians(values: list[float], build: list[int]) -> list[float]:
+    """The median of `values` within each build of the two models, in build order."""
+    groups: dict[int, list[float]] = {}
+    for v, k in zip(values, build, strict=True):
+        groups.setdefault(k, []).append(v)
+    return [statistics.median(groups[k]) for k in sorted(groups)]
 
 
 if __name__ == "__main__":
