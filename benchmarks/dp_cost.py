@@ -56,7 +56,8 @@ import torch.distributed as dist
 from tessera.planner.calibrate import machine_shape, timed_collective
 
 FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "hooks_s",
-          "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s", "build")
+          "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s", "build", "dp_fb_s",
+          "control_fb_s")
 COLLECTIVES = ("allreduce_s", "allgather_s", "reduce_scatter_s")
 """Per block, timed as ``plan calibrate`` times them (each call right after a matmul at the
 model's shapes), on the DP group: gloo's all-reduce of the whole model's gradients (DDP's one
@@ -85,6 +86,11 @@ class PairedResult:
     allgather_s: list[float] = field(default_factory=list)
     reduce_scatter_s: list[float] = field(default_factory=list)
     build: list[int] = field(default_factory=list)
+    dp_fb_s: list[float] = field(default_factory=list)
+    control_fb_s: list[float] = field(default_factory=list)
+    """Per pair: each step's forward_backward call (its actions, the waits, the loss's
+    all-reduce); the rest of its step is zeroing, the norm and clipping, and AdamW. Empty in
+    results saved before the fields."""
     """Per pair: which build of the two models it ran in (0 .. rebuilds-1); empty in results
     saved before the field."""
     bucket_bytes: int = 0
@@ -110,6 +116,18 @@ class PairedResult:
         """How much longer the DP step's forward and backward took than the control's: the
         collectives' threads taking the cores from compute, and DDP's gradient hooks."""
         return [a - b for a, b in zip(self.dp_compute_s, self.control_compute_s, strict=True)]
+
+    @property
+    def fb_excess_s(self) -> list[float]:
+        """How much longer the DP step's forward_backward call took than the control's."""
+        return [a - b for a, b in zip(self.dp_fb_s, self.control_fb_s, strict=True)]
+
+    @property
+    def rest_excess_s(self) -> list[float]:
+        """How much longer the rest of the DP step (zeroing, norm and clipping, AdamW) took."""
+        return [(a - fa) - (b - fb) for a, fa, b, fb in
+                zip(self.dp_s, self.dp_fb_s, self.control_s, self.control_fb_s, strict=True)
+                ] if self.dp_fb_s else []
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in (*FIELDS, "bucket_bytes", "unit_bytes")}
@@ -152,17 +170,19 @@ def cluster_bootstrap(values: list[float], build: list[int]) -> tuple[float, flo
             medians[int(0.975 * CLUSTER_RESAMPLES) - 1])
 
 
-def timed_step(executor, optimizer, batch, clip: float) -> tuple[float, float, float]:
+def timed_step(executor, optimizer, batch, clip: float) -> tuple[float, float, float, float]:
     """One training step as the trainer runs it (zero, forward + backward with the DP
     reduction, norm and clipping, AdamW); returns (seconds, seconds waited on DP handles,
-    seconds of compute actions)."""
+    seconds of compute actions, seconds in forward_backward)."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
+    t1 = time.perf_counter()
     executor.forward_backward([batch])
+    t2 = time.perf_counter()
     executor.clip_grad_norm_(clip)
     optimizer.step()
     return (time.perf_counter() - t0, executor.last_comm_wait_s,
-            executor.last_record.busy if executor.last_record else 0.0)
+            executor.last_record.busy if executor.last_record else 0.0, t2 - t1)
 
 
 def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
@@ -249,7 +269,9 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                     out.waits_s.append(dp_t[1])
                     out.dp_compute_s.append(dp_t[2])
                     out.control_compute_s.append(ctl_t[2])
-                    out.hooks_s.append(dp_t[3])
+                    out.hooks_s.append(dp_t[4])
+                    out.dp_fb_s.append(dp_t[3])
+                    out.control_fb_s.append(ctl_t[3])
                     out.build.append(k)
         del models
     out.bucket_bytes, out.unit_bytes = bucket, unit
@@ -305,7 +327,8 @@ def summary(r: PairedResult) -> list[str]:
     for name, values in (("DP step", r.dp_s), ("control step", r.control_s),
                          ("DP cost", r.cost_s), ("waits", r.waits_s),
                          ("slowed compute", r.slowed_compute_s), ("DDP hooks", r.hooks_s),
-                         ("skew", r.skew_s),
+                         ("skew", r.skew_s), ("fb excess", r.fb_excess_s),
+                         ("rest excess", r.rest_excess_s),
                          ("all-reduce", r.allreduce_s), ("all-gather", r.allgather_s),
                          ("reduce-scatter", r.reduce_scatter_s)):
         if not values:  # a field that results saved before it lack
