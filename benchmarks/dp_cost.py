@@ -20,10 +20,12 @@ model, or each rank alone). A block's first step is dropped: it finds the other 
 weights in the caches (alternating every step made both 40% slower). The cost is the median
 over pairs (the i-th step of a DP block and of the control block beside it) of (DP step -
 control step), averaged over the ranks: the machine's drift is common to the two and cancels.
-The two models are built twice (``rebuilds``), DP first and then control first, each build
-running half the blocks: where a model's tensors land in memory moves its step time by a few
-percent, as much as DDP costs a step at micro-batch 16. ``--same`` runs the method A/A (a
-second one-rank model in place of the DP model): its "cost" is the method's own bias.
+The two models are built ``rebuilds`` times (default 2; bench_planner_local.py builds them
+again every 2 measured blocks), in turn DP first and control first, each build running its
+share of the blocks: where a model's tensors land in memory moves its step time by a few
+percent for the whole build, as much as DDP costs a step at micro-batch 16, so the estimate
+needs many builds. ``--same`` runs the method A/A (a second one-rank model in place of the
+DP model): its "cost" is the method's own bias.
 
 Beside it, from the same run: the DP step's waits on collective handles
 (``Executor.last_comm_wait_s``: the runtime's timestamps) and how much longer its compute
@@ -33,10 +35,12 @@ the control steps (slowest rank minus the mean: what a collective right after a 
 for); and after each block, gloo's all-reduce of the whole model's
 gradients and the all-gather and reduce-scatter of one block's parameters, each right after a
 matmul as ``plan calibrate`` times them, so that the planner can be given the link rates of
-this run (``bench_planner_local.inrun_hardware``).
+this run (``bench_planner_local.inrun_hardware``); and how much of the DP step's excess is
+in its ``forward_backward`` call and how much in the rest of the step.
 
-The interval printed beside a median is the distribution-free 95% interval of a median
-(order statistics n/2 ± 0.98·√n of the sorted differences).
+The interval printed beside a median is a 95% interval of the median: with several builds, a
+bootstrap that resamples whole builds (their pairs share the build's luck); with one, the
+distribution-free interval of independent samples (order statistics n/2 ± 0.98·√n).
 """
 
 from __future__ import annotations
@@ -86,13 +90,13 @@ class PairedResult:
     allgather_s: list[float] = field(default_factory=list)
     reduce_scatter_s: list[float] = field(default_factory=list)
     build: list[int] = field(default_factory=list)
+    """Per pair: which build of the two models it ran in (0 .. rebuilds-1); empty in results
+    saved before the field."""
     dp_fb_s: list[float] = field(default_factory=list)
     control_fb_s: list[float] = field(default_factory=list)
     """Per pair: each step's forward_backward call (its actions, the waits, the loss's
     all-reduce); the rest of its step is zeroing, the norm and clipping, and AdamW. Empty in
     results saved before the fields."""
-    """Per pair: which build of the two models it ran in (0 .. rebuilds-1); empty in results
-    saved before the field."""
     bucket_bytes: int = 0
     unit_bytes: int = 0
 
@@ -156,13 +160,18 @@ def median_interval(values: list[float],
 CLUSTER_RESAMPLES = 2000
 
 
-def cluster_bootstrap(values: list[float], build: list[int]) -> tuple[float, float]:
-    """The 2.5th and 97.5th percentiles of the median of `values` over resamples (with
-    replacement) of whole builds."""
+def by_build(values: list[float], build: list[int]) -> dict[int, list[float]]:
+    """`values` grouped by the build each pair ran in."""
     groups: dict[int, list[float]] = {}
     for v, k in zip(values, build, strict=True):
         groups.setdefault(k, []).append(v)
-    clusters = list(groups.values())
+    return groups
+
+
+def cluster_bootstrap(values: list[float], build: list[int]) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the median of `values` over resamples (with
+    replacement) of whole builds."""
+    clusters = list(by_build(values, build).values())
     rng = random.Random(0)
     medians = sorted(statistics.median([v for c in rng.choices(clusters, k=len(clusters))
                                         for v in c]) for _ in range(CLUSTER_RESAMPLES))
@@ -324,16 +333,16 @@ def main() -> None:
 def summary(r: PairedResult) -> list[str]:
     """One line per quantity: median and its 95% interval, in ms."""
     out = []
-    for name, values in (("DP step", r.dp_s), ("control step", r.control_s),
-                         ("DP cost", r.cost_s), ("waits", r.waits_s),
-                         ("slowed compute", r.slowed_compute_s), ("DDP hooks", r.hooks_s),
-                         ("skew", r.skew_s), ("fb excess", r.fb_excess_s),
-                         ("rest excess", r.rest_excess_s),
-                         ("all-reduce", r.allreduce_s), ("all-gather", r.allgather_s),
-                         ("reduce-scatter", r.reduce_scatter_s)):
+    pairs = [("DP step", r.dp_s), ("control step", r.control_s), ("DP cost", r.cost_s),
+             ("waits", r.waits_s), ("slowed compute", r.slowed_compute_s),
+             ("DDP hooks", r.hooks_s), ("skew", r.skew_s), ("fb excess", r.fb_excess_s),
+             ("rest excess", r.rest_excess_s)]
+    blocks = [("all-reduce", r.allreduce_s), ("all-gather", r.allgather_s),
+              ("reduce-scatter", r.reduce_scatter_s)]  # timed once a block, not per pair
+    for per_pair, (name, values) in [(True, p) for p in pairs] + [(False, b) for b in blocks]:
         if not values:  # a field that results saved before it lack
             continue
-        per_pair = len(values) == len(r.build)  # the collectives are timed once a block
+        per_pair = per_pair and bool(r.build)
         m, lo, hi = median_interval(values, r.build if per_pair else None)
         out.append(f"{name:<15} {1e3 * m:8.2f} ms  (95% interval of the median {1e3 * lo:.2f}"
                    f"-{1e3 * hi:.2f}, {len(values)} samples"
@@ -347,9 +356,7 @@ def summary(r: PairedResult) -> list[str]:
 
 def build_medians(values: list[float], build: list[int]) -> list[float]:
     """The median of `values` within each build of the two models, in build order."""
-    groups: dict[int, list[float]] = {}
-    for v, k in zip(values, build, strict=True):
-        groups.setdefault(k, []).append(v)
+    groups = by_build(values, build)
     return [statistics.median(groups[k]) for k in sorted(groups)]
 
 
