@@ -232,9 +232,11 @@ BLOCKS_PER_BUILD = 2
 a build's tensors land moves a model's step by a few percent for the whole build (A/A runs of
 12 and 24 builds at micro-batch 16: the medians of single builds ranged -73 to +161 ms on a
 ~490 ms step, their spread well beyond the pairs' own noise), so an estimate from the two
-builds used before carried that luck as a bias: the A/A check read -13.8, -12.8, +3.0 and
-+12.7 ms in four runs, and 1-2 ms in three runs of 12-24 builds. With a warm-up block per
-build, 2 measured blocks per build give the narrowest interval for the time."""
+builds used before carried that luck as a bias that the interval over pairs did not show
+(the A/A check read -13.8, -12.8, +3.0 and +12.7 ms in four runs, the last with [4.1, 23.3]);
+with 12-24 builds, the interval over builds (dp_cost.median_interval) held 0 in four A/A runs
+of four. With a warm-up block per build, 2 measured blocks per build give the narrowest
+interval for the time."""
 
 
 def measure_cost(case: Case, blocks: int) -> object:
