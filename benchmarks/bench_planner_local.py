@@ -239,13 +239,19 @@ of four. With a warm-up block per build, 2 measured blocks per build give the na
 interval for the time."""
 
 
+def rebuilds_for(blocks: int) -> int:
+    """Builds of the two models for `blocks` measured blocks: one per BLOCKS_PER_BUILD, at
+    least 2 (so both build orders run)."""
+    return max(2, blocks // BLOCKS_PER_BUILD)
+
+
 def measure_cost(case: Case, blocks: int) -> object:
     """dp_cost.measure_paired for an overlap row (dp = nproc, its ZeRO stage, micro-batch)."""
     from dp_cost import measure_paired
 
     n = row_blocks(case, blocks)
     return measure_paired(case.nproc, int(case.flags.get("zero-stage", 0)), case.micro_batch,
-                          blocks=n, rebuilds=max(2, n // BLOCKS_PER_BUILD))
+                          blocks=n, rebuilds=rebuilds_for(n))
 
 
 def inrun_hardware(hw_path: str, case: Case):
@@ -472,8 +478,7 @@ def main() -> None:
             if name not in raw:
                 wait_for_quiet(args.quiet_wait)
                 raw[name] = measure_paired(2, 0, b, blocks=args.blocks, same=True,
-                                           rebuilds=max(2, args.blocks // BLOCKS_PER_BUILD)
-                                           ).to_dict()
+                                           rebuilds=rebuilds_for(args.blocks)).to_dict()
                 raw_path.write_text(json.dumps(raw))
             aa[name] = PairedResult(**raw[name])
 
