@@ -277,3 +277,34 @@ def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, m
         "`tessera plan calibrate --micro-batch 8 --ranks 4`")
     at_16 = make_config("tiny", parallel=dict(dp=4), train=dict(micro_batch_size=16))
     assert planner_prediction(at_16, 4, cpu)[1] == "runs/local_hardware_4.toml"
+
+
+def test_inner_hook_seconds_is_the_hooks_own_time_per_tensor():
+    # ddp_copy_passes subtracts this from the hooks' own timer; the outside per-tensor cost
+    # (ddp_tensor_us) also holds autograd's dispatch of the hook, which that timer never sees.
+    # A stand-in wrapper whose "hooks" time exactly 3 ms per tensor per backward, outside
+    # no_sync() a further 1 s: the per-tensor median comes back, each backward on its own
+    # (hook_seconds reset before it) and inside no_sync().
+    import contextlib
+
+    import torch
+
+    from tessera.planner.calibrate import inner_hook_seconds
+
+    class Timed(torch.nn.Module):
+        def __init__(self, chain):
+            super().__init__()
+            self.chain, self.hook_seconds, self.synced = chain, 0.0, True
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.synced = False
+            yield
+            self.synced = True
+
+        def forward(self, x):
+            count = len(self.chain.layers)
+            self.hook_seconds += 3e-3 * count + (0.0 if not self.synced else 1.0)
+            return self.chain(x)
+
+    assert inner_hook_seconds(Timed, count=5) == pytest.approx(3e-3)

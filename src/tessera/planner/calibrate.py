@@ -38,7 +38,8 @@ What is measured:
   tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones); and the
   rest of the hook's time (its copy of each gradient into the bucket, the launch) as passes
   over the gradient bytes (``ddp_copy_passes``), timed by the hooks themselves in training
-  steps of a one-layer model at the model's shapes and the user's micro-batch;
+  steps of a one-layer model at the model's shapes and the user's micro-batch, less the
+  fixed part as that timer sees it on the tiny layers (``inner_hook_seconds``);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -429,7 +430,8 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
     The fixed part: a chain of 32 tiny (8×8) layers under DataParallel over the default group
     inside ``no_sync()`` (the hooks run, no bucket is launched) against the chain unwrapped,
     per tensor. The rest: :func:`ddp_copy_passes`, in training steps of a one-layer model at
-    the user's micro-batch. On a GPU the hook only queues the copy, which runs at the
+    the user's micro-batch, less what the hooks' own timer holds of the fixed part
+    (:func:`inner_hook_seconds`). On a GPU the hook only queues the copy, which runs at the
     streaming rate: 2 passes. (0, 2) on one rank, where nothing is wrapped. Every rank of the
     default group must call it (the wrappers broadcast the weights)."""
     import torch.distributed as dist
@@ -445,13 +447,37 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
     fixed = _extra_per_layer(wrap, 32, 8, hooks_only=True)
     if _on_gpu():
         return fixed, 2.0
-    return fixed, ddp_copy_passes(spec, seq, micro_batch, bandwidth, fixed)
+    return fixed, ddp_copy_passes(spec, seq, micro_batch, bandwidth, inner_hook_seconds(wrap))
+
+
+def inner_hook_seconds(wrap: Callable[[torch.nn.Module], torch.nn.Module], count: int = 32,
+                       d: int = 8, repeats: int = 15) -> float:
+    """Seconds per parameter tensor that DataParallel's hooks time themselves
+    (``hook_seconds``) on a chain of `count` tiny d×d layers inside ``no_sync()``, the median
+    over `repeats` backwards: the part of the hook's fixed cost that its own timer holds.
+    ``ddp_copy_passes`` subtracts this, not the whole per-tensor cost measured outside (which
+    adds the hook's dispatch by autograd, ~15 µs a tensor here, that the timer never sees:
+    subtracting it took that much per tensor off the copy)."""
+    torch.manual_seed(0)
+    wrapped = wrap(_Chain(count, d))
+    x = torch.randn(1, d)
+    per_call = []
+    for i in range(2 + repeats):
+        wrapped.hook_seconds = 0.0
+        with wrapped.no_sync():
+            wrapped(x).sum().backward()
+        for param in wrapped.parameters():
+            param.grad = None
+        if i >= 2:
+            per_call.append(wrapped.hook_seconds / count)
+    return statistics.median(per_call)
 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
                     per_tensor: float, repeats: int = 30) -> float:
     """Passes over the gradient bytes, at `bandwidth` bytes/s, that DataParallel's hooks take
-    beyond `per_tensor` seconds per parameter tensor, timed where training runs them: the
+    beyond `per_tensor` seconds per parameter tensor (the hooks' fixed part as their own timer
+    sees it: :func:`inner_hook_seconds`), timed where training runs them: the
     hooks' own time (``DataParallel.hook_seconds``: each fresh gradient's copy into its bucket
     slot, and the bucket's launch) in steps of tessera's trainer path (``parallelize``, the
     executor, clipping, AdamW) over the default group, for a one-layer model at `spec`'s
