@@ -25,7 +25,8 @@
    alone. Target ±15% (OVERLAP_TARGET). Beside it, the exposed DP communication the runtime
    timestamps (``comm_wait_s``: the seconds the compute thread blocked on DP collective
    handles). ``--overlap-only`` runs just these rows; every pair is saved as JSON beside
-   --out, and ``--from-json`` prints the table again from it.
+   --out, and ``--from-json`` prints the table again from it (with the run's calibration
+   files, ``--hardware`` and ``--hardware4``).
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
 reference is tessera's own measured step.
@@ -407,6 +408,10 @@ def main() -> None:
     ap.add_argument("--from-json", help="the overlap rows' pairs saved by an earlier run "
                     "(with --overlap-only and its --hardware files: the table again)")
     args = ap.parse_args()
+    if args.from_json and (args.hardware is None or args.hardware4 is None):
+        # without them the run would calibrate again, over the tracked calibration files
+        ap.error("--from-json reprints a saved run's table: give the calibration files it "
+                 "used, --hardware and --hardware4 (the run's .txt holds them in its header)")
 
     subprocess.run([sys.executable, "-m", "tessera", "data", "prepare", "--out", args.data,
                     "--if-missing"], cwd=ROOT, check=True, capture_output=True)

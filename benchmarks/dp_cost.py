@@ -46,6 +46,7 @@ distribution-free interval of independent samples (order statistics n/2 Â± 0.98Â
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -53,6 +54,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,7 +63,7 @@ from tessera.planner.calibrate import machine_shape, timed_collective
 
 FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "hooks_s",
           "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s", "build", "dp_fb_s",
-          "control_fb_s")
+          "control_fb_s", "dp_fb_cpu_s", "control_fb_cpu_s")
 COLLECTIVES = ("allreduce_s", "allgather_s", "reduce_scatter_s")
 """Per block, timed as ``plan calibrate`` times them (each call right after a matmul at the
 model's shapes), on the DP group: gloo's all-reduce of the whole model's gradients (DDP's one
@@ -96,6 +98,11 @@ class PairedResult:
     control_fb_s: list[float] = field(default_factory=list)
     """Per pair: each step's forward_backward call (its actions, the waits, the loss's
     all-reduce); the rest of its step is zeroing, the norm and clipping, and AdamW. Empty in
+    results saved before the fields."""
+    dp_fb_cpu_s: list[float] = field(default_factory=list)
+    control_fb_cpu_s: list[float] = field(default_factory=list)
+    """Per pair: the same calls in the rank's thread CPU time, which a wait on a handle or
+    another thread on the core does not add to: whether a slower step did more work. Empty in
     results saved before the fields."""
     bucket_bytes: int = 0
     unit_bytes: int = 0
@@ -132,6 +139,11 @@ class PairedResult:
         return [(a - fa) - (b - fb) for a, fa, b, fb in
                 zip(self.dp_s, self.dp_fb_s, self.control_s, self.control_fb_s, strict=True)
                 ] if self.dp_fb_s else []
+
+    @property
+    def fb_cpu_excess_s(self) -> list[float]:
+        """How much more CPU time the DP step's forward_backward call took than the control's."""
+        return [a - b for a, b in zip(self.dp_fb_cpu_s, self.control_fb_cpu_s, strict=True)]
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in (*FIELDS, "bucket_bytes", "unit_bytes")}
@@ -179,23 +191,43 @@ def cluster_bootstrap(values: list[float], build: list[int]) -> tuple[float, flo
             medians[int(0.975 * CLUSTER_RESAMPLES) - 1])
 
 
-def timed_step(executor, optimizer, batch, clip: float) -> tuple[float, float, float, float]:
+class StepTimes(NamedTuple):
+    """One timed step, in seconds."""
+
+    step: float
+    waits: float
+    """waited on DP collective handles"""
+    busy: float
+    """in compute actions (StepRecord.busy)"""
+    fb: float
+    """in the forward_backward call"""
+    fb_cpu: float
+    """the forward_backward call in this thread's CPU time"""
+
+
+def timed_step(executor, optimizer, batch, clip: float,
+               no_sync: tuple = ()) -> StepTimes:
     """One training step as the trainer runs it (zero, forward + backward with the DP
-    reduction, norm and clipping, AdamW); returns (seconds, seconds waited on DP handles,
-    seconds of compute actions, seconds in forward_backward)."""
+    reduction, norm and clipping, AdamW). `no_sync`: DataParallel wrappers whose
+    ``no_sync()`` the forward_backward runs inside (the hooks copy, no bucket is reduced)."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    t1 = time.perf_counter()
-    executor.forward_backward([batch])
-    t2 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        for wrapper in no_sync:
+            stack.enter_context(wrapper.no_sync())
+        t1, c1 = time.perf_counter(), time.thread_time()
+        executor.forward_backward([batch])
+        t2, c2 = time.perf_counter(), time.thread_time()
     executor.clip_grad_norm_(clip)
     optimizer.step()
-    return (time.perf_counter() - t0, executor.last_comm_wait_s,
-            executor.last_record.busy if executor.last_record else 0.0, t2 - t1)
+    return StepTimes(time.perf_counter() - t0, executor.last_comm_wait_s,
+                     executor.last_record.busy if executor.last_record else 0.0, t2 - t1,
+                     c2 - c1)
 
 
 def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
-                warmup: int, rebuilds: int = 2, same: bool = False) -> dict:
+                warmup: int, rebuilds: int = 2, same: bool = False,
+                hooks_only: bool = False) -> dict:
     """On each rank: build both models, alternate their steps, return this rank's times.
 
     The models are built `rebuilds` times, in turn DP first and control first, and each build
@@ -205,7 +237,10 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     micro-batch 16), and -15 to +14 (mean +2) built in the other order: about what DDP costs
     that step, so a fixed build order may add it to the DP cost; alternating it cancels the
     part that is build order. `same`: the "DP" model is a second one-rank model (no
-    collectives): an A/A run, whose cost measures the method's own bias."""
+    collectives): an A/A run, whose cost measures the method's own bias. `hooks_only`: the DP
+    model's forward_backward runs inside its DDP wrappers' ``no_sync()``: the gradient hooks
+    copy every gradient into its bucket, no bucket is all-reduced (the loss's scalar
+    all-reduce still syncs the ranks): what the hooks cost the step without the collective."""
     import gc
 
     from tessera.config import make_config
@@ -257,14 +292,15 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
         bucket = 4 * sum(p.numel() for p in models["control"][0].parameters())
         unit = bucket // cfg.model.n_layers
         for i in range(warmup + share[k]):
-            times: dict[str, list[tuple[float, ...]]] = {"dp": [], "control": []}
+            times: dict[str, list[tuple[StepTimes, float]]] = {"dp": [], "control": []}
             for which in (("dp", "control") if i % 2 == 0 else ("control", "dp")):
                 ex, opt, wrappers = models[which]
                 for _ in range(block):
                     dist.barrier()  # every rank starts the step together, as control runs would
                     hooks = hook_seconds(wrappers)
-                    step = timed_step(ex, opt, batch, clip)
-                    times[which].append((*step, hook_seconds(wrappers) - hooks))
+                    step = timed_step(ex, opt, batch, clip,
+                                      tuple(wrappers) if hooks_only and which == "dp" else ())
+                    times[which].append((step, hook_seconds(wrappers) - hooks))
             timed = {name: timed_collective(op, size, 2, lambda: x @ w.t(), cores)
                      for name, op, size in (("allreduce_s", "all_reduce", bucket),
                                             ("allgather_s", "all_gather", unit),
@@ -272,15 +308,18 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
             if i >= warmup:  # a block's first step finds the other model's data in the caches
                 for name, seconds in timed.items():
                     getattr(out, name).append(seconds)
-                for dp_t, ctl_t in zip(times["dp"][1:], times["control"][1:], strict=True):
-                    out.dp_s.append(dp_t[0])
-                    out.control_s.append(ctl_t[0])
-                    out.waits_s.append(dp_t[1])
-                    out.dp_compute_s.append(dp_t[2])
-                    out.control_compute_s.append(ctl_t[2])
-                    out.hooks_s.append(dp_t[4])
-                    out.dp_fb_s.append(dp_t[3])
-                    out.control_fb_s.append(ctl_t[3])
+                for (dp_t, hooks), (ctl_t, _) in zip(times["dp"][1:], times["control"][1:],
+                                                     strict=True):
+                    out.dp_s.append(dp_t.step)
+                    out.control_s.append(ctl_t.step)
+                    out.waits_s.append(dp_t.waits)
+                    out.dp_compute_s.append(dp_t.busy)
+                    out.control_compute_s.append(ctl_t.busy)
+                    out.hooks_s.append(hooks)
+                    out.dp_fb_s.append(dp_t.fb)
+                    out.control_fb_s.append(ctl_t.fb)
+                    out.dp_fb_cpu_s.append(dp_t.fb_cpu)
+                    out.control_fb_cpu_s.append(ctl_t.fb_cpu)
                     out.build.append(k)
         del models
     out.bucket_bytes, out.unit_bytes = bucket, unit
@@ -289,12 +328,13 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
 
 def measure_paired(dp: int, zero_stage: int, micro_batch: int, blocks: int = 20,
                    block: int = 4, warmup: int = 1, rebuilds: int = 2,
-                   same: bool = False) -> PairedResult:
+                   same: bool = False, hooks_only: bool = False) -> PairedResult:
     """Run `paired_rank` on `dp` ranks (one thread each); average each pair over the ranks."""
     from tessera.testing import run_ranks
 
     per_rank = run_ranks(paired_rank, dp,
-                         args=(zero_stage, micro_batch, blocks, block, warmup, rebuilds, same),
+                         args=(zero_stage, micro_batch, blocks, block, warmup, rebuilds, same,
+                               hooks_only),
                          timeout=120 + 4 * (blocks + rebuilds * warmup) * block,
                          start_method="spawn", collective_timeout=120)
     res = PairedResult(bucket_bytes=per_rank[0]["bucket_bytes"],
@@ -321,10 +361,17 @@ def main() -> None:
                     help="builds of the two models, alternating which is built first")
     ap.add_argument("--same", action="store_true",
                     help="A/A: the 'DP' model is a second one-rank model (the method's bias)")
+    ap.add_argument("--hooks-only", action="store_true",
+                    help="DDP's hooks without its all-reduce: the DP model's forward_backward "
+                         "inside no_sync() (zero stage 0 only)")
     ap.add_argument("--json", help="also write every pair to this file (PairedResult fields)")
     args = ap.parse_args()
+    if args.hooks_only and (args.zero_stage != 0 or args.same):
+        ap.error(f"--hooks-only needs DDP (--zero-stage 0, not --same); got --zero-stage "
+                 f"{args.zero_stage}{' --same' if args.same else ''}")
     r = measure_paired(args.dp, args.zero_stage, args.micro_batch, args.blocks,
-                       args.block, rebuilds=args.rebuilds, same=args.same)
+                       args.block, rebuilds=args.rebuilds, same=args.same,
+                       hooks_only=args.hooks_only)
     print("\n".join(summary(r)))
     if args.json:
         Path(args.json).write_text(json.dumps(r.to_dict()))
@@ -336,7 +383,7 @@ def summary(r: PairedResult) -> list[str]:
     pairs = [("DP step", r.dp_s), ("control step", r.control_s), ("DP cost", r.cost_s),
              ("waits", r.waits_s), ("slowed compute", r.slowed_compute_s),
              ("DDP hooks", r.hooks_s), ("skew", r.skew_s), ("fb excess", r.fb_excess_s),
-             ("rest excess", r.rest_excess_s)]
+             ("rest excess", r.rest_excess_s), ("fb CPU excess", r.fb_cpu_excess_s)]
     blocks = [("all-reduce", r.allreduce_s), ("all-gather", r.allgather_s),
               ("reduce-scatter", r.reduce_scatter_s)]  # timed once a block, not per pair
     for per_pair, (name, values) in [(True, p) for p in pairs] + [(False, b) for b in blocks]:
