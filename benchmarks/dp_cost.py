@@ -1,7 +1,7 @@
 """What data parallelism costs a step, measured with its control inside the same run.
 
     flock /tmp/tessera-bench.lock python benchmarks/dp_cost.py --dp 2 --zero-stage 3 \
-        --micro-batch 2 [--blocks 20] [--block 4] [--rebuilds 2] [--same]
+        --micro-batch 2 [--blocks 20] [--block 4] [--rebuilds 2] [--same | --hooks-only]
 
 The question is the step time a DP layout pays for its collectives (DDP's bucket all-reduce,
 ZeRO-3's per-unit gathers and reduce-scatters, the scalar all-reduces of the loss and the norm)
@@ -25,7 +25,8 @@ again every 2 measured blocks), in turn DP first and control first, each build r
 share of the blocks: where a model's tensors land in memory moves its step time by a few
 percent for the whole build, as much as DDP costs a step at micro-batch 16, so the estimate
 needs many builds. ``--same`` runs the method A/A (a second one-rank model in place of the
-DP model): its "cost" is the method's own bias.
+DP model): its "cost" is the method's own bias. ``--hooks-only`` (DDP) runs the DP model's
+forward_backward inside ``no_sync()``: the gradient hooks without the all-reduce.
 
 Beside it, from the same run: the DP step's waits on collective handles
 (``Executor.last_comm_wait_s``: the runtime's timestamps) and how much longer its compute
@@ -36,7 +37,8 @@ for); and after each block, gloo's all-reduce of the whole model's
 gradients and the all-gather and reduce-scatter of one block's parameters, each right after a
 matmul as ``plan calibrate`` times them, so that the planner can be given the link rates of
 this run (``bench_planner_local.inrun_hardware``); and how much of the DP step's excess is
-in its ``forward_backward`` call and how much in the rest of the step.
+in its ``forward_backward`` call and how much in the rest of the step, and how much more
+thread CPU time that call took (more work, where a wait or a preemption adds none).
 
 The interval printed beside a median is a 95% interval of the median: with several builds, a
 bootstrap that resamples whole builds (their pairs share the build's luck); with one, the

@@ -363,6 +363,21 @@ class _Chain(torch.nn.Module):
         return x
 
 
+def _chain_backward(model: torch.nn.Module, x: torch.Tensor, sync: str) -> None:
+    """One forward + backward of a chain on `x`, then its gradients dropped. `sync`: "plain"
+    (an unwrapped chain), "no_sync" (a DataParallel wrapper's hooks run, nothing is reduced)
+    or "sync" (the wrapper's gradient sync after the backward)."""
+    if sync == "no_sync":
+        with model.no_sync():
+            model(x).sum().backward()
+    else:
+        model(x).sum().backward()
+        if sync == "sync":
+            model.finish_gradient_sync()
+    for param in model.parameters():
+        param.grad = None
+
+
 def _extra_per_layer(make: Callable[[torch.nn.Module], torch.nn.Module], count: int, d: int,
                      hooks_only: bool = False, repeats: int = 15) -> float:
     """Seconds per layer that wrapping a `_Chain(count, d)` with `make` adds to its forward +
@@ -375,21 +390,12 @@ def _extra_per_layer(make: Callable[[torch.nn.Module], torch.nn.Module], count: 
     wrapped = make(_Chain(count, d))
     x = torch.randn(1, d)
 
-    def step_of(model: torch.nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            if model is plain:
-                model(x).sum().backward()
-            elif hooks_only:
-                with model.no_sync():
-                    model(x).sum().backward()
-            else:
-                model(x).sum().backward()
-                model.finish_gradient_sync()
-            for param in model.parameters():
-                param.grad = None
-        return run
+    def base() -> None:
+        _chain_backward(plain, x, "plain")
 
-    base, other = step_of(plain), step_of(wrapped)
+    def other() -> None:
+        _chain_backward(wrapped, x, "no_sync" if hooks_only else "sync")
+
     plain_t, wrapped_t = [], []
     for _ in range(3):
         plain_t += _samples(base, repeats // 3, warmup=1)
@@ -464,10 +470,7 @@ def inner_hook_seconds(wrap: Callable[[torch.nn.Module], torch.nn.Module], count
     per_call = []
     for i in range(2 + repeats):
         wrapped.hook_seconds = 0.0
-        with wrapped.no_sync():
-            wrapped(x).sum().backward()
-        for param in wrapped.parameters():
-            param.grad = None
+        _chain_backward(wrapped, x, "no_sync")
         if i >= 2:
             per_call.append(wrapped.hook_seconds / count)
     return statistics.median(per_call)
