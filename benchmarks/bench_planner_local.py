@@ -1,7 +1,8 @@
 """Local truth for the planner: predicted vs measured step time of layouts tessera can run here.
 
     flock /tmp/tessera-bench.lock python benchmarks/bench_planner_local.py \
-        [--steps 16] [--rounds 2] [--hardware FILE] [--hardware4 FILE] [--only NAME ...]
+        [--steps 16] [--rounds 2] [--hardware FILE] [--hardware4 FILE]
+        [--hardware-b2 FILE] [--hardware4-b2 FILE] [--only NAME ...]
         [--overlap-only | --steps-only] [--blocks 24] [--from-json FILE]
         [--out benchmarks/results/planner_local.txt]
 
@@ -26,7 +27,9 @@
    timestamps (``comm_wait_s``: the seconds the compute thread blocked on DP collective
    handles). ``--overlap-only`` runs just these rows; every pair is saved as JSON beside
    --out, and ``--from-json`` prints the table again from it (with the run's calibration
-   files, ``--hardware`` and ``--hardware4``).
+   files, ``--hardware`` and ``--hardware4``, and ``--hardware-b2`` and ``--hardware4-b2``
+   where the run had them). The overlap rows at micro-batch 2 are predicted with
+   calibrations at micro-batch 2 (local_hardware_b2.toml, local_hardware_4_b2.toml).
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
 reference is tessera's own measured step.
@@ -392,6 +395,10 @@ def main() -> None:
     ap.add_argument("--hardware", help="an existing 2-rank calibration (skips calibrate)")
     ap.add_argument("--hardware4", help="an existing 4-rank calibration, for the 4-rank rows "
                     "(default: calibrate with --ranks 4)")
+    ap.add_argument("--hardware-b2", help="an existing 2-rank calibration at micro-batch 2, "
+                    "for the overlap rows at micro-batch 2 (default: calibrate)")
+    ap.add_argument("--hardware4-b2", help="the same with 4 ranks, for the 4-rank overlap rows "
+                    "at micro-batch 2 (default: calibrate)")
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--only", nargs="+", help="case names to run (quote each)")
     ap.add_argument("--out", default="benchmarks/results/planner_local.txt")
@@ -419,23 +426,40 @@ def main() -> None:
              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
              f"(each run waits for idle CPUs: see the idle column)"]
     # The machine is calibrated as each run uses it: 2 ranks at once for the 2-rank rows, 4
-    # (time-sharing the 2 cores) for the 4-rank rows (``plan calibrate --ranks``).
-    given = {2: args.hardware, 4: args.hardware4}
-    for ranks, name in ((2, "local_hardware.toml"), (4, "local_hardware_4.toml")):
-        if given[ranks] is None:
-            given[ranks] = str(ROOT / "benchmarks/results" / name)
+    # (time-sharing the 2 cores) for the 4-rank rows (``plan calibrate --ranks``), at
+    # micro-batch 16, and for the overlap rows at micro-batch 2 at that micro-batch: the cost
+    # of DDP's gradient hooks per byte depends on it (``calibrate.ddp_copy_passes``: the
+    # hooks' timer reads ~60% as much at micro-batch 2 as at 16 for the same gradients).
+    # A saved run (--from-json) without micro-batch-2 files is priced as it ran before them,
+    # with the micro-batch-16 ones.
+    given = {(2, 16): args.hardware, (4, 16): args.hardware4,
+             (2, 2): args.hardware_b2, (4, 2): args.hardware4_b2}
+    small = args.steps_only or (args.only and not any(
+        c.name in OVERLAP_ROWS and c.micro_batch == 2 for c in CASES if c.name in args.only))
+    for (ranks, b), name in (((2, 16), "local_hardware.toml"), ((4, 16), "local_hardware_4.toml"),
+                             ((2, 2), "local_hardware_b2.toml"),
+                             ((4, 2), "local_hardware_4_b2.toml")):
+        if given[ranks, b] is None:
+            if b != 16 and (args.from_json or small):
+                given[ranks, b] = given[ranks, 16]
+                continue
+            given[ranks, b] = str(ROOT / "benchmarks/results" / name)
             wait_for_quiet(args.quiet_wait)
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "tessera", "plan", "calibrate", "--model",
-                            "demo", "--micro-batch", "16", "--ranks", str(ranks), "--out",
-                            given[ranks]], cwd=ROOT, check=True, capture_output=True)
-            lines.append(f"# calibrated {ranks} ranks in {time.perf_counter() - t0:.1f} s -> "
-                         f"{given[ranks]}")
-        lines.append(f"# {ranks}-rank calibration:")
-        lines.append("# " + Path(given[ranks]).read_text().replace("\n", "\n# ").rstrip("# "))
+                            "demo", "--micro-batch", str(b), "--ranks", str(ranks), "--out",
+                            given[ranks, b]], cwd=ROOT, check=True, capture_output=True)
+            lines.append(f"# calibrated {ranks} ranks at micro-batch {b} in "
+                         f"{time.perf_counter() - t0:.1f} s -> {given[ranks, b]}")
+        lines.append(f"# {ranks}-rank calibration" + (f" at micro-batch {b}:" if b != 16
+                                                        else ":"))
+        lines.append("# " + Path(given[ranks, b]).read_text().replace("\n", "\n# ")
+                     .rstrip("# "))
 
     def hw_path_of(case: Case) -> str:
-        return given[4] if case.nproc > 2 else given[2]
+        """The row's calibration: its rank count, and for the overlap rows its micro-batch."""
+        b = 2 if case.name in OVERLAP_ROWS and case.micro_batch == 2 else 16
+        return given[4 if case.nproc > 2 else 2, b]
 
     cases = [c for c in CASES if not args.only or c.name in args.only]
     runnable = []

@@ -654,7 +654,15 @@ def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
     one (ZeRO's per-unit gathers and reductions, DDP's buckets after the last backward, the
     step's scalar reductions), so while it blocks them there is no other rank's compute to
     fill the cores: their exposed time (`exposed_dp` from the schedule's simulation, the
-    chunks' ZeRO exposures, `sync_time`) is added once, not stretched by ranks / cores."""
+    chunks' ZeRO exposures, `sync_time`) is added once, not stretched by ranks / cores.
+
+    Except the work in it that every rank does on its own thread at the same time as the
+    others (``ChunkCosts.dp_cpu``: DDP's gradient hooks, which run inside the backward while
+    every rank computes, and its division of the buckets right after the all-reduce that
+    releases them all): that is stretched like compute. Measured here (dp_cost.py, the
+    bench's sixteenth run): the hooks' own timer read 3.5 ms a step at dp 2 on 2 cores and
+    6.6 ms at dp 4 on the same cores. ZeRO-3's per-unit work stays unstretched: it sits
+    between the unit's collectives, whose waits leave a core to another rank's work."""
     hw = w.hardware
     if not time_shared(w):
         return 0.0
@@ -663,7 +671,9 @@ def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
     zero = m * sum(c.zero_forward + c.zero_backward for c in chunks)
     pipeline_work = m * sum(c.forward + c.backward for c in chunks) - zero + \
         L.pp * optimizer_time
-    return ranks * pipeline_work / L.pp / hw.cores + zero / L.pp + exposed_dp + sync_time
+    own = sum(c.dp_cpu for c in chunks) / L.pp  # already in exposed_dp once
+    return (ranks * pipeline_work / L.pp / hw.cores + zero / L.pp + exposed_dp + sync_time
+            + (ranks / hw.cores - 1) * own)
 
 
 def context_parallel_times(w: Workload, t: int, cp: int, b: int, method: str, link: Link
@@ -811,6 +821,11 @@ class ChunkCosts:
     unshard: float = 0.0
     """Pipelined ZeRO-3: seconds of one all-gather of the chunk's parameters (its UNSHARD
     action in ``schedule.add_sharding_actions``; the simulator places and overlaps them)."""
+    dp_cpu: float = 0.0
+    """The part of dp_reduce that is work on the rank's own thread while every other rank of
+    the group does the same work (tessera DDP's gradient hooks during the backward, and its
+    division of the buckets once the all-reduce releases every rank): ranks that time-share
+    cores stretch it like compute (``shared_cpu_bound``)."""
 
     @property
     def forward(self) -> float:
@@ -1064,6 +1079,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             ch.dp_total = n_buckets * per_bucket + gather_after + wait + book
             ch.dp_reduce = (exposed_behind(per_bucket, n_buckets, bwd, 0) + gather_after + wait
                             + book)
+            ch.dp_cpu = book
         else:
             ag = allgather_time(weights / units, dp_group, dp_link)
             rs = allgather_time(grads / units, dp_group, dp_link)
