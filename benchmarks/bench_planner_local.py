@@ -3,7 +3,7 @@
     flock /tmp/tessera-bench.lock python benchmarks/bench_planner_local.py \
         [--steps 16] [--rounds 2] [--hardware FILE] [--hardware4 FILE]
         [--hardware-b2 FILE] [--hardware4-b2 FILE] [--only NAME ...]
-        [--overlap-only | --steps-only] [--blocks 24] [--from-json FILE]
+        [--overlap-only | --steps-only] [--blocks 24] [--from-json FILE [--measure-missing]]
         [--out benchmarks/results/planner_local.txt]
 
 1. ``tessera plan calibrate`` measures this machine at the demo model's shapes, with 2 ranks
@@ -28,7 +28,9 @@
    handles). ``--overlap-only`` runs just these rows; every pair is saved as JSON beside
    --out, and ``--from-json`` prints the table again from it (with the run's calibration
    files, ``--hardware`` and ``--hardware4``, and ``--hardware-b2`` and ``--hardware4-b2``
-   where the run had them). The overlap rows at micro-batch 2 are predicted with
+   where the run had them); it measures nothing unless ``--measure-missing`` asks it to
+   measure the rows the file lacks (before that flag it measured them silently, beside
+   whatever else the machine was running). The overlap rows at micro-batch 2 are predicted with
    calibrations at micro-batch 2 (local_hardware_b2.toml, local_hardware_4_b2.toml).
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
@@ -414,6 +416,10 @@ def main() -> None:
                       help="only the step-time table (no DP-cost pairs for the overlap rows)")
     ap.add_argument("--from-json", help="the overlap rows' pairs saved by an earlier run "
                     "(with --overlap-only and its --hardware files: the table again)")
+    ap.add_argument("--measure-missing", action="store_true",
+                    help="with --from-json: measure the overlap rows the file lacks and add "
+                    "them to it (a run cut short, or a row to measure again); without it, "
+                    "such rows are left out of the table")
     args = ap.parse_args()
     if args.from_json and (args.hardware is None or args.hardware4 is None):
         # without them the run would calibrate again, over the tracked calibration files
@@ -492,6 +498,9 @@ def main() -> None:
         if c.name not in OVERLAP_ROWS or args.steps_only:
             continue
         if c.name not in raw:
+            if args.from_json and not args.measure_missing:
+                lines.append(f"# {c.name}: not in {raw_path} (--measure-missing measures it)")
+                continue
             wait_for_quiet(args.quiet_wait)
             raw[c.name] = measure_cost(c, args.blocks).to_dict()
             raw_path.write_text(json.dumps(raw))
@@ -502,7 +511,7 @@ def main() -> None:
         from dp_cost import measure_paired
 
         for b, name in AA_ROWS.items():
-            if name not in raw and args.from_json:
+            if name not in raw and args.from_json and not args.measure_missing:
                 continue  # a file saved before this A/A row was run
             if name not in raw:
                 wait_for_quiet(args.quiet_wait)
