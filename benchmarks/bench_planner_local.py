@@ -434,8 +434,9 @@ def main() -> None:
     # The machine is calibrated as each run uses it: 2 ranks at once for the 2-rank rows, 4
     # (time-sharing the 2 cores) for the 4-rank rows (``plan calibrate --ranks``), at
     # micro-batch 16, and for the overlap rows at micro-batch 2 at that micro-batch: the cost
-    # of DDP's gradient hooks per byte depends on it (``calibrate.ddp_copy_passes``: the
-    # hooks' timer reads ~60% as much at micro-batch 2 as at 16 for the same gradients).
+    # of DDP's gradient hooks per byte depends on it (``calibrate.ddp_copy_passes``: what
+    # the hooks add to the backward is ~40% as much at micro-batch 2 as at 16 for the same
+    # gradients).
     # A saved run (--from-json) without micro-batch-2 files is priced as it ran before them,
     # with the micro-batch-16 ones.
     given = {(2, 16): args.hardware, (4, 16): args.hardware4,

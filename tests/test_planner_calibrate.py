@@ -279,32 +279,42 @@ def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, m
     assert planner_prediction(at_16, 4, cpu)[1] == "runs/local_hardware_4.toml"
 
 
-def test_inner_hook_seconds_is_the_hooks_own_time_per_tensor():
-    # ddp_copy_passes subtracts this from the hooks' own timer; the outside per-tensor cost
-    # (ddp_tensor_us) also holds autograd's dispatch of the hook, which that timer never sees.
-    # A stand-in wrapper whose "hooks" time exactly 3 ms per tensor per backward, outside
-    # no_sync() a further 1 s: the per-tensor median comes back, each backward on its own
-    # (hook_seconds reset before it) and inside no_sync().
-    import contextlib
+def _copy_seconds_with_unseen_hook_work(burn_s: float) -> tuple[float, int]:
+    """calibrate.ddp_copy_passes on the tiny model (bandwidth 1 byte/s, no fixed part, so it
+    returns seconds per gradient byte), with DataParallel's hook preceded by `burn_s` of this
+    thread's CPU time per gradient, outside the hooks' own timer; and the tensor count."""
+    import time
 
-    import torch
+    import tessera.planner.calibrate as calibrate
+    from tessera.model import build_model
+    from tessera.parallel.ddp import DataParallel
 
-    from tessera.planner.calibrate import inner_hook_seconds
+    timed = DataParallel._on_grad_ready
 
-    class Timed(torch.nn.Module):
-        def __init__(self, chain):
-            super().__init__()
-            self.chain, self.hook_seconds, self.synced = chain, 0.0, True
+    def burn_then_hook(self, p):
+        end = time.thread_time() + burn_s
+        while time.thread_time() < end:
+            pass
+        timed(self, p)
 
-        @contextlib.contextmanager
-        def no_sync(self):
-            self.synced = False
-            yield
-            self.synced = True
+    DataParallel._on_grad_ready = burn_then_hook
+    spec = load_model("tiny")
+    params = list(build_model(calibrate._block_config(spec, 32)).parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    passes = calibrate.ddp_copy_passes(spec, 32, 2, 1.0, 0.0, builds=2, pairs=6)
+    return passes * grad_bytes, len(params)
 
-        def forward(self, x):
-            count = len(self.chain.layers)
-            self.hook_seconds += 3e-3 * count + (0.0 if not self.synced else 1.0)
-            return self.chain(x)
 
-    assert inner_hook_seconds(Timed, count=5) == pytest.approx(3e-3)
+@pytest.mark.multiprocess
+def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees():
+    # Before: the copy's cost came from DataParallel.hook_seconds, the hooks' own timer, which
+    # misses what autograd's dispatch of each hook and the copy's effect on the backward cost
+    # around it. Work added to every hook outside that timer must show in full: 2 ms of thread
+    # CPU per gradient. The tiny model's backward takes a few ms; its scatter between two
+    # steps is well under a millisecond, against the 2 ms × tensors (~24 ms) injected.
+    from tessera.testing import run_ranks
+
+    plain = run_ranks(_copy_seconds_with_unseen_hook_work, 2, args=(0.0,), timeout=120)
+    burnt = run_ranks(_copy_seconds_with_unseen_hook_work, 2, args=(2e-3,), timeout=120)
+    for (base, tensors), (with_burn, _) in zip(plain, burnt, strict=True):
+        assert with_burn - base == pytest.approx(2e-3 * tensors, rel=0.1)

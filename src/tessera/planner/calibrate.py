@@ -36,10 +36,11 @@ What is measured:
   (``ddp_tensor_us``, from tiny layers), and ZeRO-3's work per unit
   per micro-batch besides its collectives, over a one-rank group (``zero_unit_us`` from
   tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones); and the
-  rest of the hook's time (its copy of each gradient into the bucket, the launch) as passes
-  over the gradient bytes (``ddp_copy_passes``), timed by the hooks themselves in training
-  steps of a one-layer model at the model's shapes and the user's micro-batch, less the
-  fixed part as that timer sees it on the tiny layers (``inner_hook_seconds``);
+  rest of the hook's cost (its copy of each gradient into the bucket, the launch, and what
+  the copy slows the backward around it) as passes over the gradient bytes
+  (``ddp_copy_passes``): the backward's thread CPU time of a one-layer model at the model's
+  shapes and the user's micro-batch with the hooks inside ``no_sync()`` against the model
+  unwrapped, in alternating training steps over several builds, less the fixed part;
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -80,7 +81,7 @@ are wall times after a ``torch.cuda.synchronize()``.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import os
 import statistics
 import time
@@ -432,14 +433,15 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
                    bandwidth: float) -> tuple[float, float]:
     """tessera's DataParallel gradient hook, as (seconds per parameter tensor beyond its
     copy's traffic: the slot lookup, the re-pointed gradient, the used flag; passes over the
-    gradient bytes at `bandwidth` bytes/s of the rest: the copy into the bucket, the launch).
+    gradient bytes at `bandwidth` bytes/s of the rest: the copy into the bucket and what it
+    slows the backward around it).
     The fixed part: a chain of 32 tiny (8×8) layers under DataParallel over the default group
     inside ``no_sync()`` (the hooks run, no bucket is launched) against the chain unwrapped,
-    per tensor. The rest: :func:`ddp_copy_passes`, in training steps of a one-layer model at
-    the user's micro-batch, less what the hooks' own timer holds of the fixed part
-    (:func:`inner_hook_seconds`). On a GPU the hook only queues the copy, which runs at the
-    streaming rate: 2 passes. (0, 2) on one rank, where nothing is wrapped. Every rank of the
-    default group must call it (the wrappers broadcast the weights)."""
+    per tensor. The rest: :func:`ddp_copy_passes`, what the hooks add to the backward of a
+    one-layer model at the user's micro-batch in training steps, less that fixed part. On a
+    GPU the hook only queues the copy, which runs at the streaming rate: 2 passes. (0, 2) on
+    one rank, where nothing is wrapped. Every rank of the default group must call it
+    (the wrappers broadcast the weights)."""
     import torch.distributed as dist
 
     from tessera.parallel.ddp import DataParallel
@@ -453,73 +455,63 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
     fixed = _extra_per_layer(wrap, 32, 8, hooks_only=True)
     if _on_gpu():
         return fixed, 2.0
-    return fixed, ddp_copy_passes(spec, seq, micro_batch, bandwidth, inner_hook_seconds(wrap))
-
-
-def inner_hook_seconds(wrap: Callable[[torch.nn.Module], torch.nn.Module], count: int = 32,
-                       d: int = 8, repeats: int = 15) -> float:
-    """Seconds per parameter tensor that DataParallel's hooks time themselves
-    (``hook_seconds``) on a chain of `count` tiny d×d layers inside ``no_sync()``, the median
-    over `repeats` backwards: the part of the hook's fixed cost that its own timer holds.
-    ``ddp_copy_passes`` subtracts this, not the whole per-tensor cost measured outside (which
-    adds the hook's dispatch by autograd, ~15 µs a tensor here, that the timer never sees:
-    subtracting it took that much per tensor off the copy)."""
-    torch.manual_seed(0)
-    wrapped = wrap(_Chain(count, d))
-    x = torch.randn(1, d)
-    per_call = []
-    for i in range(2 + repeats):
-        wrapped.hook_seconds = 0.0
-        _chain_backward(wrapped, x, "no_sync")
-        if i >= 2:
-            per_call.append(wrapped.hook_seconds / count)
-    return statistics.median(per_call)
+    return fixed, ddp_copy_passes(spec, seq, micro_batch, bandwidth, fixed)
 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
-                    per_tensor: float, repeats: int = 30) -> float:
-    """Passes over the gradient bytes, at `bandwidth` bytes/s, that DataParallel's hooks take
-    beyond `per_tensor` seconds per parameter tensor (the hooks' fixed part as their own timer
-    sees it: :func:`inner_hook_seconds`), timed where training runs them: the
-    hooks' own time (``DataParallel.hook_seconds``: each fresh gradient's copy into its bucket
-    slot, and the bucket's launch) in steps of tessera's trainer path (``parallelize``, the
-    executor, clipping, AdamW) over the default group, for a one-layer model at `spec`'s
-    shapes (embedding, one block, head) on `micro_batch` × `seq` tokens; the median of
-    `repeats` steps. Not a chain of large layers: the copy of a gradient the backward has just
-    written runs slower the more activations that backward streams (the demo here: 2.5-4
-    passes at micro-batch 2, 5-7 at 16, against ~3 on a chain of 1024×1024 layers; one layer
-    or four give the same per byte). Every rank of the default group must call it."""
+                    per_tensor: float, builds: int = 4, pairs: int = 30) -> float:
+    """Passes over the gradient bytes, at `bandwidth` bytes/s, that DataParallel's hooks
+    cost the backward beyond `per_tensor` seconds per parameter tensor (``ddp_tensor_us``:
+    the hook's fixed part, measured from outside on tiny layers), where training runs them:
+    a one-layer model at `spec`'s shapes (embedding, one block, head) on `micro_batch` ×
+    `seq` tokens, its backward's thread CPU time wrapped in DataParallel over the default
+    group inside ``no_sync()`` (every fresh gradient copied into its bucket slot, nothing
+    reduced) against the same model unwrapped, in alternating training steps (clipping and
+    AdamW between backwards, as the trainer leaves the caches); the median over `builds`
+    fresh pairs of models × `pairs` steps each. The whole cost, not the hooks' own timer
+    (``DataParallel.hook_seconds``): a copy into the bucket slows the backward around it,
+    which that timer never sees (here ~2.5× its reading at micro-batch 16 and 2 alike;
+    several builds because one build's placement moves its median by ~±0.5 ms at 16). Every
+    rank of the default group must call it (the wrappers broadcast the weights)."""
     import torch.distributed as dist
 
-    from tessera.config import make_config
-    from tessera.parallelize import parallelize
-    from tessera.step import Executor
-    from tessera.topology import Topology
+    from tessera.config import TrainConfig
+    from tessera.model import build_model, cross_entropy
+    from tessera.optim import adamw
+    from tessera.parallel.ddp import DataParallel
 
-    world = dist.get_world_size()
-    cfg = make_config(None, model=dataclasses.asdict(_block_config(spec, seq)),  # one layer
-                      data=dict(seq_len=seq), parallel=dict(dp=world),
-                      train=dict(micro_batch_size=micro_batch, grad_accum=1, precision="fp32"))
-    cfg.validate(world)
-    device = torch.get_default_device()
-    torch.manual_seed(0)
-    model = parallelize(cfg, Topology.build(cfg.parallel, device.type), device)
-    executor, optimizer = Executor(model), model.optimizer(cfg.train)
-    (wrapper,) = model.wrappers.values()
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1))
-    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    seconds = []
-    for i in range(2 + repeats):
+    cfg = _block_config(spec, seq)  # one layer
+    train = TrainConfig(micro_batch_size=micro_batch, precision="fp32")
+    tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def backward_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         hooks: bool) -> float:
         optimizer.zero_grad(set_to_none=True)  # fresh gradients, as the trainer leaves them
-        wrapper.hook_seconds = 0.0
-        executor.forward_backward([batch])
-        executor.clip_grad_norm_(cfg.train.grad_clip)
+        loss = cross_entropy(model(x), y)
+        start = time.thread_time()
+        with model.no_sync() if hooks else contextlib.nullcontext():
+            loss.backward()
+        seconds = time.thread_time() - start
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
-        if i >= 2:
-            seconds.append(wrapper.hook_seconds)
-    rest = statistics.median(seconds) - len(params) * per_tensor
+        return seconds
+
+    extra = []
+    for build in range(builds):
+        plain = build_model(cfg, seed=build)
+        wrapped = DataParallel(build_model(cfg, seed=build), dist.group.WORLD)
+        plain_opt, wrapped_opt = adamw(plain.parameters(), train), adamw(wrapped.parameters(),
+                                                                          train)
+        for i in range(2 + pairs):
+            base = backward_seconds(plain, plain_opt, hooks=False)
+            with_hooks = backward_seconds(wrapped, wrapped_opt, hooks=True)
+            if i >= 2:
+                extra.append(with_hooks - base)
+    params = [p for p in plain.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    rest = statistics.median(extra) - len(params) * per_tensor
     return max(0.0, rest) * bandwidth / grad_bytes
 
 

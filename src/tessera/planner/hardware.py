@@ -129,11 +129,11 @@ class Hardware:
     CPU. 0: OPS_PER_TENSOR_BUCKET kernels at op_overhead_us each."""
     ddp_copy_passes: float = 2.0
     """Passes over the gradient bytes, at the memory bandwidth, of the rest of that hook's
-    time (its copy of each fresh gradient into the bucket slot, the bucket's launch): 2 (a
-    read and a write) for a plain copy; calibrate measures it on a CPU from the hooks' own
-    time in training steps at the user's micro-batch, where the copy of a gradient just
-    written by backward runs slower than a streaming copy, and slower the larger the
-    micro-batch."""
+    cost (its copy of each fresh gradient into the bucket slot, and what that copy slows the
+    backward around it): 2 (a read and a write) for a plain copy; calibrate measures it on a
+    CPU as what the hooks add to a backward's CPU time in training steps at the user's
+    micro-batch, where the copy of a gradient just written by backward runs slower than a
+    streaming copy, and slower the larger the micro-batch."""
     elementwise_passes: float = 2.0
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
