@@ -280,9 +280,10 @@ def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, m
 
 
 def _copy_seconds_with_unseen_hook_work(burn_s: float) -> tuple[float, int]:
-    """calibrate.ddp_copy_passes on the tiny model (bandwidth 1 byte/s, no fixed part, so it
-    returns seconds per gradient byte), with DataParallel's hook preceded by `burn_s` of this
-    thread's CPU time per gradient, outside the hooks' own timer; and the tensor count."""
+    """calibrate.ddp_copy_passes on the tiny model, in seconds (bandwidth 1 byte/s and no
+    fixed part, so passes × gradient bytes is what the hooks add to a backward), with
+    DataParallel's hook preceded by `burn_s` of this thread's CPU time per gradient, outside
+    the hooks' own timer; and the tensor count."""
     import time
 
     import tessera.planner.calibrate as calibrate

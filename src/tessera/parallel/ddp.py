@@ -195,7 +195,9 @@ class DataParallel(nn.Module):
         self.hook_seconds = 0.0
         """Wall seconds this rank has spent in the gradient hooks (each gradient's copy into
         its bucket slot, the bookkeeping, the launches), summed until the caller sets it back
-        to 0: what ``plan calibrate`` prices the hooks from."""
+        to 0. It misses what autograd's dispatch of each hook and the copy's effect on the
+        backward around it cost, so ``plan calibrate`` prices the hooks from the backward's
+        whole CPU time instead; the local-truth bench reports it beside that."""
         self._sync = True
         self._params = [p for p in (module.parameters() if params is None else params)
                         if p.requires_grad]

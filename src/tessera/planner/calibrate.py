@@ -36,8 +36,8 @@ What is measured:
   (``ddp_tensor_us``, from tiny layers), and ZeRO-3's work per unit
   per micro-batch besides its collectives, over a one-rank group (``zero_unit_us`` from
   tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones); and the
-  rest of the hook's cost (its copy of each gradient into the bucket, the launch, and what
-  the copy slows the backward around it) as passes over the gradient bytes
+  rest of the hook's cost (its copy of each gradient into the bucket, and what the copy
+  slows the backward around it) as passes over the gradient bytes
   (``ddp_copy_passes``): the backward's thread CPU time of a one-layer model at the model's
   shapes and the user's micro-batch with the hooks inside ``no_sync()`` against the model
   unwrapped, in alternating training steps over several builds, less the fixed part;
