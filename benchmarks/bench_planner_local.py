@@ -32,6 +32,10 @@
    measure the rows the file lacks (before that flag it measured them silently, beside
    whatever else the machine was running). The overlap rows at micro-batch 2 are predicted with
    calibrations at micro-batch 2 (local_hardware_b2.toml, local_hardware_4_b2.toml).
+   Each row also says how often a prediction equal to its measured median would pass a repeat
+   of the run (``dp_cost.repeat_chance``, a bootstrap over the row's builds), and the table
+   how many rows such a right prediction would pass on average and how often all of them:
+   what the row's noise alone allows, to set the planner's count beside.
 
 There is no PyTorch-native peer here: the thing measured is the planner's prediction, and the
 reference is tessera's own measured step.
@@ -333,7 +337,7 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
     same run (dp_cost.py; target ±15%, OVERLAP_TARGET), and the exposed DP communication the
     runtime timestamps (every rank's waits on DP collective handles, averaged)
     against the planner's dp_exposed. Medians over pairs with their 95% intervals."""
-    from dp_cost import median_interval
+    from dp_cost import median_interval, repeat_chance
 
     if not cases:
         return []
@@ -342,13 +346,17 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
            "medians over pairs [95% interval]",
            f"{'layout':<24} {'measured ms':>11} {'interval':>13} {'in-run':>7} {'ratio':>6} "
            f"{'file':>6} {'ratio':>6} {'waits':>6} {'interval':>13} {'exposed':>7} "
-           f"{'all-red':>7} {'skew':>5} {'slowed':>6} {'hooks':>5}"]
+           f"{'all-red':>7} {'skew':>5} {'slowed':>6} {'hooks':>5} {'chance':>6}"]
     within = within_file = 0
+    all_chance, expected = 1.0, 0.0
     verdicts: dict[str, int] = {}
     for c in cases:
         r = c.paired
         inrun = inrun_hardware(hw_path_of(c), c)
         cost, lo, hi = median_interval(measured_cost(c, inrun), r.build)
+        chance = repeat_chance(measured_cost(c, inrun), r.build, OVERLAP_TARGET)
+        all_chance *= chance
+        expected += chance
         pred = predict_cost(c, inrun)
         from_file = predict_cost(c, hw_path_of(c))
         waits, wlo, whi = median_interval(r.waits_s, r.build)
@@ -368,12 +376,16 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
                    f"{1e3 * statistics.median(r.allreduce_s):>7.1f} "
                    f"{1e3 * statistics.median(r.skew_s):>5.1f} "
                    f"{1e3 * statistics.median(r.slowed_compute_s):>6.1f} "
-                   f"{f'{1e3 * statistics.median(r.hooks_s):.1f}' if r.hooks_s else '-':>5}"
-                   f"{mark}")
+                   f"{f'{1e3 * statistics.median(r.hooks_s):.1f}' if r.hooks_s else '-':>5} "
+                   f"{chance:>6.2f}{mark}")
     out.append(f"DP costs within ±15%: {within_file} of {len(cases)} with the calibration file, "
                f"{within} of {len(cases)} with the run's own link rates and jitter")
     out.append("what the intervals can say of the in-run ratio (interval_verdict): "
                + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
+    out.append(f"how often a right prediction would pass: all {len(cases)} rows in one run "
+               f"{all_chance:.2f} (the product of the chance column; rows measured apart); "
+               f"rows within ±15% on average {expected:.1f} of {len(cases)} (its sum), "
+               f"against the planner's {within} in-run")
     out.append("measured: DP step minus control step (where ranks time-share the cores, "
                "minus the slowest rank's control step: what N independent runs at once take, "
                "the control the planner predicts), median over pairs and its 95% interval; "
@@ -386,7 +398,11 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
                "gradients, timed in the run; skew: slowest rank's control step minus the mean; "
                "slowed: the DP step's compute actions minus the control's (DDP's hooks, ZeRO's "
                "copies, collectives' threads on the cores); hooks: of which DDP's gradient hooks "
-               "(DataParallel.hook_seconds; - where not recorded)")
+               "(DataParallel.hook_seconds; - where not recorded); chance: how often a "
+               "prediction equal to the measured median would be within ±15% of a repeat "
+               "run's median, from a "
+               "bootstrap over the row's builds (dp_cost.repeat_chance; optimistic: the "
+               "prediction's own inputs are noisy too)")
     return out
 
 

@@ -182,15 +182,34 @@ def by_build(values: list[float], build: list[int]) -> dict[int, list[float]]:
     return groups
 
 
+def bootstrap_medians(values: list[float], build: list[int] | None = None) -> list[float]:
+    """The median of `values` over CLUSTER_RESAMPLES resamples (with replacement, fixed seed)
+    of whole builds, sorted; without `build` (or with a single build), of single pairs."""
+    clusters = (list(by_build(values, build).values()) if build and len(set(build)) > 1
+                else [[v] for v in values])
+    rng = random.Random(0)
+    return sorted(statistics.median([v for c in rng.choices(clusters, k=len(clusters))
+                                     for v in c]) for _ in range(CLUSTER_RESAMPLES))
+
+
 def cluster_bootstrap(values: list[float], build: list[int]) -> tuple[float, float]:
     """The 2.5th and 97.5th percentiles of the median of `values` over resamples (with
     replacement) of whole builds."""
-    clusters = list(by_build(values, build).values())
-    rng = random.Random(0)
-    medians = sorted(statistics.median([v for c in rng.choices(clusters, k=len(clusters))
-                                        for v in c]) for _ in range(CLUSTER_RESAMPLES))
+    medians = bootstrap_medians(values, build)
     return (medians[int(0.025 * CLUSTER_RESAMPLES)],
             medians[int(0.975 * CLUSTER_RESAMPLES) - 1])
+
+
+def repeat_chance(values: list[float], build: list[int] | None, target: float) -> float:
+    """How often a prediction equal to the median of `values` would come within ±`target`
+    of the median a repeat of the run measures (predicted / measured − 1): the share of
+    bootstrap medians m (``bootstrap_medians``, the stand-in for a repeat's) with
+    |median / m − 1| ≤ target. Optimistic as a right model's chance of passing the row: it
+    leaves out the noise of the prediction's own inputs (the run's link rates), and a
+    bootstrap over a few dozen builds understates the spread of their medians."""
+    centre = statistics.median(values)
+    medians = bootstrap_medians(values, build)
+    return sum(m > 0 and abs(centre / m - 1) <= target for m in medians) / len(medians)
 
 
 class StepTimes(NamedTuple):
