@@ -353,8 +353,9 @@ def overlap_table(cases: list[Case], hw_path_of: Callable[[Case], str]) -> list[
     for c in cases:
         r = c.paired
         inrun = inrun_hardware(hw_path_of(c), c)
-        cost, lo, hi = median_interval(measured_cost(c, inrun), r.build)
-        chance = repeat_chance(measured_cost(c, inrun), r.build, OVERLAP_TARGET)
+        measured = measured_cost(c, inrun)
+        cost, lo, hi = median_interval(measured, r.build)
+        chance = repeat_chance(measured, r.build, OVERLAP_TARGET)
         all_chance *= chance
         expected += chance
         pred = predict_cost(c, inrun)
