@@ -2,6 +2,7 @@
 
     flock /tmp/tessera-bench.lock python benchmarks/dp_cost.py --dp 2 --zero-stage 3 \
         --micro-batch 2 [--blocks 20] [--block 4] [--rebuilds 2] [--same | --hooks-only]
+        [--grads-in-place]
 
 The question is the step time a DP layout pays for its collectives (DDP's bucket all-reduce,
 ZeRO-3's per-unit gathers and reduce-scatters, the scalar all-reduces of the loss and the norm)
@@ -27,6 +28,10 @@ percent for the whole build, as much as DDP costs a step at micro-batch 16, so t
 needs many builds. ``--same`` runs the method A/A (a second one-rank model in place of the
 DP model): its "cost" is the method's own bias. ``--hooks-only`` (DDP) runs the DP model's
 forward_backward inside ``no_sync()``: the gradient hooks without the all-reduce.
+``--grads-in-place`` (DDP) keeps the DP model's gradients as views of their buckets and
+zeroes the buckets in place before each step (torch DDP's ``gradient_as_bucket_view`` with
+``zero_grad(set_to_none=False)``): autograd then adds each new gradient into its slot and the
+hooks copy nothing. The control keeps the trainer's ``set_to_none``.
 
 Beside it, from the same run: the DP step's waits on collective handles
 (``Executor.last_comm_wait_s``: the runtime's timestamps) and how much longer its compute
@@ -227,12 +232,19 @@ class StepTimes(NamedTuple):
 
 
 def timed_step(executor, optimizer, batch, clip: float,
-               no_sync: tuple = ()) -> StepTimes:
+               no_sync: tuple = (), in_place: tuple = ()) -> StepTimes:
     """One training step as the trainer runs it (zero, forward + backward with the DP
     reduction, norm and clipping, AdamW). `no_sync`: DataParallel wrappers whose
-    ``no_sync()`` the forward_backward runs inside (the hooks copy, no bucket is reduced)."""
+    ``no_sync()`` the forward_backward runs inside (the hooks copy, no bucket is reduced).
+    `in_place`: DataParallel wrappers whose buckets are zeroed in place and whose parameters'
+    gradients are set back to their bucket views after the zeroing (no copy in the hooks)."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
+    for wrapper in in_place:
+        for bucket in wrapper.buckets:
+            bucket.flat.zero_()
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                p.grad = view
     with contextlib.ExitStack() as stack:
         for wrapper in no_sync:
             stack.enter_context(wrapper.no_sync())
@@ -248,7 +260,7 @@ def timed_step(executor, optimizer, batch, clip: float,
 
 def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                 warmup: int, rebuilds: int = 2, same: bool = False,
-                hooks_only: bool = False) -> dict:
+                hooks_only: bool = False, grads_in_place: bool = False) -> dict:
     """On each rank: build both models, alternate their steps, return this rank's times.
 
     The models are built `rebuilds` times, in turn DP first and control first, and each build
@@ -261,7 +273,8 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     collectives): an A/A run, whose cost measures the method's own bias. `hooks_only`: the DP
     model's forward_backward runs inside its DDP wrappers' ``no_sync()``: the gradient hooks
     copy every gradient into its bucket, no bucket is all-reduced (the loss's scalar
-    all-reduce still syncs the ranks): what the hooks cost the step without the collective."""
+    all-reduce still syncs the ranks): what the hooks cost the step without the collective.
+    `grads_in_place`: the DP model's DDP gradients stay bucket views, zeroed in place."""
     import gc
 
     from tessera.config import make_config
@@ -319,8 +332,10 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                 for _ in range(block):
                     dist.barrier()  # every rank starts the step together, as control runs would
                     hooks = hook_seconds(wrappers)
+                    dp = which == "dp"
                     step = timed_step(ex, opt, batch, clip,
-                                      tuple(wrappers) if hooks_only and which == "dp" else ())
+                                      tuple(wrappers) if hooks_only and dp else (),
+                                      tuple(wrappers) if grads_in_place and dp else ())
                     times[which].append((step, hook_seconds(wrappers) - hooks))
             timed = {name: timed_collective(op, size, 2, lambda: x @ w.t(), cores)
                      for name, op, size in (("allreduce_s", "all_reduce", bucket),
@@ -349,13 +364,14 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
 
 def measure_paired(dp: int, zero_stage: int, micro_batch: int, blocks: int = 20,
                    block: int = 4, warmup: int = 1, rebuilds: int = 2,
-                   same: bool = False, hooks_only: bool = False) -> PairedResult:
+                   same: bool = False, hooks_only: bool = False,
+                   grads_in_place: bool = False) -> PairedResult:
     """Run `paired_rank` on `dp` ranks (one thread each); average each pair over the ranks."""
     from tessera.testing import run_ranks
 
     per_rank = run_ranks(paired_rank, dp,
                          args=(zero_stage, micro_batch, blocks, block, warmup, rebuilds, same,
-                               hooks_only),
+                               hooks_only, grads_in_place),
                          timeout=120 + 4 * (blocks + rebuilds * warmup) * block,
                          start_method="spawn", collective_timeout=120)
     res = PairedResult(bucket_bytes=per_rank[0]["bucket_bytes"],
@@ -385,14 +401,18 @@ def main() -> None:
     ap.add_argument("--hooks-only", action="store_true",
                     help="DDP's hooks without its all-reduce: the DP model's forward_backward "
                          "inside no_sync() (zero stage 0 only)")
+    ap.add_argument("--grads-in-place", action="store_true",
+                    help="the DP model's DDP gradients stay bucket views, zeroed in place "
+                         "each step, so the hooks copy nothing (zero stage 0 only)")
     ap.add_argument("--json", help="also write every pair to this file (PairedResult fields)")
     args = ap.parse_args()
-    if args.hooks_only and (args.zero_stage != 0 or args.same):
-        ap.error(f"--hooks-only needs DDP (--zero-stage 0, not --same); got --zero-stage "
-                 f"{args.zero_stage}{' --same' if args.same else ''}")
+    for flag, on in (("--hooks-only", args.hooks_only), ("--grads-in-place", args.grads_in_place)):
+        if on and (args.zero_stage != 0 or args.same):
+            ap.error(f"{flag} needs DDP (--zero-stage 0, not --same); got --zero-stage "
+                     f"{args.zero_stage}{' --same' if args.same else ''}")
     r = measure_paired(args.dp, args.zero_stage, args.micro_batch, args.blocks,
                        args.block, rebuilds=args.rebuilds, same=args.same,
-                       hooks_only=args.hooks_only)
+                       hooks_only=args.hooks_only, grads_in_place=args.grads_in_place)
     print("\n".join(summary(r)))
     if args.json:
         Path(args.json).write_text(json.dumps(r.to_dict()))
