@@ -1,8 +1,8 @@
 """What data parallelism costs a step, measured with its control inside the same run.
 
     flock /tmp/tessera-bench.lock python benchmarks/dp_cost.py --dp 2 --zero-stage 3 \
-        --micro-batch 2 [--blocks 20] [--block 4] [--rebuilds 2] [--same | --hooks-only]
-        [--grads-in-place]
+        --micro-batch 2 [--blocks 20] [--block 4] [--rebuilds 2]
+        [--same [--aa {built,shared-params,one-model}] | --hooks-only | --grads-in-place]
 
 The question is the step time a DP layout pays for its collectives (DDP's bucket all-reduce,
 ZeRO-3's per-unit gathers and reduce-scatters, the scalar all-reduces of the loss and the norm)
@@ -23,10 +23,17 @@ over pairs (the i-th step of a DP block and of the control block beside it) of (
 control step), averaged over the ranks: the machine's drift is common to the two and cancels.
 The two models are built ``rebuilds`` times (default 2; bench_planner_local.py builds them
 again every 2 measured blocks), in turn DP first and control first, each build running its
-share of the blocks: where a model's tensors land in memory moves its step time by a few
-percent for the whole build, as much as DDP costs a step at micro-batch 16, so the estimate
-needs many builds. ``--same`` runs the method A/A (a second one-rank model in place of the
-DP model): its "cost" is the method's own bias. ``--hooks-only`` (DDP) runs the DP model's
+share of the blocks. A build's pairs ran in the same ten-odd seconds of the run and share the
+host's speed in them: on this shared VM a step's time moves by up to ±20% for seconds at a
+time, which cancels only in part between a DP block and the control block ~2 s away. So a
+build's pairs are not independent, and the estimate needs many builds. (The first reading
+was that where a build's tensors land moved its steps; an A/A run with one model in both
+places spreads by build as much: docs/planner.md, Twenty-second run.) ``--same`` runs the
+method A/A (a second one-rank model in place of the DP model): its "cost" is the method's
+own bias. ``--aa`` says what that second model is: ``built`` (default) a model built beside
+the control, ``shared-params`` one whose parameters are the control's own tensors,
+``one-model`` the control's model itself, run in both places (so nothing differs between the
+two steps of a pair but when they ran). ``--hooks-only`` (DDP) runs the DP model's
 forward_backward inside ``no_sync()``: the gradient hooks without the all-reduce.
 ``--grads-in-place`` (DDP) keeps the DP model's gradients as views of their buckets and
 zeroes the buckets in place before each step (torch DDP's ``gradient_as_bucket_view`` with
@@ -43,10 +50,11 @@ gradients and the all-gather and reduce-scatter of one block's parameters, each 
 matmul as ``plan calibrate`` times them, so that the planner can be given the link rates of
 this run (``bench_planner_local.inrun_hardware``); and how much of the DP step's excess is
 in its ``forward_backward`` call and how much in the rest of the step, and how much more
-thread CPU time that call took (more work, where a wait or a preemption adds none).
+thread CPU time that call took (a wait or a preemption adds none; more work, or the same work
+in seconds when the host runs this VM's threads slower, does).
 
 The interval printed beside a median is a 95% interval of the median: with several builds, a
-bootstrap that resamples whole builds (their pairs share the build's luck); with one, the
+bootstrap that resamples whole builds (their pairs share the build's seconds); with one, the
 distribution-free interval of independent samples (order statistics n/2 ± 0.98·√n).
 """
 
@@ -162,9 +170,9 @@ def median_interval(values: list[float],
 
     Without `build` (or with one build): the distribution-free interval of independent
     samples (the binomial order statistics n/2 ± 0.98·√n, i.e. ±1.96 standard deviations of
-    Binomial(n, 1/2)). With the build each pair ran in: pairs of one build share where the
-    two models' tensors landed, which moves a model's step by a few percent for the whole
-    build, so they are not independent; the interval is then the 2.5th-97.5th percentile of
+    Binomial(n, 1/2)). With the build each pair ran in: pairs of one build ran in the same
+    few seconds and share the host's speed in them (module docstring), so they are not
+    independent; the interval is then the 2.5th-97.5th percentile of
     the median over a bootstrap that resamples whole builds (CLUSTER_RESAMPLES, fixed seed)."""
     if build and len(set(build)) > 1:
         return statistics.median(values), *cluster_bootstrap(values, build)
@@ -231,6 +239,18 @@ class StepTimes(NamedTuple):
     """the forward_backward call in this thread's CPU time"""
 
 
+AA_MODES = ("built", "shared-params", "one-model")
+"""What an A/A run's second one-rank model is (``paired_rank``'s `aa`)."""
+
+
+def share_parameters(dst, src) -> None:
+    """Make `dst`'s parameters views of `src`'s tensors (same storage, same values), so two
+    models of the same shape step the same weights from the same memory. Each keeps its own
+    optimizer state and its own gradients."""
+    for p_dst, p_src in zip(dst.parameters(), src.parameters(), strict=True):
+        p_dst.data = p_src.data
+
+
 def timed_step(executor, optimizer, batch, clip: float,
                no_sync: tuple = (), in_place: tuple = ()) -> StepTimes:
     """One training step as the trainer runs it (zero, forward + backward with the DP
@@ -260,7 +280,8 @@ def timed_step(executor, optimizer, batch, clip: float,
 
 def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                 warmup: int, rebuilds: int = 2, same: bool = False,
-                hooks_only: bool = False, grads_in_place: bool = False) -> dict:
+                hooks_only: bool = False, grads_in_place: bool = False,
+                aa: str = "built") -> dict:
     """On each rank: build both models, alternate their steps, return this rank's times.
 
     The models are built `rebuilds` times, in turn DP first and control first, and each build
@@ -274,7 +295,8 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     model's forward_backward runs inside its DDP wrappers' ``no_sync()``: the gradient hooks
     copy every gradient into its bucket, no bucket is all-reduced (the loss's scalar
     all-reduce still syncs the ranks): what the hooks cost the step without the collective.
-    `grads_in_place`: the DP model's DDP gradients stay bucket views, zeroed in place."""
+    `grads_in_place`: the DP model's DDP gradients stay bucket views, zeroed in place.
+    `aa` (with `same`): AA_MODES, what the second one-rank model is."""
     import gc
 
     from tessera.config import make_config
@@ -323,6 +345,10 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
         gc.collect()  # the previous build's tensors go back before this one allocates
         for which in (("dp", "control") if k % 2 == 0 else ("control", "dp")):
             models[which] = build(dp_world if which == "dp" else 1)
+        if same and aa == "one-model":
+            models["dp"] = models["control"]
+        elif same and aa == "shared-params":
+            share_parameters(models["dp"][0], models["control"][0])
         bucket = 4 * sum(p.numel() for p in models["control"][0].parameters())
         unit = bucket // cfg.model.n_layers
         for i in range(warmup + share[k]):
@@ -365,13 +391,13 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
 def measure_paired(dp: int, zero_stage: int, micro_batch: int, blocks: int = 20,
                    block: int = 4, warmup: int = 1, rebuilds: int = 2,
                    same: bool = False, hooks_only: bool = False,
-                   grads_in_place: bool = False) -> PairedResult:
+                   grads_in_place: bool = False, aa: str = "built") -> PairedResult:
     """Run `paired_rank` on `dp` ranks (one thread each); average each pair over the ranks."""
     from tessera.testing import run_ranks
 
     per_rank = run_ranks(paired_rank, dp,
                          args=(zero_stage, micro_batch, blocks, block, warmup, rebuilds, same,
-                               hooks_only, grads_in_place),
+                               hooks_only, grads_in_place, aa),
                          timeout=120 + 4 * (blocks + rebuilds * warmup) * block,
                          start_method="spawn", collective_timeout=120)
     res = PairedResult(bucket_bytes=per_rank[0]["bucket_bytes"],
@@ -398,6 +424,10 @@ def main() -> None:
                     help="builds of the two models, alternating which is built first")
     ap.add_argument("--same", action="store_true",
                     help="A/A: the 'DP' model is a second one-rank model (the method's bias)")
+    ap.add_argument("--aa", choices=AA_MODES, default="built",
+                    help="with --same: the second model is built beside the control (built), "
+                         "shares its parameter tensors (shared-params), or is the control's "
+                         "model itself (one-model)")
     ap.add_argument("--hooks-only", action="store_true",
                     help="DDP's hooks without its all-reduce: the DP model's forward_backward "
                          "inside no_sync() (zero stage 0 only)")
@@ -410,9 +440,12 @@ def main() -> None:
         if on and (args.zero_stage != 0 or args.same):
             ap.error(f"{flag} needs DDP (--zero-stage 0, not --same); got --zero-stage "
                      f"{args.zero_stage}{' --same' if args.same else ''}")
+    if args.aa != "built" and not args.same:
+        ap.error(f"--aa {args.aa} needs --same (an A/A run)")
     r = measure_paired(args.dp, args.zero_stage, args.micro_batch, args.blocks,
                        args.block, rebuilds=args.rebuilds, same=args.same,
-                       hooks_only=args.hooks_only, grads_in_place=args.grads_in_place)
+                       hooks_only=args.hooks_only, grads_in_place=args.grads_in_place,
+                       aa=args.aa)
     print("\n".join(summary(r)))
     if args.json:
         Path(args.json).write_text(json.dumps(r.to_dict()))
