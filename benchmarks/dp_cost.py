@@ -24,8 +24,8 @@ control step), averaged over the ranks: the machine's drift is common to the two
 The two models are built ``rebuilds`` times (default 2; bench_planner_local.py builds them
 again every 2 measured blocks), in turn DP first and control first, each build running its
 share of the blocks. A build's pairs ran in the same ten-odd seconds of the run and share the
-host's speed in them: on this shared VM a step's time moves by up to ±20% for seconds at a
-time, which cancels only in part between a DP block and the control block ~2 s away. So a
+host's speed in them: on this shared VM a step's time jumps by tens of percent for seconds at
+a time, which cancels only in part between a DP block and the control block ~2 s away. So a
 build's pairs are not independent, and the estimate needs many builds. (The first reading
 was that where a build's tensors land moved its steps; an A/A run with one model in both
 places spreads by build as much: docs/planner.md, Twenty-second run.) ``--same`` runs the
