@@ -5,6 +5,7 @@ models on one set of weights, each with its own gradients and optimizer state.""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,10 +70,12 @@ def test_shared_params_share_the_weights_not_the_gradients_or_optimizer_state():
     assert all(not torch.equal(p, q) for p, q in zip(a.parameters(), before, strict=True))
     assert all(p.grad is None for p in a.parameters())  # ... and b's own gradients
     assert all(p.grad is not None for p in b.parameters())
+    own = {id(p) for p in b.parameters()}  # b's Parameter objects, not a's, hold the state
+    assert opt_b.state and all(id(p) in own for p in opt_b.state)
+    assert not any(id(p) in own for p in a.parameters())
 
 
 def test_aa_modes_other_than_built_need_same():
-    import subprocess
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "dp_cost.py"
     res = subprocess.run([sys.executable, str(script), "--aa", "one-model"],
                          capture_output=True, text=True, timeout=60)
