@@ -4,6 +4,9 @@ benchmarks/bench_planner_local.py (timings do not belong in tests)."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 from typer.testing import CliRunner
 
@@ -65,7 +68,6 @@ def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkey
     """A CPU run's planner line uses the file `tessera plan calibrate` wrote (runs/), else the
     repository's calibration, said so, else none. Before: only the repository's file, so a
     user's own calibration was never read."""
-    import dataclasses
 
     import torch
 
@@ -95,7 +97,6 @@ def test_training_summary_prices_with_the_runs_rank_count(tmp_path, monkeypatch)
     two-rank file, saying so. Before: always the two-rank file, whose collectives' α and β
     and jitter were measured by 2 processes (at 4 ranks on 2 cores gloo's latency is several
     times the 2-rank figure)."""
-    import dataclasses
 
     import torch
 
@@ -144,7 +145,6 @@ def test_plan_prints_small_parameter_counts():
 def _jitter_with_sleeps(extra_s: float, base_s: float) -> tuple[float, float]:
     """calibrate.jitter on this rank with the block step replaced by a sleep of base_s, plus
     extra_s on rank 1."""
-    import time
 
     import torch.distributed as dist
 
@@ -199,7 +199,6 @@ def test_sync_idle_seconds_counts_only_the_cores_arrivals_leave_idle():
 def _collective_after_a_late_rank(late_s: float, cores: int) -> float:
     """timed_collective's all-reduce of 4 KiB with rank 1 arriving `late_s` after rank 0 (a
     sleep, which leaves the core to other processes as a time-shared rank's turn does)."""
-    import time
 
     import torch.distributed as dist
 
@@ -258,7 +257,6 @@ def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, m
     jitter's stretches depend on it), and a run at another micro-batch says so, naming the
     command that measures its own. Before: nothing told them apart (make demo at micro-batch
     8 read 0.72x with a calibration at 16 and 2 ranks, 0.96x with one at 8 and 4 ranks)."""
-    import dataclasses
 
     import torch
 
@@ -279,31 +277,48 @@ def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, m
     assert planner_prediction(at_16, 4, cpu)[1] == "runs/local_hardware_4.toml"
 
 
-def _copy_seconds_with_unseen_hook_work(burn_s: float) -> tuple[float, int]:
-    """calibrate.ddp_copy_passes on the tiny model, in seconds (bandwidth 1 byte/s and no
-    fixed part, so passes × gradient bytes is what the hooks add to a backward), with
-    DataParallel's hook preceded by `burn_s` of this thread's CPU time per gradient, outside
-    the hooks' own timer; and the tensor count."""
-    import time
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
+
+def _ddp_step_seconds_with(where: str, seconds: float) -> tuple[float, int]:
+    """calibrate.ddp_copy_passes on the tiny model, in seconds ((passes + 2) × gradient bytes
+    / bandwidth with no fixed part: what DataParallel adds to a step besides its waits), with
+    `seconds` more in DataParallel at `where`: "hook" (this thread's CPU before each
+    gradient's hook, outside the hooks' own timer), "after" (CPU after the gradient sync's
+    wait) or "wait" (a sleep inside a timed wait on the bucket); and the tensor count."""
     import tessera.planner.calibrate as calibrate
     from tessera.model import build_model
     from tessera.parallel.ddp import DataParallel
 
-    timed = DataParallel._on_grad_ready
+    hook, finish = DataParallel._on_grad_ready, DataParallel.finish_gradient_sync
 
     def burn_then_hook(self, p):
-        end = time.thread_time() + burn_s
-        while time.thread_time() < end:
-            pass
-        timed(self, p)
+        _burn(seconds)
+        hook(self, p)
 
-    DataParallel._on_grad_ready = burn_then_hook
+    def finish_then(self):
+        finish(self)
+        if where == "after":
+            _burn(seconds)
+        else:
+            with self.comm_log.wait("bucket0"):
+                time.sleep(seconds)
+
+    if where == "hook":
+        DataParallel._on_grad_ready = burn_then_hook
+    else:
+        DataParallel.finish_gradient_sync = finish_then
     spec = load_model("tiny")
-    params = list(build_model(calibrate._block_config(spec, 32)).parameters())
+    cfg = dataclasses.replace(calibrate._block_config(spec, 32),
+                              n_layers=min(spec.layers, calibrate.DDP_LAYERS))
+    params = list(build_model(cfg).parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    passes = calibrate.ddp_copy_passes(spec, 32, 2, 1.0, 0.0, builds=2, pairs=6)
-    return passes * grad_bytes, len(params)
+    bandwidth = 1e12  # the division's 2 passes it leaves out are then ~0 s
+    passes = calibrate.ddp_copy_passes(spec, 32, 2, bandwidth, 0.0, builds=2, pairs=6)
+    return (passes + 2) * grad_bytes / bandwidth, len(params)
 
 
 @pytest.mark.multiprocess
@@ -311,11 +326,28 @@ def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees():
     # Before: the copy's cost came from DataParallel.hook_seconds, the hooks' own timer, which
     # misses what autograd's dispatch of each hook and the copy's effect on the backward cost
     # around it. Work added to every hook outside that timer must show in full: 2 ms of thread
-    # CPU per gradient. The tiny model's backward takes a few ms; its scatter between two
+    # CPU per gradient. The tiny model's step takes a few ms; its scatter between two
     # steps is well under a millisecond, against the 2 ms × tensors (~24 ms) injected.
     from tessera.testing import run_ranks
 
-    plain = run_ranks(_copy_seconds_with_unseen_hook_work, 2, args=(0.0,), timeout=120)
-    burnt = run_ranks(_copy_seconds_with_unseen_hook_work, 2, args=(2e-3,), timeout=120)
+    plain = run_ranks(_ddp_step_seconds_with, 2, args=("hook", 0.0), timeout=120)
+    burnt = run_ranks(_ddp_step_seconds_with, 2, args=("hook", 2e-3), timeout=120)
     for (base, tensors), (with_burn, _) in zip(plain, burnt, strict=True):
         assert with_burn - base == pytest.approx(2e-3 * tensors, rel=0.1)
+
+
+@pytest.mark.multiprocess
+def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait():
+    # The backward alone inside no_sync(), which ddp_copy_passes timed before, left out what
+    # the gradient sync does after its wait (flags, re-pointed gradients, the optimizer over
+    # the bucket's views). 20 ms of CPU there must show in full (the step's scatter is well
+    # under 1 ms: 10%); 20 ms more spent waiting on a bucket must not show at all (the
+    # planner prices the waits as the all-reduce and the straggler), within the same 2 ms.
+    from tessera.testing import run_ranks
+
+    plain = run_ranks(_ddp_step_seconds_with, 2, args=("hook", 0.0), timeout=120)
+    after = run_ranks(_ddp_step_seconds_with, 2, args=("after", 20e-3), timeout=120)
+    waited = run_ranks(_ddp_step_seconds_with, 2, args=("wait", 20e-3), timeout=120)
+    for (base, _), (with_after, _), (with_wait, _) in zip(plain, after, waited, strict=True):
+        assert with_after - base == pytest.approx(20e-3, abs=2e-3)
+        assert with_wait - base == pytest.approx(0.0, abs=2e-3)

@@ -36,11 +36,13 @@ What is measured:
   (``ddp_tensor_us``, from tiny layers), and ZeRO-3's work per unit
   per micro-batch besides its collectives, over a one-rank group (``zero_unit_us`` from
   tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones); and the
-  rest of the hook's cost (its copy of each gradient into the bucket, and what the copy
-  slows the backward around it) as passes over the gradient bytes
-  (``ddp_copy_passes``): the backward's thread CPU time of a one-layer model at the model's
-  shapes and the user's micro-batch with the hooks inside ``no_sync()`` against the model
-  unwrapped, in alternating training steps over several builds, less the fixed part;
+  rest of what DataParallel adds to a step besides its waits (each gradient's copy into the
+  bucket and what it slows the backward around it, the launch, gloo's thread on the core
+  while the all-reduce is in flight, the work after the wait) as passes over the gradient
+  bytes (``ddp_copy_passes``): whole training steps of a model at the model's shapes (up to
+  four layers) and the user's micro-batch, DataParallel with its gradients reduced against
+  the model unwrapped, in blocks of steps over several builds, less the waits, the fixed
+  part and the division by dp (priced on its own);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -81,7 +83,6 @@ are wall times after a ``torch.cuda.synchronize()``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
@@ -433,12 +434,11 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
                    bandwidth: float) -> tuple[float, float]:
     """tessera's DataParallel gradient hook, as (seconds per parameter tensor beyond its
     copy's traffic: the slot lookup, the re-pointed gradient, the used flag; passes over the
-    gradient bytes at `bandwidth` bytes/s of the rest: the copy into the bucket and what it
-    slows the backward around it).
+    gradient bytes at `bandwidth` bytes/s of the rest of what DataParallel adds to a step
+    besides its waits and the division by dp: :func:`ddp_copy_passes`).
     The fixed part: a chain of 32 tiny (8×8) layers under DataParallel over the default group
     inside ``no_sync()`` (the hooks run, no bucket is launched) against the chain unwrapped,
-    per tensor. The rest: :func:`ddp_copy_passes`, what the hooks add to the backward of a
-    one-layer model at the user's micro-batch in training steps, less that fixed part. On a
+    per tensor. On a
     GPU the hook only queues the copy, which runs at the streaming rate: 2 passes. (0, 2) on
     one rank, where nothing is wrapped. Every rank of the default group must call it
     (the wrappers broadcast the weights)."""
@@ -458,21 +458,46 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
     return fixed, ddp_copy_passes(spec, seq, micro_batch, bandwidth, fixed)
 
 
+DDP_LAYERS = 4
+"""Layers (at most) of the model ``ddp_copy_passes`` times: the hooks' per-byte cost holds
+from one layer to four (docs/planner.md, What DDP at dp 2 misses), but the cost of one layer
+(~1 ms at micro-batch 16) is within the step's wall-time noise; four give ~4x the signal."""
+
+
+DDP_BLOCK = 4
+"""Steps of one model in a row in ``ddp_copy_passes``, the first dropped (it finds the other
+model's tensors in the caches), as training runs one model step after step: a model
+alternated with another every step runs both ~40% slower (benchmarks/dp_cost.py)."""
+
+
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
-                    per_tensor: float, builds: int = 4, pairs: int = 30) -> float:
-    """Passes over the gradient bytes, at `bandwidth` bytes/s, that DataParallel's hooks
-    cost the backward beyond `per_tensor` seconds per parameter tensor (``ddp_tensor_us``:
-    the hook's fixed part, measured from outside on tiny layers), where training runs them:
-    a one-layer model at `spec`'s shapes (embedding, one block, head) on `micro_batch` ×
-    `seq` tokens, its backward's thread CPU time wrapped in DataParallel over the default
-    group inside ``no_sync()`` (every fresh gradient copied into its bucket slot, nothing
-    reduced) against the same model unwrapped, in alternating training steps (clipping and
-    AdamW between backwards, as the trainer leaves the caches); the median over `builds`
-    fresh pairs of models × `pairs` steps each. The whole cost, not the hooks' own timer
-    (``DataParallel.hook_seconds``): a copy into the bucket slows the backward around it,
-    which that timer never sees (here ~2.5× its reading at micro-batch 16 and 2 alike;
-    several builds because one build's placement moves its median by ~±0.5 ms at 16). Every
-    rank of the default group must call it (the wrappers broadcast the weights)."""
+                    per_tensor: float, builds: int = 4, pairs: int = 20) -> float:
+    """Passes over the gradient bytes, at `bandwidth` bytes/s, of what tessera's DataParallel
+    adds to a training step besides its waits on the all-reduce, its fixed `per_tensor`
+    seconds per parameter tensor (``ddp_tensor_us``, measured from outside on tiny layers)
+    and the division of the buckets by dp after the wait (2 passes, priced on its own by
+    ``cost.ddp_bucket_time``): each fresh gradient's copy into its bucket slot and what that
+    copy slows the backward around it, the bucket's launch inside the last hook, gloo's
+    thread taking the core while the all-reduce is in flight, and the work after the wait
+    (the used flags, the gradients re-pointed; clipping and AdamW over the bucket's views).
+    Measured where training runs it: a model of `spec`'s shapes with up to DDP_LAYERS layers
+    on `micro_batch` × `seq` tokens, whole training steps (forward, backward, gradient sync,
+    clipping, AdamW) wrapped in DataParallel over the default group with the gradients
+    reduced, against the same model unwrapped, in blocks of DDP_BLOCK steps of each (the
+    order alternating); per pair the wrapped step less
+    its waits on the buckets (``DataParallel.comm_log``) less the plain step; the median over
+    `builds` fresh pairs of models × `pairs` steps each. Wall time where every rank has a
+    core (what the in-flight all-reduce costs the step is wall time, not the rank's own
+    thread's CPU); where the ranks time-share fewer cores, this thread's CPU time (the
+    planner counts all the ranks' work over the cores: ``cost.shared_cpu_bound``), in which
+    the blocking waits cost ~nothing. The whole cost, not the hooks' own timer
+    (``DataParallel.hook_seconds``), which misses most of it; nor the backward alone inside
+    ``no_sync()``, which this replaced: it left out the launch, the all-reduce in flight and
+    the work after the wait, and priced DDP at dp 2 at 0.66-0.91 of its measured cost
+    (docs/planner.md, What DDP at dp 2 misses). Every rank of the
+    default group must call it (the wrappers broadcast the weights, the steps reduce)."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from tessera.config import TrainConfig
@@ -480,39 +505,48 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     from tessera.optim import adamw
     from tessera.parallel.ddp import DataParallel
 
-    cfg = _block_config(spec, seq)  # one layer
+    cfg = dataclasses.replace(_block_config(spec, seq), n_layers=min(spec.layers, DDP_LAYERS))
     train = TrainConfig(micro_batch_size=micro_batch, precision="fp32")
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
                            generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    cores = os.cpu_count() or 1
+    clock = time.thread_time if dist.get_world_size() > cores else _wall_clock
 
-    def backward_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                         hooks: bool) -> float:
+    def step_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        """One training step's seconds on `clock`, less its waits on DataParallel's buckets."""
         optimizer.zero_grad(set_to_none=True)  # fresh gradients, as the trainer leaves them
-        loss = cross_entropy(model(x), y)
-        start = time.thread_time()
-        with model.no_sync() if hooks else contextlib.nullcontext():
-            loss.backward()
-        seconds = time.thread_time() - start
+        log = getattr(model, "comm_log", None)
+        if log is not None:
+            log.clear()
+        start = clock()
+        cross_entropy(model(x), y).backward()
+        if log is not None:
+            model.finish_gradient_sync()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
+        seconds = clock() - start
+        if log is not None and clock is _wall_clock:
+            seconds -= log.exposed()
         return seconds
 
     extra = []
     for build in range(builds):
         plain = build_model(cfg, seed=build)
         wrapped = DataParallel(build_model(cfg, seed=build), dist.group.WORLD)
-        plain_opt, wrapped_opt = adamw(plain.parameters(), train), adamw(wrapped.parameters(),
-                                                                          train)
-        for i in range(2 + pairs):
-            base = backward_seconds(plain, plain_opt, hooks=False)
-            with_hooks = backward_seconds(wrapped, wrapped_opt, hooks=True)
-            if i >= 2:
-                extra.append(with_hooks - base)
+        models = [(plain, adamw(plain.parameters(), train)),
+                  (wrapped, adamw(wrapped.parameters(), train))]
+        for block in range(-(-pairs // (DDP_BLOCK - 1)) + 1):
+            order = models if block % 2 == 0 else models[::-1]
+            times = {id(m): [step_seconds(m, opt) for _ in range(DDP_BLOCK)][1:]
+                     for m, opt in order}
+            if block > 0:  # the first blocks warm both up
+                extra += [w - b for w, b in zip(times[id(wrapped)], times[id(plain)],
+                                                strict=True)]
     params = [p for p in plain.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     rest = statistics.median(extra) - len(params) * per_tensor
-    return max(0.0, rest) * bandwidth / grad_bytes
+    return max(0.0, rest * bandwidth / grad_bytes - 2)
 
 
 def op_overhead() -> float:

@@ -1189,7 +1189,7 @@ def ddp_bucket_time(hw: Hardware, grad_bytes: float, tensors: int) -> float:
     freshly allocated gradient copied into its slot during backward by a per-tensor hook (the
     trainer zeroes gradients with set_to_none, as torch DDP's bucket views are also refilled
     by a copy: ``ddp_copy_passes`` over every gradient byte, 2 unless calibrate measured it,
-    where it also holds the bucket's launch)
+    where it also holds the launch, the all-reduce in flight and the work after the wait)
     and the buckets divided by dp after the wait (a read and a write of every byte), plus the
     hook's fixed cost per tensor (``ddp_tensor_us`` where calibrate measured it, else
     OPS_PER_TENSOR_BUCKET kernels). Compute cannot hide it: it runs on the rank's own

@@ -128,12 +128,14 @@ class Hardware:
     (the slot lookup, the re-pointed gradient, the used flag), which calibrate measures on a
     CPU. 0: OPS_PER_TENSOR_BUCKET kernels at op_overhead_us each."""
     ddp_copy_passes: float = 2.0
-    """Passes over the gradient bytes, at the memory bandwidth, of the rest of that hook's
-    cost (its copy of each fresh gradient into the bucket slot, and what that copy slows the
-    backward around it): 2 (a read and a write) for a plain copy; calibrate measures it on a
-    CPU as what the hooks add to a backward's CPU time in training steps at the user's
-    micro-batch, where the copy of a gradient just written by backward runs slower than a
-    streaming copy, and slower the larger the micro-batch."""
+    """Passes over the gradient bytes, at the memory bandwidth, of the rest of what
+    DataParallel adds to a step besides its waits and the division by dp (each fresh
+    gradient's copy into its bucket slot and what that copy slows the backward around it,
+    the launch, the all-reduce in flight, the work after the wait): 2 (a read and a write)
+    for a plain copy; calibrate measures it on a CPU as what DataParallel adds to whole
+    training steps at the user's micro-batch, less the waits (``calibrate.ddp_copy_passes``),
+    where the copy of a gradient just written by backward runs slower than a streaming copy,
+    and slower the larger the micro-batch."""
     elementwise_passes: float = 2.0
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
