@@ -438,10 +438,9 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
     besides its waits and the division by dp: :func:`ddp_copy_passes`).
     The fixed part: a chain of 32 tiny (8×8) layers under DataParallel over the default group
     inside ``no_sync()`` (the hooks run, no bucket is launched) against the chain unwrapped,
-    per tensor. On a
-    GPU the hook only queues the copy, which runs at the streaming rate: 2 passes. (0, 2) on
-    one rank, where nothing is wrapped. Every rank of the default group must call it
-    (the wrappers broadcast the weights)."""
+    per tensor. On a GPU the hook only queues the copy, which runs at the streaming rate: 2
+    passes. (0, 2) on one rank, where nothing is wrapped. Every rank of the default group
+    must call it (the wrappers broadcast the weights)."""
     import torch.distributed as dist
 
     from tessera.parallel.ddp import DataParallel
@@ -484,9 +483,9 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     on `micro_batch` × `seq` tokens, whole training steps (forward, backward, gradient sync,
     clipping, AdamW) wrapped in DataParallel over the default group with the gradients
     reduced, against the same model unwrapped, in blocks of DDP_BLOCK steps of each (the
-    order alternating); per pair the wrapped step less
-    its waits on the buckets (``DataParallel.comm_log``) less the plain step; the median over
-    `builds` fresh pairs of models × `pairs` steps each. Wall time where every rank has a
+    order alternating); per pair the wrapped step less its waits on the buckets
+    (``DataParallel.comm_log``) less the plain step; the median over `builds` fresh pairs of
+    models × ~`pairs` steps each. Wall time where every rank has a
     core (what the in-flight all-reduce costs the step is wall time, not the rank's own
     thread's CPU); where the ranks time-share fewer cores, this thread's CPU time (the
     planner counts all the ranks' work over the cores: ``cost.shared_cpu_bound``), in which
@@ -494,8 +493,8 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     (``DataParallel.hook_seconds``), which misses most of it; nor the backward alone inside
     ``no_sync()``, which this replaced: it left out the launch, the all-reduce in flight and
     the work after the wait, and priced DDP at dp 2 at 0.66-0.91 of its measured cost
-    (docs/planner.md, What DDP at dp 2 misses). Every rank of the
-    default group must call it (the wrappers broadcast the weights, the steps reduce)."""
+    (docs/planner.md, What DDP at dp 2 misses). Every rank of the default group must call it
+    (the wrappers broadcast the weights, the steps reduce)."""
     import dataclasses
 
     import torch.distributed as dist
