@@ -321,8 +321,17 @@ def _ddp_step_seconds_with(where: str, seconds: float) -> tuple[float, int]:
     return (passes + 2) * grad_bytes / bandwidth, len(params)
 
 
+@pytest.fixture(scope="module")
+def ddp_step_baseline():
+    """_ddp_step_seconds_with nothing added (the hook wrapped, burning 0 s), per rank: the
+    baseline both DDP tests subtract."""
+    from tessera.testing import run_ranks
+
+    return run_ranks(_ddp_step_seconds_with, 2, args=("hook", 0.0), timeout=120)
+
+
 @pytest.mark.multiprocess
-def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees():
+def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees(ddp_step_baseline):
     # Before: the copy's cost came from DataParallel.hook_seconds, the hooks' own timer, which
     # misses what autograd's dispatch of each hook and the copy's effect on the backward cost
     # around it. Work added to every hook outside that timer must show in full: 2 ms of thread
@@ -330,14 +339,13 @@ def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees():
     # steps is well under a millisecond, against the 2 ms × tensors (~24 ms) injected.
     from tessera.testing import run_ranks
 
-    plain = run_ranks(_ddp_step_seconds_with, 2, args=("hook", 0.0), timeout=120)
     burnt = run_ranks(_ddp_step_seconds_with, 2, args=("hook", 2e-3), timeout=120)
-    for (base, tensors), (with_burn, _) in zip(plain, burnt, strict=True):
+    for (base, tensors), (with_burn, _) in zip(ddp_step_baseline, burnt, strict=True):
         assert with_burn - base == pytest.approx(2e-3 * tensors, rel=0.1)
 
 
 @pytest.mark.multiprocess
-def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait():
+def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait(ddp_step_baseline):
     # The backward alone inside no_sync(), which ddp_copy_passes timed before, left out what
     # the gradient sync does after its wait (flags, re-pointed gradients, the optimizer over
     # the bucket's views). 20 ms of CPU there must show in full (the step's scatter is well
@@ -345,9 +353,9 @@ def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait():
     # planner prices the waits as the all-reduce and the straggler), within the same 2 ms.
     from tessera.testing import run_ranks
 
-    plain = run_ranks(_ddp_step_seconds_with, 2, args=("hook", 0.0), timeout=120)
     after = run_ranks(_ddp_step_seconds_with, 2, args=("after", 20e-3), timeout=120)
     waited = run_ranks(_ddp_step_seconds_with, 2, args=("wait", 20e-3), timeout=120)
-    for (base, _), (with_after, _), (with_wait, _) in zip(plain, after, waited, strict=True):
+    for (base, _), (with_after, _), (with_wait, _) in zip(ddp_step_baseline, after, waited,
+                                                          strict=True):
         assert with_after - base == pytest.approx(20e-3, abs=2e-3)
         assert with_wait - base == pytest.approx(0.0, abs=2e-3)

@@ -509,24 +509,24 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
                            generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    cores = os.cpu_count() or 1
-    clock = time.thread_time if dist.get_world_size() > cores else _wall_clock
+    shared = dist.get_world_size() > (os.cpu_count() or 1)  # ranks time-share the cores
+    clock = time.thread_time if shared else _wall_clock
 
     def step_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
         """One training step's seconds on `clock`, less its waits on DataParallel's buckets."""
+        ddp = isinstance(model, DataParallel)
         optimizer.zero_grad(set_to_none=True)  # fresh gradients, as the trainer leaves them
-        log = getattr(model, "comm_log", None)
-        if log is not None:
-            log.clear()
+        if ddp:
+            model.comm_log.clear()
         start = clock()
         cross_entropy(model(x), y).backward()
-        if log is not None:
+        if ddp:
             model.finish_gradient_sync()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         seconds = clock() - start
-        if log is not None and clock is _wall_clock:
-            seconds -= log.exposed()
+        if ddp and not shared:  # a blocking wait costs the thread's CPU ~nothing
+            seconds -= model.comm_log.exposed()
         return seconds
 
     extra = []
