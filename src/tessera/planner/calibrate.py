@@ -33,16 +33,20 @@ What is measured:
   costs several times its kernels' ``op_overhead_us``);
 - tessera's data-parallel engine work, each on a chain of one-layer modules against the
   chain unwrapped: DataParallel's gradient hook under ``no_sync()``, per parameter tensor
-  (``ddp_tensor_us``, from tiny layers), and ZeRO-3's work per unit
-  per micro-batch besides its collectives, over a one-rank group (``zero_unit_us`` from
-  tiny layers, ``zero_unit_passes`` over the unit's bytes from 1024×1024 ones); and the
-  rest of what DataParallel adds to a step besides its waits (each gradient's copy into the
+  (``ddp_tensor_us``, from tiny layers), and ZeRO-3's work per unit per micro-batch besides
+  its collectives, over a one-rank group (``zero_unit_us`` from tiny layers); and the rest
+  of what DataParallel adds to a step besides its waits (each gradient's copy into the
   bucket and what it slows the backward around it, the launch, gloo's thread on the core
   while the all-reduce is in flight, the work after the wait) as passes over the gradient
-  bytes (``ddp_copy_passes``): whole training steps of a model at the model's shapes (up to
-  four layers) and the user's micro-batch, DataParallel with its gradients reduced against
-  the model unwrapped, in blocks of steps over several builds, less the waits, the fixed
-  part and the division by dp (priced on its own);
+  bytes (``ddp_copy_passes``), and of what ZeRO-3 adds to a micro-batch besides its waits
+  (its buffers and copies, gloo's thread on the core while the prefetched gathers and the
+  reduce-scatters are in flight) as passes over the parameter bytes
+  (``zero_unit_passes``, ``zero_step_passes``): whole training steps of a model at the
+  model's shapes (up to four layers) and the user's micro-batch, wrapped with its
+  collectives over the calibrated ranks against the model unwrapped, in blocks of steps
+  over several builds, less the waits and the parts priced on their own (on one rank,
+  where there is nothing in flight, ZeRO-3's passes come from the one-rank group's chain
+  of 1024×1024 layers);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
   for point-to-point sends :func:`tessera.collectives.measure_alpha_beta` (ping-pong, fit of
   ``t = α + n·β``, the local reduction γ folded into β); for collectives the same fit
@@ -70,9 +74,15 @@ What is measured:
   themselves: with more ranks than cores, ranks time-share them (``cores``). On GPUs: one
   GPU's memory, no cores to share (``cores = 0``) and the GPUs as the node.
 
-Data-parallel overlap: gloo runs its collectives on a thread that competes with the ranks'
-compute for the same cores, and tessera's data parallelism reduces after the backward, so the
-file says ``dp_overlap = 0``.
+Data-parallel overlap (``dp_overlap``, :func:`collective_overlap`): gloo runs its
+collectives on a thread of its own beside the rank's compute. Where every rank has a core, a
+collective in flight during compute (a ZeRO-3 gather prefetched, a reduce-scatter or a DDP
+bucket launched inside the backward) shares the core with the compute thread, each getting
+half of it (two runnable threads on one core; a core to spare for every thread: all of it),
+so c seconds of compute hide c/2 seconds of the collective, and what the collective's thread
+takes from the compute is priced in the passes above, measured with the collectives in
+flight. Where ranks time-share fewer cores, every core is already busy with some rank's
+compute: nothing hides (0). On GPUs the collectives run on their own stream: 1.
 
 Device and backend: the run's (``--device``/``--backend``; by default CUDA with NCCL where a
 GPU is present, else the CPU with gloo, as ``tessera train`` picks). Every tensor is made on
@@ -457,16 +467,87 @@ def ddp_hook_costs(spec: ModelSpec, seq: int, micro_batch: int,
     return fixed, ddp_copy_passes(spec, seq, micro_batch, bandwidth, fixed)
 
 
-DDP_LAYERS = 4
-"""Layers (at most) of the model ``ddp_copy_passes`` times: the hooks' per-byte cost holds
-from one layer to four (docs/planner.md, What DDP at dp 2 misses), but the cost of one layer
-(~1 ms at micro-batch 16) is within the step's wall-time noise; four give ~4x the signal."""
+WRAPPED_LAYERS = 4
+"""Layers (at most) of the model ``ddp_copy_passes`` and ``zero_step_passes`` time: the DDP
+hooks' per-byte cost holds from one layer to four (docs/planner.md, What DDP at dp 2 misses),
+but the cost of one layer (~1 ms at micro-batch 16) is within the step's wall-time noise; four
+give ~4x the signal."""
 
 
-DDP_BLOCK = 4
-"""Steps of one model in a row in ``ddp_copy_passes``, the first dropped (it finds the other
-model's tensors in the caches), as training runs one model step after step: a model
+WRAPPED_BLOCK = 4
+"""Steps of one model in a row in :func:`wrapped_step_extra`, the first dropped (it finds the
+other model's tensors in the caches), as training runs one model step after step: a model
 alternated with another every step runs both ~40% slower (benchmarks/dp_cost.py)."""
+
+
+def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int,
+                       wrap: Callable[[torch.nn.Module], torch.nn.Module], full_step: bool,
+                       builds: int, pairs: int) -> tuple[list[float], torch.nn.Module]:
+    """Per pair of steps, the seconds that wrapping a model of `spec`'s shapes (up to
+    WRAPPED_LAYERS layers, on `micro_batch` × `seq` tokens) in `wrap` (a data-parallel
+    wrapper over the default group: DataParallel, ZeroModel) adds to its training step, less
+    the wrapper's waits on its collectives (its ``comm_log``): the wrapped step (forward,
+    backward, ``finish_gradient_sync``, and with `full_step` clipping and AdamW) less the same
+    model's step unwrapped, in blocks of WRAPPED_BLOCK steps of each (the first dropped, the
+    order alternating), over `builds` fresh pairs of models × ~`pairs` steps each. Wall time
+    where every rank has a core (what a collective in flight takes from the step, its thread
+    on the rank's core, is wall time, not this thread's CPU); where the ranks time-share fewer
+    cores, this thread's CPU time (the planner counts all the ranks' work over the cores:
+    ``cost.shared_cpu_bound``), in which the blocking waits cost ~nothing. Also returns the
+    last unwrapped model (its parameters and units). Every rank of the default group must call
+    it (the wrappers broadcast or shard the weights, the steps reduce)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from tessera.config import TrainConfig
+    from tessera.model import build_model, cross_entropy
+    from tessera.optim import adamw
+
+    cfg = dataclasses.replace(_block_config(spec, seq),
+                              n_layers=min(spec.layers, WRAPPED_LAYERS))
+    train = TrainConfig(micro_batch_size=micro_batch, precision="fp32")
+    tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    shared = dist.get_world_size() > (os.cpu_count() or 1)  # ranks time-share the cores
+    clock = time.thread_time if shared else _wall_clock
+
+    def step_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                     wrapped: bool) -> float:
+        """One training step's seconds on `clock`, less its waits on the wrapper's
+        collectives."""
+        if wrapped:
+            model.zero_grad()  # the wrapper's own buffers (DataParallel: set_to_none)
+            model.comm_log.clear()
+        else:
+            model.zero_grad(set_to_none=True)  # fresh gradients, as the trainer leaves them
+        start = clock()
+        cross_entropy(model(x), y).backward()
+        if wrapped:
+            model.finish_gradient_sync()
+        if full_step:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            optimizer.step()
+        seconds = clock() - start
+        if wrapped and not shared:  # a blocking wait costs the thread's CPU ~nothing
+            seconds -= model.comm_log.exposed()
+        return seconds
+
+    extra = []
+    for build in range(builds):
+        plain = build_model(cfg, seed=build)
+        wrapped = wrap(build_model(cfg, seed=build))
+        models = [(plain, adamw(plain.parameters(), train) if full_step else None, False),
+                  (wrapped, adamw(wrapped.parameters(), train) if full_step else None, True)]
+        for block in range(-(-pairs // (WRAPPED_BLOCK - 1)) + 1):
+            order = models if block % 2 == 0 else models[::-1]
+            times = {is_wrapped: [step_seconds(m, opt, is_wrapped)
+                                  for _ in range(WRAPPED_BLOCK)][1:]
+                     for m, opt, is_wrapped in order}
+            if block > 0:  # the first blocks warm both up
+                extra += [w - b for w, b in zip(times[True], times[False], strict=True)]
+    return extra, plain
 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
@@ -479,73 +560,56 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     copy slows the backward around it, the bucket's launch inside the last hook, gloo's
     thread taking the core while the all-reduce is in flight, and the work after the wait
     (the used flags, the gradients re-pointed; clipping and AdamW over the bucket's views).
-    Measured where training runs it: a model of `spec`'s shapes with up to DDP_LAYERS layers
-    on `micro_batch` × `seq` tokens, whole training steps (forward, backward, gradient sync,
-    clipping, AdamW) wrapped in DataParallel over the default group with the gradients
-    reduced, against the same model unwrapped, in blocks of DDP_BLOCK steps of each (the
-    order alternating); per pair the wrapped step less its waits on the buckets
-    (``DataParallel.comm_log``) less the plain step; the median over `builds` fresh pairs of
-    models × ~`pairs` steps each. Wall time where every rank has a
-    core (what the in-flight all-reduce costs the step is wall time, not the rank's own
-    thread's CPU); where the ranks time-share fewer cores, this thread's CPU time (the
-    planner counts all the ranks' work over the cores: ``cost.shared_cpu_bound``), in which
-    the blocking waits cost ~nothing. The whole cost, not the hooks' own timer
-    (``DataParallel.hook_seconds``), which misses most of it; nor the backward alone inside
-    ``no_sync()``, which this replaced: it left out the launch, the all-reduce in flight and
-    the work after the wait, and priced DDP at dp 2 at 0.66-0.91 of its measured cost
-    (docs/planner.md, What DDP at dp 2 misses). Every rank of the default group must call it
-    (the wrappers broadcast the weights, the steps reduce)."""
-    import dataclasses
-
+    Measured where training runs it (:func:`wrapped_step_extra`): whole training steps
+    (forward, backward, gradient sync, clipping, AdamW) wrapped in DataParallel over the
+    default group with the gradients reduced, against the same model unwrapped; the median
+    over the pairs. The whole cost, not the hooks' own timer (``DataParallel.hook_seconds``),
+    which misses most of it; nor the backward alone inside ``no_sync()``, which this
+    replaced: it left out the launch, the all-reduce in flight and the work after the wait,
+    and priced DDP at dp 2 at 0.66-0.91 of its measured cost (docs/planner.md, What DDP at
+    dp 2 misses). Every rank of the default group must call it."""
     import torch.distributed as dist
 
-    from tessera.config import TrainConfig
-    from tessera.model import build_model, cross_entropy
-    from tessera.optim import adamw
     from tessera.parallel.ddp import DataParallel
 
-    cfg = dataclasses.replace(_block_config(spec, seq), n_layers=min(spec.layers, DDP_LAYERS))
-    train = TrainConfig(micro_batch_size=micro_batch, precision="fp32")
-    tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
-                           generator=torch.Generator().manual_seed(0))
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    shared = dist.get_world_size() > (os.cpu_count() or 1)  # ranks time-share the cores
-    clock = time.thread_time if shared else _wall_clock
-
-    def step_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        """One training step's seconds on `clock`, less its waits on DataParallel's buckets."""
-        ddp = isinstance(model, DataParallel)
-        optimizer.zero_grad(set_to_none=True)  # fresh gradients, as the trainer leaves them
-        if ddp:
-            model.comm_log.clear()
-        start = clock()
-        cross_entropy(model(x), y).backward()
-        if ddp:
-            model.finish_gradient_sync()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        optimizer.step()
-        seconds = clock() - start
-        if ddp and not shared:  # a blocking wait costs the thread's CPU ~nothing
-            seconds -= model.comm_log.exposed()
-        return seconds
-
-    extra = []
-    for build in range(builds):
-        plain = build_model(cfg, seed=build)
-        wrapped = DataParallel(build_model(cfg, seed=build), dist.group.WORLD)
-        models = [(plain, adamw(plain.parameters(), train)),
-                  (wrapped, adamw(wrapped.parameters(), train))]
-        for block in range(-(-pairs // (DDP_BLOCK - 1)) + 1):
-            order = models if block % 2 == 0 else models[::-1]
-            times = {id(m): [step_seconds(m, opt) for _ in range(DDP_BLOCK)][1:]
-                     for m, opt in order}
-            if block > 0:  # the first blocks warm both up
-                extra += [w - b for w, b in zip(times[id(wrapped)], times[id(plain)],
-                                                strict=True)]
+    extra, plain = wrapped_step_extra(spec, seq, micro_batch,
+                                      lambda m: DataParallel(m, dist.group.WORLD), True,
+                                      builds, pairs)
     params = [p for p in plain.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     rest = statistics.median(extra) - len(params) * per_tensor
     return max(0.0, rest * bandwidth / grad_bytes - 2)
+
+
+def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
+                     per_unit: float, builds: int = 4, pairs: int = 12) -> float:
+    """Passes over the parameter bytes, at `bandwidth` bytes/s, of what tessera's ZeRO-3 adds
+    to a micro-batch's forward and backward besides its waits on its gathers and
+    reductions and its fixed `per_unit` seconds per unit (``zero_unit_us``, from tiny
+    layers): the gathered buffers' allocation and fill, the gradients flattened and their
+    shards kept, the hooks and the launches, and gloo's thread taking the rank's core while
+    the prefetched gathers and the reduce-scatters are in flight (on a CPU, what a collective
+    hidden behind compute still costs it). Measured where training runs it
+    (:func:`wrapped_step_extra`): forward, backward and ``finish_gradient_sync`` of the model
+    wrapped in ZeRO-3 over the default group (its units: the embedding, each block, the
+    head), against the same model unwrapped; the median over the pairs. Not the clipping nor
+    the optimizer, which the planner prices on their own (the sharded AdamW,
+    ``cost.optimizer_step_time``; the norm's scalar all-reduce, ``cost.scalar_sync_times``).
+    It replaces the one-rank group's figure of :func:`zero_unit_costs` wherever the default
+    group has several ranks: with nothing in flight, that priced ZeRO-3 at dp 2 at 0.3-0.5 of
+    the work its steps do besides their waits (docs/planner.md, What ZeRO-3 at dp 2
+    misses). Every rank of the default group must call it (the steps gather and reduce)."""
+    import torch.distributed as dist
+
+    from tessera.parallel.zero import ZeroModel, transformer_units
+
+    extra, plain = wrapped_step_extra(
+        spec, seq, micro_batch, lambda m: ZeroModel(m, dist.group.WORLD, stage=3), False,
+        builds, pairs)
+    units = len(transformer_units(plain))
+    weight_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    rest = statistics.median(extra) - units * per_unit
+    return max(0.0, rest * bandwidth / weight_bytes)
 
 
 def op_overhead() -> float:
@@ -623,6 +687,8 @@ def timed_collective(op: str, nbytes: int, repeats: int,
 
 def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
     """This process's compute measurements (see the module docstring), one thread."""
+    import torch.distributed as dist
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -635,6 +701,8 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
         zero_unit, zero_passes = zero_unit_costs(spec, bw)
+        if dist.get_world_size() > 1:  # the collectives in flight, on this machine's ranks
+            zero_passes = zero_step_passes(spec, seq, micro_batch, bw, zero_unit)
         ddp_tensor, ddp_passes = ddp_hook_costs(spec, seq, micro_batch, bw)
     finally:
         torch.set_num_threads(threads)
@@ -740,6 +808,22 @@ def physical_memory_bytes() -> float:
     return float(pages * page)
 
 
+def collective_overlap(cores: int, ranks: int) -> float:
+    """``dp_overlap`` for `ranks` ranks on `cores` CPU cores (0: a device each, whose
+    collectives run on their own stream beside the kernels: 1). With a core or more per rank,
+    each core runs a rank's compute thread and, while a collective is in flight, gloo's
+    thread beside it: 2·ranks runnable threads on `cores` cores, each getting cores/(2·ranks)
+    of one (at most all of it), which is the share of the compute's seconds a collective in
+    flight progresses by; with fewer cores than ranks, 0 (every core is busy with some rank's
+    compute, and the planner counts all the work over the cores:
+    ``cost.shared_cpu_bound``)."""
+    if cores <= 0:
+        return 1.0
+    if cores < ranks:
+        return 0.0
+    return min(1.0, cores / (2 * ranks))
+
+
 def machine_shape(device: str) -> tuple[int, float, int]:
     """(cores the ranks share, memory bytes per rank, ranks per node) of this machine for
     ranks on `device`: on the CPU every core, the RAM divided among them, and LOCAL_RANKS; on
@@ -774,7 +858,7 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         ddp_tensor_us=r["ddp_tensor"] * 1e6, ddp_copy_passes=r["ddp_passes"],
         elementwise_passes=passes, jitter_fixed_us=r["jitter_fixed"] * 1e6,
         jitter_rate=r["jitter_rate"],
-        dp_overlap=0.0, calibrated_micro_batch=micro_batch,
+        dp_overlap=collective_overlap(cores, ranks), calibrated_micro_batch=micro_batch,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, {ranks} ranks measuring at once, fp32, {device}, {backend}, "
                f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")

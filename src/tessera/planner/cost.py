@@ -66,10 +66,13 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
   all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7). Priced per unit
   (bucket, block) on the link the group crosses, and exposed only where compute cannot cover
-  it (:func:`exposed_behind`); breadth-first ZeRO-3 is placed by the schedule's sharding
-  actions and simulated (:func:`zero3_by_actions`); tessera's own work around them (DDP's
+  it (:func:`exposed_behind`; a second of compute hides ``hardware.dp_overlap`` seconds of
+  a collective: 1 on GPUs, 0.5 on CPU ranks whose gloo thread shares a core with the
+  compute, 0 where ranks time-share cores); breadth-first ZeRO-3 is placed by the schedule's
+  sharding actions and simulated (:func:`zero3_by_actions`); tessera's own work around them (DDP's
   gradient hooks and division, :func:`ddp_bucket_time`; ZeRO-3's per-unit buffers and views,
-  ``hardware.zero_unit_us``) is exposed beside them;
+  ``hardware.zero_unit_us`` and ``zero_unit_passes``, which on a calibrated CPU also hold
+  what the collectives' thread takes from the compute's core) is exposed beside them;
 - context parallelism (``tessera.parallel.context_parallel``, the bytes of its
   ``bytes_per_layer``): ring attention (Liu et al. 2023) passes a K/V block of b·(s/c)·kv in
   each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
@@ -1068,7 +1071,8 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         # after each micro-batch (ZeRO-2/3).
         wait = rank_skew(w, dp_group, (m if zero <= 1 else 1) * (ch.forward
                                                                        + ch.backward))
-        fwd, bwd = ovl * ch.forward, ovl * ch.backward  # compute that collectives can hide under
+        # the seconds of collective that the compute beside it hides (hardware.dp_overlap)
+        fwd, bwd = ovl * ch.forward, ovl * ch.backward
         if zero <= 1:
             n_buckets = max(1, math.ceil(grads / (w.bucket_mb * 2**20)))
             per_bucket = (allreduce_time(grads / n_buckets, dp_group, dp_link) if zero == 0
@@ -1084,9 +1088,10 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             ag = allgather_time(weights / units, dp_group, dp_link)
             rs = allgather_time(grads / units, dp_group, dp_link)
             # tessera's own work around each unit's collectives (ZeRO-3, calibrated: a fixed
-            # part per unit and passes over the gathered parameter bytes, per micro-batch), on
-            # the rank's own thread between collectives every rank of the group waits on, so
-            # exposed and, like them, not stretched by time-sharing.
+            # part per unit and passes over the gathered parameter bytes, per micro-batch,
+            # with what the collectives in flight take from the rank's core), on the rank's
+            # own thread between collectives every rank of the group waits on, so exposed
+            # and, like them, not stretched by time-sharing.
             book = (hw.zero_unit_us * 1e-6 * _engine_units(spec, t, pp, n_chunks, sizes, chunks,
                                                            ch)
                     + hw.zero_unit_passes * weights / hw.memory_bw

@@ -122,7 +122,10 @@ class Hardware:
     zero_unit_passes: float = 0.0
     """The part that grows with the unit, as passes over its parameter bytes at the memory
     bandwidth (fresh buffers for the gathered parameters and the flattened gradient, the
-    copy into it); calibrate measures it, 0 in the catalog."""
+    copy into it, and on a CPU what gloo's thread takes from the rank's core while the
+    prefetched gathers and the reduce-scatters are in flight); calibrate measures it on
+    several ranks from whole forward + backward passes less their waits
+    (``calibrate.zero_step_passes``), 0 in the catalog."""
     ddp_tensor_us: float = 0.0
     """tessera's DataParallel gradient hook per parameter tensor beyond its copy's traffic
     (the slot lookup, the re-pointed gradient, the used flag), which calibrate measures on a
@@ -169,8 +172,11 @@ class Hardware:
     jitter_fixed_us, from stretches of one and four blocks; benchmarks/straggler_scaling.py
     shows the wait growing as T^0.86-0.91 here, not √T)."""
     dp_overlap: float = 1.0
-    """Fraction of the data-parallel reduction that can hide behind backward compute (1 on
-    GPUs, where NCCL runs on its own stream; calibrate measures it on a CPU)."""
+    """Seconds of a data-parallel collective (a ZeRO gather or reduce-scatter, a DDP bucket)
+    that one second of compute beside it hides: 1 on GPUs, where NCCL runs on its own
+    stream; on CPU ranks what ``calibrate.collective_overlap`` gives for the machine's shape
+    (0.5 with a core per rank: gloo's thread and the compute thread share the core; 0 where
+    ranks time-share fewer cores)."""
     calibrated_micro_batch: int = 0
     """The micro-batch `tessera plan calibrate` measured at (matmul shapes, the DDP hooks'
     copy, the jitter's stretches all depend on it); 0: not known (a catalog GPU, or a
