@@ -701,7 +701,9 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
         zero_unit, zero_passes = zero_unit_costs(spec, bw)
-        if dist.get_world_size() > 1:  # the collectives in flight, on this machine's ranks
+        # the collectives in flight, on this machine's ranks (a GPU's wait on a handle does
+        # not block the host, so there wall time less the waits would hold the collectives)
+        if dist.get_world_size() > 1 and not _on_gpu():
             zero_passes = zero_step_passes(spec, seq, micro_batch, bw, zero_unit)
         ddp_tensor, ddp_passes = ddp_hook_costs(spec, seq, micro_batch, bw)
     finally:
