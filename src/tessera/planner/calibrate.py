@@ -474,6 +474,16 @@ but the cost of one layer (~1 ms at micro-batch 16) is within the step's wall-ti
 give ~4x the signal."""
 
 
+WRAPPED_BUILDS, WRAPPED_PAIRS = 12, 6
+"""Fresh builds of the two models in ``ddp_copy_passes`` and ``zero_step_passes``, and pairs
+of steps per build (two measured blocks after a warm-up one). A build's pairs share the
+seconds they ran in: in one launch (DDP at dp 4 on 2 cores, micro-batch 16, 2026-11-28) the
+medians of single builds read 2.4-17.3 ms, and the median over 4 random builds of them moved
+5.1-9.0 ms (10-90%); over 4 builds × 20 pairs, as before, calibrations minutes apart priced
+DDP's work at 2.5-7.3 ms. So many builds of few pairs, as ``bench_planner_local.py``'s
+BLOCKS_PER_BUILD found for the measured side."""
+
+
 WRAPPED_BLOCK = 4
 """Steps of one model in a row in :func:`wrapped_step_extra`, the first dropped (it finds the
 other model's tensors in the caches), as training runs one model step after step: a model
@@ -551,7 +561,8 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int,
 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
-                    per_tensor: float, builds: int = 4, pairs: int = 20) -> float:
+                    per_tensor: float, builds: int = WRAPPED_BUILDS,
+                    pairs: int = WRAPPED_PAIRS) -> float:
     """Passes over the gradient bytes, at `bandwidth` bytes/s, of what tessera's DataParallel
     adds to a training step besides its waits on the all-reduce, its fixed `per_tensor`
     seconds per parameter tensor (``ddp_tensor_us``, measured from outside on tiny layers)
@@ -582,7 +593,8 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
 
 
 def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
-                     per_unit: float, builds: int = 4, pairs: int = 12) -> float:
+                     per_unit: float, builds: int = WRAPPED_BUILDS,
+                     pairs: int = WRAPPED_PAIRS) -> float:
     """Passes over the parameter bytes, at `bandwidth` bytes/s, of what tessera's ZeRO-3 adds
     to a micro-batch's forward and backward besides its waits on its gathers and
     reductions and its fixed `per_unit` seconds per unit (``zero_unit_us``, from tiny
