@@ -409,7 +409,8 @@ def _zero_step_seconds_with(where: str, seconds: float) -> float:
 @pytest.mark.multiprocess
 def test_zero_step_passes_hold_the_work_beside_the_waits_but_not_the_waits():
     # ZeRO-3's own work was timed on a one-rank group, where no collective is in flight, and
-    # priced ZeRO-3 at dp 2 at 0.3-0.5 of what its steps do besides their waits. Now whole
+    # priced ZeRO-3 at dp 2 at a sixth to a quarter of what its steps do besides their
+    # waits. Now whole
     # forward + backward passes with the real group: 20 ms more of CPU work in the step must
     # show in full, 20 ms more spent waiting on a reduction must not show at all (the planner
     # prices the waits as the collectives compute did not hide and the straggler). Within

@@ -81,8 +81,11 @@ bucket launched inside the backward) shares the core with the compute thread, ea
 half of it (two runnable threads on one core; a core to spare for every thread: all of it),
 so c seconds of compute hide c/2 seconds of the collective, and what the collective's thread
 takes from the compute is priced in the passes above, measured with the collectives in
-flight. Where ranks time-share fewer cores, every core is already busy with some rank's
-compute: nothing hides (0). On GPUs the collectives run on their own stream: 1.
+flight. (Beside plain compute a unit's gather and reduce-scatter were measured at 0.5-0.7 of
+their solo speed; inside a ZeRO-3 step at micro-batch 2, at a third to a fifth of it:
+docs/planner.md, Inside the step a collective runs slower. That rate is not measured yet.)
+Where ranks time-share fewer cores, every core is already busy with some rank's compute:
+nothing hides (0). On GPUs the collectives run on their own stream: 1.
 
 Device and backend: the run's (``--device``/``--backend``; by default CUDA with NCCL where a
 GPU is present, else the CPU with gloo, as ``tessera train`` picks). Every tensor is made on
@@ -608,9 +611,10 @@ def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: flo
     the optimizer, which the planner prices on their own (the sharded AdamW,
     ``cost.optimizer_step_time``; the norm's scalar all-reduce, ``cost.scalar_sync_times``).
     It replaces the one-rank group's figure of :func:`zero_unit_costs` wherever the default
-    group has several ranks: with nothing in flight, that priced ZeRO-3 at dp 2 at 0.3-0.5 of
-    the work its steps do besides their waits (docs/planner.md, What ZeRO-3 at dp 2
-    misses). Every rank of the default group must call it (the steps gather and reduce)."""
+    group has several CPU ranks: with nothing in flight, that priced ZeRO-3's work at dp 2 at
+    2.4-3.3 ms a micro-batch, a sixth to a quarter of what its steps do besides their waits
+    (13-21 ms; docs/planner.md, What ZeRO-3 at dp 2 misses). Every rank of the default group
+    must call it (the steps gather and reduce)."""
     import torch.distributed as dist
 
     from tessera.parallel.zero import ZeroModel, transformer_units
