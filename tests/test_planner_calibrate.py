@@ -288,6 +288,33 @@ def _burn(seconds: float) -> None:
         pass
 
 
+def _add_after_sync(wrapper: type, where: str, seconds: float, handle: str) -> None:
+    """Make `wrapper`'s finish_gradient_sync spend `seconds` more once its waits are done:
+    "after" burns this thread's CPU, "wait" sleeps inside a timed wait on `handle`."""
+    finish = wrapper.finish_gradient_sync
+
+    def finish_then(self):
+        finish(self)
+        if where == "after":
+            _burn(seconds)
+        else:
+            with self.comm_log.wait(handle):
+                time.sleep(seconds)
+
+    wrapper.finish_gradient_sync = finish_then
+
+
+def _tiny_wrapped_params() -> list:
+    """The parameters of the tiny model as calibrate's whole-step measurements build it."""
+    import tessera.planner.calibrate as calibrate
+    from tessera.model import build_model
+
+    spec = load_model("tiny")
+    cfg = dataclasses.replace(calibrate._block_config(spec, 32),
+                              n_layers=min(spec.layers, calibrate.WRAPPED_LAYERS))
+    return list(build_model(cfg).parameters())
+
+
 def _ddp_step_seconds_with(where: str, seconds: float) -> tuple[float, int]:
     """calibrate.ddp_copy_passes on the tiny model, in seconds ((passes + 2) × gradient bytes
     / bandwidth with no fixed part: what DataParallel adds to a step besides its waits), with
@@ -295,31 +322,20 @@ def _ddp_step_seconds_with(where: str, seconds: float) -> tuple[float, int]:
     gradient's hook, outside the hooks' own timer), "after" (CPU after the gradient sync's
     wait) or "wait" (a sleep inside a timed wait on the bucket); and the tensor count."""
     import tessera.planner.calibrate as calibrate
-    from tessera.model import build_model
     from tessera.parallel.ddp import DataParallel
 
-    hook, finish = DataParallel._on_grad_ready, DataParallel.finish_gradient_sync
+    hook = DataParallel._on_grad_ready
 
     def burn_then_hook(self, p):
         _burn(seconds)
         hook(self, p)
 
-    def finish_then(self):
-        finish(self)
-        if where == "after":
-            _burn(seconds)
-        else:
-            with self.comm_log.wait("bucket0"):
-                time.sleep(seconds)
-
     if where == "hook":
         DataParallel._on_grad_ready = burn_then_hook
     else:
-        DataParallel.finish_gradient_sync = finish_then
+        _add_after_sync(DataParallel, where, seconds, "bucket0")
     spec = load_model("tiny")
-    cfg = dataclasses.replace(calibrate._block_config(spec, 32),
-                              n_layers=min(spec.layers, calibrate.WRAPPED_LAYERS))
-    params = list(build_model(cfg).parameters())
+    params = _tiny_wrapped_params()
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     bandwidth = 1e12  # the division's 2 passes it leaves out are then ~0 s
     passes = calibrate.ddp_copy_passes(spec, 32, 2, bandwidth, 0.0, builds=2, pairs=6)
@@ -383,24 +399,11 @@ def _zero_step_seconds_with(where: str, seconds: float) -> float:
     waits), with `seconds` more in ZeroModel.finish_gradient_sync: "after" (this thread's CPU
     after its waits) or "wait" (a sleep inside a timed wait on a reduction)."""
     import tessera.planner.calibrate as calibrate
-    from tessera.model import build_model
     from tessera.parallel.zero import ZeroModel
 
-    finish = ZeroModel.finish_gradient_sync
-
-    def finish_then(self):
-        finish(self)
-        if where == "after":
-            _burn(seconds)
-        else:
-            with self.comm_log.wait("head"):
-                time.sleep(seconds)
-
-    ZeroModel.finish_gradient_sync = finish_then
+    _add_after_sync(ZeroModel, where, seconds, "head")
     spec = load_model("tiny")
-    cfg = dataclasses.replace(calibrate._block_config(spec, 32),
-                              n_layers=min(spec.layers, calibrate.WRAPPED_LAYERS))
-    weight_bytes = sum(p.numel() * p.element_size() for p in build_model(cfg).parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in _tiny_wrapped_params())
     bandwidth = 1e12
     passes = calibrate.zero_step_passes(spec, 32, 2, bandwidth, 0.0, builds=3, pairs=12)
     return passes * weight_bytes / bandwidth
