@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 import pytest
+import torch.distributed as dist
 from typer.testing import CliRunner
 
 from tessera.cli import app
@@ -290,12 +291,17 @@ def _burn(seconds: float) -> None:
 
 def _add_after_sync(wrapper: type, where: str, seconds: float, handle: str) -> None:
     """Make `wrapper`'s finish_gradient_sync spend `seconds` more once its waits are done:
-    "after" burns this thread's CPU, "wait" sleeps inside a timed wait on `handle`."""
+    "after" burns this thread's CPU, "after-rank0" too on rank 0 alone, "wait" sleeps inside
+    a timed wait on `handle`. Only over
+    several ranks: the model at dp 1 that calibrate times beside it is wrapped too (over one
+    rank, where the sync does nothing)."""
     finish = wrapper.finish_gradient_sync
 
     def finish_then(self):
         finish(self)
-        if where == "after":
+        if self.world == 1:
+            return
+        if where == "after" or (where == "after-rank0" and dist.get_rank() == 0):
             _burn(seconds)
         else:
             with self.comm_log.wait(handle):
@@ -320,18 +326,29 @@ def _ddp_step_seconds_with(where: str, seconds: float) -> tuple[float, int]:
     / bandwidth with no fixed part: what DataParallel adds to a step besides its waits), with
     `seconds` more in DataParallel at `where`: "hook" (this thread's CPU before each
     gradient's hook, outside the hooks' own timer), "after" (CPU after the gradient sync's
-    wait) or "wait" (a sleep inside a timed wait on the bucket); and the tensor count."""
+    wait; "after-rank0": on rank 0 alone), "wait" (a sleep inside a timed wait on the bucket)
+    or "sync" (a sleep before each of the step's scalar all-reduces over the group); and the
+    tensor count."""
     import tessera.planner.calibrate as calibrate
+    from tessera import step
     from tessera.parallel.ddp import DataParallel
 
     hook = DataParallel._on_grad_ready
+    all_reduce_sum = step.all_reduce_sum
 
     def burn_then_hook(self, p):
         _burn(seconds)
         hook(self, p)
 
+    def sync_after_sleep(values, group, device):
+        if group is not None and dist.get_world_size(group) > 1:
+            time.sleep(seconds)
+        return all_reduce_sum(values, group, device)
+
     if where == "hook":
         DataParallel._on_grad_ready = burn_then_hook
+    elif where == "sync":
+        step.all_reduce_sum = sync_after_sleep
     else:
         _add_after_sync(DataParallel, where, seconds, "bucket0")
     spec = load_model("tiny")
@@ -380,6 +397,25 @@ def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait(ddp_step
                                                           strict=True):
         assert with_after - base == pytest.approx(20e-3, abs=2e-3)
         assert with_wait - base == pytest.approx(0.0, abs=2e-3)
+
+
+@pytest.mark.multiprocess
+def test_ddp_copy_passes_prices_the_slowest_rank_and_leaves_the_scalar_syncs_out(
+        ddp_step_baseline):
+    # A step ends for every rank when the last has done its work: 20 ms more of CPU on one
+    # rank alone costs the step 20 ms (the other waits for it at the loss's all-reduce), not
+    # the 10 ms a mean over the ranks would say. The step's scalar all-reduces are priced on
+    # their own (cost.scalar_sync_times): 20 ms more before each must not show. Within 2 ms,
+    # as above (the tiny step's scatter is well under 1 ms); a mean or an unsubtracted sync is
+    # off by 10 or 20.
+    from tessera.testing import run_ranks
+
+    one = run_ranks(_ddp_step_seconds_with, 2, args=("after-rank0", 20e-3), timeout=120)
+    synced = run_ranks(_ddp_step_seconds_with, 2, args=("sync", 20e-3), timeout=120)
+    for (base, _), (with_one, _), (with_sync, _) in zip(ddp_step_baseline, one, synced,
+                                                        strict=True):
+        assert with_one - base == pytest.approx(20e-3, abs=2e-3)
+        assert with_sync - base == pytest.approx(0.0, abs=2e-3)
 
 
 def test_collective_overlap_is_the_core_share_gloos_thread_gets_beside_compute():

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -107,6 +108,10 @@ class Executor:
         self.last_comm_wait_s = 0.0
         """The last step's measured exposed data-parallel communication: seconds this rank
         blocked on its wrappers' collectives (``tessera.parallel.comm_timing``)."""
+        self.last_sync_s = 0.0
+        """Wall seconds of the last step's scalar all-reduces (its loss; the gradient norm's
+        squares where the norm is taken), the wait for the last rank to reach them included:
+        what the planner prices on their own (``cost.scalar_sync_times``)."""
 
     # -- what the trainer and checkpoints use --------------------------------------------------
     def parameters(self) -> list[torch.Tensor]:
@@ -147,6 +152,7 @@ class Executor:
         logs = [w.comm_log for w in wrappers.values() if hasattr(w, "comm_log")]
         for log in logs:
             log.clear()
+        self.last_sync_s = 0.0
 
         def around(a: Action) -> contextlib.AbstractContextManager:
             if a.kind is not Kind.B:
@@ -163,16 +169,20 @@ class Executor:
             wrappers[c].finish_gradient_sync()
         self.last_comm_wait_s = sum(log.exposed() for log in logs)
         self.model.sync_model_parallel_grads()
+        start = time.perf_counter()
         (loss,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
         (loss,) = all_reduce_sum([loss], self.dp_group, self.device)
+        self.last_sync_s += time.perf_counter() - start
         return loss / (self.topo.dp * self.topo.cp)
 
     @torch.no_grad()
     def grad_norm(self) -> float:
         """Global L2 norm of the step's gradient (every element of the model once)."""
         sq = self.model.local_grad_sq()
+        start = time.perf_counter()
         for group in self.model.norm_groups():
             dist.all_reduce(sq, group=group)
+        self.last_sync_s += time.perf_counter() - start
         return float(sq.sqrt())
 
     @torch.no_grad()

@@ -493,74 +493,98 @@ other model's tensors in the caches), as training runs one model step after step
 alternated with another every step runs both ~40% slower (benchmarks/dp_cost.py)."""
 
 
-def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int,
-                       wrap: Callable[[torch.nn.Module], torch.nn.Module], full_step: bool,
-                       builds: int, pairs: int) -> tuple[list[float], torch.nn.Module]:
-    """Per pair of steps, the seconds that wrapping a model of `spec`'s shapes (up to
-    WRAPPED_LAYERS layers, on `micro_batch` × `seq` tokens) in `wrap` (a data-parallel
-    wrapper over the default group: DataParallel, ZeroModel) adds to its training step, less
-    the wrapper's waits on its collectives (its ``comm_log``): the wrapped step (forward,
-    backward, ``finish_gradient_sync``, and with `full_step` clipping and AdamW) less the same
-    model's step unwrapped, in blocks of WRAPPED_BLOCK steps of each (the first dropped, the
-    order alternating), over `builds` fresh pairs of models × ~`pairs` steps each. Wall time
-    where every rank has a core (what a collective in flight takes from the step, its thread
-    on the rank's core, is wall time, not this thread's CPU); where the ranks time-share fewer
-    cores, this thread's CPU time (the planner counts all the ranks' work over the cores:
-    ``cost.shared_cpu_bound``), in which the blocking waits cost ~nothing. Also returns the
-    last unwrapped model (its parameters and units). Every rank of the default group must call
-    it (the wrappers broadcast or shard the weights, the steps reduce)."""
+def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: int,
+                       full_step: bool, builds: int, pairs: int
+                       ) -> tuple[list[float], torch.nn.Module]:
+    """Per pair of steps, the seconds that data parallelism over the default group (tessera's
+    DataParallel at `zero_stage` 0, ZeroModel above) adds to a training step of a model of
+    `spec`'s shapes (up to WRAPPED_LAYERS layers, on `micro_batch` × `seq` tokens) besides
+    its waits on the wrappers' collectives and its scalar all-reduces: the step as the trainer
+    runs it (``parallelize``, then ``Executor.forward_backward``: forward, backward, the
+    gradient sync; with `full_step` the norm, clipping and AdamW) at dp = the group's size
+    less the same model's step at dp 1, in blocks of WRAPPED_BLOCK steps of each (the first
+    dropped, the order alternating), over `builds` fresh pairs of models × ~`pairs` steps
+    each. The waits (``Executor.last_comm_wait_s``) are priced by the planner as the
+    collectives compute did not hide and the straggler, the scalar all-reduces
+    (``Executor.last_sync_s``) as ``cost.scalar_sync_times``: both come off.
+
+    Where every rank has a core, wall time, the slowest rank's: a step ends for every rank
+    when the last one has done its work and reached the reduction, so per pair the largest
+    of the ranks' wrapped steps (each less its waits and syncs) less the largest of their
+    steps at dp 1 (the planner adds the spread of plain compute on its own,
+    ``cost.rank_skew``); what a collective in flight takes from the step, its thread on the
+    rank's core, is wall time, not this thread's CPU. Where the ranks time-share fewer cores,
+    this thread's CPU time, averaged over the ranks (the planner counts all the ranks' work
+    over the cores: ``cost.shared_cpu_bound``), in which the blocking waits cost ~nothing.
+    The same list on every rank. Also returns the model at dp 1 built from the same shapes
+    (its parameters and units). Every rank of the default group must call it."""
     import dataclasses
 
     import torch.distributed as dist
 
-    from tessera.config import TrainConfig
-    from tessera.model import build_model, cross_entropy
-    from tessera.optim import adamw
+    from tessera.config import Config, DataConfig, ParallelConfig, TrainConfig
+    from tessera.model import build_model
+    from tessera.parallelize import parallelize
+    from tessera.step import Executor
+    from tessera.topology import Topology
 
-    cfg = dataclasses.replace(_block_config(spec, seq),
-                              n_layers=min(spec.layers, WRAPPED_LAYERS))
-    train = TrainConfig(micro_batch_size=micro_batch, precision="fp32")
+    world = dist.get_world_size()
+    shapes = dataclasses.replace(_block_config(spec, seq),
+                                 n_layers=min(spec.layers, WRAPPED_LAYERS))
+
+    def config(dp: int) -> Config:
+        cfg = Config(model=shapes,
+                     parallel=ParallelConfig(dp=dp, zero_stage=zero_stage if dp > 1 else 0),
+                     train=TrainConfig(micro_batch_size=micro_batch, grad_accum=1,
+                                       precision="fp32"),
+                     data=DataConfig(seq_len=seq))
+        return cfg.validate(dp)
+
+    topo = Topology.build(config(world).parallel, "cpu")
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
                            generator=torch.Generator().manual_seed(0))
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    shared = dist.get_world_size() > (os.cpu_count() or 1)  # ranks time-share the cores
+    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    shared = world > (os.cpu_count() or 1)  # ranks time-share the cores
     clock = time.thread_time if shared else _wall_clock
 
-    def step_seconds(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                     wrapped: bool) -> float:
-        """One training step's seconds on `clock`, less its waits on the wrapper's
-        collectives."""
-        if wrapped:
-            model.zero_grad()  # the wrapper's own buffers (DataParallel: set_to_none)
-            model.comm_log.clear()
-        else:
-            model.zero_grad(set_to_none=True)  # fresh gradients, as the trainer leaves them
+    def build(dp: int, seed: int):
+        cfg = config(dp)
+        torch.manual_seed(seed)
+        model = parallelize(cfg, topo if dp > 1 else Topology.solo(), torch.device("cpu"))
+        return Executor(model), model.optimizer(cfg.train), cfg.train.grad_clip
+
+    def step_seconds(executor, optimizer, clip: float) -> float:
+        """One training step's seconds on `clock`, less its waits and scalar syncs."""
+        optimizer.zero_grad(set_to_none=True)  # as the trainer leaves them
         start = clock()
-        cross_entropy(model(x), y).backward()
-        if wrapped:
-            model.finish_gradient_sync()
+        executor.forward_backward([batch])
         if full_step:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            executor.clip_grad_norm_(clip)
             optimizer.step()
         seconds = clock() - start
-        if wrapped and not shared:  # a blocking wait costs the thread's CPU ~nothing
-            seconds -= model.comm_log.exposed()
+        if not shared:  # a blocking wait costs the thread's CPU ~nothing
+            seconds -= executor.last_comm_wait_s + executor.last_sync_s
         return seconds
 
-    extra = []
-    for build in range(builds):
-        plain = build_model(cfg, seed=build)
-        wrapped = wrap(build_model(cfg, seed=build))
-        models = [(plain, adamw(plain.parameters(), train) if full_step else None, False),
-                  (wrapped, adamw(wrapped.parameters(), train) if full_step else None, True)]
+    wrapped_s, plain_s = [], []
+    for b in range(builds):
+        models = [(*build(1, b), False), (*build(world, b), True)]
         for block in range(-(-pairs // (WRAPPED_BLOCK - 1)) + 1):
             order = models if block % 2 == 0 else models[::-1]
-            times = {is_wrapped: [step_seconds(m, opt, is_wrapped)
+            times = {is_wrapped: [step_seconds(ex, opt, clip)
                                   for _ in range(WRAPPED_BLOCK)][1:]
-                     for m, opt, is_wrapped in order}
+                     for ex, opt, clip, is_wrapped in order}
             if block > 0:  # the first blocks warm both up
-                extra += [w - b for w, b in zip(times[True], times[False], strict=True)]
-    return extra, plain
+                wrapped_s += times[True]
+                plain_s += times[False]
+        del models
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, (wrapped_s, plain_s))
+    across = statistics.fmean if shared else max  # over the ranks, pair by pair
+    wrapped_pairs = zip(*(r[0] for r in ranks), strict=True)
+    plain_pairs = zip(*(r[1] for r in ranks), strict=True)
+    extra = [across(w) - across(p) for w, p in zip(wrapped_pairs, plain_pairs, strict=True)]
+    return extra, build_model(shapes, seed=0)
 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
@@ -582,13 +606,7 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     replaced: it left out the launch, the all-reduce in flight and the work after the wait,
     and priced DDP at dp 2 at 0.66-0.91 of its measured cost (docs/planner.md, What DDP at
     dp 2 misses). Every rank of the default group must call it."""
-    import torch.distributed as dist
-
-    from tessera.parallel.ddp import DataParallel
-
-    extra, plain = wrapped_step_extra(spec, seq, micro_batch,
-                                      lambda m: DataParallel(m, dist.group.WORLD), True,
-                                      builds, pairs)
+    extra, plain = wrapped_step_extra(spec, seq, micro_batch, 0, True, builds, pairs)
     params = [p for p in plain.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     rest = statistics.median(extra) - len(params) * per_tensor
@@ -615,13 +633,9 @@ def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: flo
     2.4-3.3 ms a micro-batch, a sixth to a quarter of what its steps do besides their waits
     (13-21 ms; docs/planner.md, What ZeRO-3 at dp 2 misses). Every rank of the default group
     must call it (the steps gather and reduce)."""
-    import torch.distributed as dist
+    from tessera.parallel.zero import transformer_units
 
-    from tessera.parallel.zero import ZeroModel, transformer_units
-
-    extra, plain = wrapped_step_extra(
-        spec, seq, micro_batch, lambda m: ZeroModel(m, dist.group.WORLD, stage=3), False,
-        builds, pairs)
+    extra, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs)
     units = len(transformer_units(plain))
     weight_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     rest = statistics.median(extra) - units * per_unit
