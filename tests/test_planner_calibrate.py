@@ -41,7 +41,8 @@ def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     # what they price per micro-batch, between nothing and a second
     tiny_bytes = 4 * load_model("tiny").param_count
     assert 0 <= hw.zero_unit_passes * tiny_bytes / (hw.memory_bw_gbs * 1e9) < 1.0
-    assert hw.gpus_per_node >= 1 and hw.dp_overlap == collective_overlap(hw.cores, 2)
+    # the share a collective progresses by inside the ZeRO-3 step, at most beside plain compute
+    assert hw.gpus_per_node >= 1 and 0 <= hw.dp_overlap <= collective_overlap(hw.cores, 2)
     assert 0.01 < hw.gather_efficiency <= 1.0
     assert hw.calibrated_micro_batch == 4  # what it measured at, for the training summary
     w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,
@@ -418,6 +419,37 @@ def test_ddp_copy_passes_prices_the_slowest_rank_and_leaves_the_scalar_syncs_out
         assert with_sync - base == pytest.approx(0.0, abs=2e-3)
 
 
+def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_waited():
+    # calibrate sets dp_overlap from the ZeRO-3 step's measured waits: the share at which the
+    # planner's waits for the same layout and shapes are those waits. Round trip: the waits
+    # the planner gives at a share of 0.2 solve back to 0.2 (bisection to 1e-12: 1e-6 is
+    # loose); waits beyond what it gives with nothing hidden solve to 0; waits below what it
+    # gives at the full share (0.5 here, beside plain compute) solve to the full share.
+    from dataclasses import replace
+
+    from tessera.planner.calibrate import in_step_overlap
+    from tessera.planner.cost import layout_costs
+    from tessera.planner.hardware import Hardware
+
+    hw = Hardware(name="cpu-test", peak_tflops=0.09, memory_gb=12.0, memory_bw_gbs=24.0,
+                  intra_node_gbs=2.2, inter_node_gbs=2.2, gpus_per_node=64,
+                  intra_node_alpha_us=440.0, inter_node_alpha_us=440.0, cores=2,
+                  zero_unit_us=500.0, zero_unit_passes=20.0, dp_overlap=0.5)
+    spec = load_model("demo")
+
+    def waits_at(share: float) -> float:
+        h = replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
+        w = Workload(model=spec, hardware=h, gpus=2, global_batch=4, seq_len=128,
+                     precision="fp32", scatter_gather=False)
+        ch = layout_costs(w, Layout(dp=2, zero=3, micro_batch=2)).chunks[0]
+        return ch.zero_forward + ch.zero_backward
+
+    assert waits_at(0.0) > waits_at(0.2) > waits_at(0.5)  # the share hides something here
+    assert in_step_overlap(hw, spec, 128, 2, 2, waits_at(0.2)) == pytest.approx(0.2, abs=1e-6)
+    assert in_step_overlap(hw, spec, 128, 2, 2, 2 * waits_at(0.0)) == 0.0
+    assert in_step_overlap(hw, spec, 128, 2, 2, waits_at(0.5) / 2) == 0.5
+
+
 def test_collective_overlap_is_the_core_share_gloos_thread_gets_beside_compute():
     # A core per rank: the compute thread and gloo's share it, half each; cores to spare give
     # the collective threads more (all of one at two cores per rank); ranks time-sharing fewer
@@ -429,11 +461,11 @@ def test_collective_overlap_is_the_core_share_gloos_thread_gets_beside_compute()
     assert collective_overlap(0, 8) == 1.0
 
 
-def _zero_step_seconds_with(where: str, seconds: float) -> float:
+def _zero_step_seconds_with(where: str, seconds: float) -> tuple[float, float]:
     """calibrate.zero_step_passes on the tiny model, in seconds (passes × parameter bytes /
     bandwidth, with no fixed part: what ZeRO-3 adds to a forward + backward besides its
-    waits), with `seconds` more in ZeroModel.finish_gradient_sync: "after" (this thread's CPU
-    after its waits) or "wait" (a sleep inside a timed wait on a reduction)."""
+    waits; and the waits), with `seconds` more in ZeroModel.finish_gradient_sync: "after"
+    (this thread's CPU after its waits) or "wait" (a sleep inside a timed wait on a reduction)."""
     import tessera.planner.calibrate as calibrate
     from tessera.parallel.zero import ZeroModel
 
@@ -441,8 +473,9 @@ def _zero_step_seconds_with(where: str, seconds: float) -> float:
     spec = load_model("tiny")
     weight_bytes = sum(p.numel() * p.element_size() for p in _tiny_wrapped_params())
     bandwidth = 1e12
-    passes = calibrate.zero_step_passes(spec, 32, 2, bandwidth, 0.0, builds=3, pairs=12)
-    return passes * weight_bytes / bandwidth
+    passes, waits = calibrate.zero_step_passes(spec, 32, 2, bandwidth, 0.0, builds=3,
+                                               pairs=12)
+    return passes * weight_bytes / bandwidth, waits
 
 
 @pytest.mark.multiprocess
@@ -463,7 +496,11 @@ def test_zero_step_passes_hold_the_work_beside_the_waits_but_not_the_waits():
     base = run_ranks(_zero_step_seconds_with, 2, args=("after", 0.0), timeout=120)
     after = run_ranks(_zero_step_seconds_with, 2, args=("after", 20e-3), timeout=120)
     waited = run_ranks(_zero_step_seconds_with, 2, args=("wait", 20e-3), timeout=120)
-    for b, a, w in zip(base, after, waited, strict=True):
+    for (b, b_waits), (a, _), (w, w_waits) in zip(base, after, waited, strict=True):
         assert b > 0
         assert a - b == pytest.approx(20e-3, abs=3e-3)
         assert w - b == pytest.approx(0.0, abs=3e-3)
+        # and the waits it measured, from which calibrate sets dp_overlap, hold the 20 ms:
+        # within 5 ms, since the pause leaves the step's later waits longer too (measured
+        # +2.4 to +2.8 ms over the 20); a missed wait reads ~0, a doubled one 40
+        assert w_waits - b_waits == pytest.approx(20e-3, abs=5e-3)

@@ -96,6 +96,7 @@ are wall times after a ``torch.cuda.synchronize()``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -495,7 +496,7 @@ alternated with another every step runs both ~40% slower (benchmarks/dp_cost.py)
 
 def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: int,
                        full_step: bool, builds: int, pairs: int
-                       ) -> tuple[list[float], torch.nn.Module]:
+                       ) -> tuple[list[float], list[float], torch.nn.Module]:
     """Per pair of steps, the seconds that data parallelism over the default group (tessera's
     DataParallel at `zero_stage` 0, ZeroModel above) adds to a training step of a model of
     `spec`'s shapes (up to WRAPPED_LAYERS layers, on `micro_batch` × `seq` tokens) besides
@@ -516,10 +517,10 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     rank's core, is wall time, not this thread's CPU. Where the ranks time-share fewer cores,
     this thread's CPU time, averaged over the ranks (the planner counts all the ranks' work
     over the cores: ``cost.shared_cpu_bound``), in which the blocking waits cost ~nothing.
-    The same list on every rank. Also returns the model at dp 1 built from the same shapes
-    (its parameters and units). Every rank of the default group must call it."""
-    import dataclasses
-
+    The same list on every rank. Also returns, per pair, the wrapped step's waits averaged
+    over the ranks (wall seconds; what the planner's exposed collectives and straggler
+    stand for), and the model at dp 1 built from the same shapes (its parameters and units).
+    Every rank of the default group must call it."""
     import torch.distributed as dist
 
     from tessera.config import Config, DataConfig, ParallelConfig, TrainConfig
@@ -553,6 +554,8 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
         model = parallelize(cfg, topo if dp > 1 else Topology.solo(), torch.device("cpu"))
         return Executor(model), model.optimizer(cfg.train), cfg.train.grad_clip
 
+    waits: list[float] = []
+
     def step_seconds(executor, optimizer, clip: float) -> float:
         """One training step's seconds on `clock`, less its waits and scalar syncs."""
         optimizer.zero_grad(set_to_none=True)  # as the trainer leaves them
@@ -571,20 +574,26 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
         models = [(*build(1, b), False), (*build(world, b), True)]
         for block in range(-(-pairs // (WRAPPED_BLOCK - 1)) + 1):
             order = models if block % 2 == 0 else models[::-1]
-            times = {is_wrapped: [step_seconds(ex, opt, clip)
-                                  for _ in range(WRAPPED_BLOCK)][1:]
-                     for ex, opt, clip, is_wrapped in order}
+            times, waited = {}, []
+            for ex, opt, clip, is_wrapped in order:
+                times[is_wrapped] = []
+                for _ in range(WRAPPED_BLOCK):
+                    times[is_wrapped].append(step_seconds(ex, opt, clip))
+                    if is_wrapped:
+                        waited.append(ex.last_comm_wait_s)
             if block > 0:  # the first blocks warm both up
-                wrapped_s += times[True]
-                plain_s += times[False]
+                wrapped_s += times[True][1:]
+                plain_s += times[False][1:]
+                waits += waited[1:]
         del models
     ranks: list = [None] * world
-    dist.all_gather_object(ranks, (wrapped_s, plain_s))
+    dist.all_gather_object(ranks, (wrapped_s, plain_s, waits))
     across = statistics.fmean if shared else max  # over the ranks, pair by pair
     wrapped_pairs = zip(*(r[0] for r in ranks), strict=True)
     plain_pairs = zip(*(r[1] for r in ranks), strict=True)
     extra = [across(w) - across(p) for w, p in zip(wrapped_pairs, plain_pairs, strict=True)]
-    return extra, build_model(shapes, seed=0)
+    waited = [statistics.fmean(w) for w in zip(*(r[2] for r in ranks), strict=True)]
+    return extra, waited, build_model(shapes, seed=0)
 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
@@ -606,7 +615,7 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     replaced: it left out the launch, the all-reduce in flight and the work after the wait,
     and priced DDP at dp 2 at 0.66-0.91 of its measured cost (docs/planner.md, What DDP at
     dp 2 misses). Every rank of the default group must call it."""
-    extra, plain = wrapped_step_extra(spec, seq, micro_batch, 0, True, builds, pairs)
+    extra, _, plain = wrapped_step_extra(spec, seq, micro_batch, 0, True, builds, pairs)
     params = [p for p in plain.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     rest = statistics.median(extra) - len(params) * per_tensor
@@ -615,7 +624,7 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
 
 def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
                      per_unit: float, builds: int = WRAPPED_BUILDS,
-                     pairs: int = WRAPPED_PAIRS) -> float:
+                     pairs: int = WRAPPED_PAIRS) -> tuple[float, float]:
     """Passes over the parameter bytes, at `bandwidth` bytes/s, of what tessera's ZeRO-3 adds
     to a micro-batch's forward and backward besides its waits on its gathers and
     reductions and its fixed `per_unit` seconds per unit (``zero_unit_us``, from tiny
@@ -635,11 +644,11 @@ def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: flo
     must call it (the steps gather and reduce)."""
     from tessera.parallel.zero import transformer_units
 
-    extra, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs)
+    extra, waits, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs)
     units = len(transformer_units(plain))
     weight_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     rest = statistics.median(extra) - units * per_unit
-    return max(0.0, rest * bandwidth / weight_bytes)
+    return max(0.0, rest * bandwidth / weight_bytes), statistics.median(waits)
 
 
 def op_overhead() -> float:
@@ -731,18 +740,19 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
         zero_unit, zero_passes = zero_unit_costs(spec, bw)
+        zero_waits = 0.0  # none measured
         # the collectives in flight, on this machine's ranks (a GPU's wait on a handle does
         # not block the host, so there wall time less the waits would hold the collectives)
         if dist.get_world_size() > 1 and not _on_gpu():
-            zero_passes = zero_step_passes(spec, seq, micro_batch, bw, zero_unit)
+            zero_passes, zero_waits = zero_step_passes(spec, seq, micro_batch, bw, zero_unit)
         ddp_tensor, ddp_passes = ddp_hook_costs(spec, seq, micro_batch, bw)
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
             "optimizer": optimizer, "jitter_fixed": fixed, "jitter_rate": rate,
             "mm_large": large, "mm_tail": tail,
-            "zero_unit": zero_unit, "zero_passes": zero_passes, "ddp_tensor": ddp_tensor,
-            "ddp_passes": ddp_passes}
+            "zero_unit": zero_unit, "zero_passes": zero_passes, "zero_waits": zero_waits,
+            "ddp_tensor": ddp_tensor, "ddp_passes": ddp_passes}
 
 
 def _collective_link(spec: ModelSpec, seq: int, micro_batch: int,
@@ -829,8 +839,8 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
                         timeout=600, backend=backend)
     out = dict(results[0])
     for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter_fixed",
-                "jitter_rate", "mm_large", "mm_tail", "zero_unit", "zero_passes", "ddp_tensor",
-                "ddp_passes"):
+                "jitter_rate", "mm_large", "mm_tail", "zero_unit", "zero_passes", "zero_waits",
+                "ddp_tensor", "ddp_passes"):
         out[key] = statistics.median(r[key] for r in results)
     return out
 
@@ -876,7 +886,7 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
     p2p_alpha, p2p_beta, alpha, beta = r["p2p_alpha"], r["p2p_beta"], r["alpha"], r["beta"]
     cores, memory, per_node = machine_shape(device)
     link_gbs = 1.0 / beta / 1e9
-    return Hardware(
+    hw = Hardware(
         name=name, peak_tflops=r["mm_large"] / 1e12, matmul_efficiency=1.0,
         matmul_tail_us=r["mm_tail"] * 1e6,
         attention_tflops=attn / 1e12, memory_gb=memory / 1e9,
@@ -894,3 +904,46 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, {ranks} ranks measuring at once, fp32, {device}, {backend}, "
                f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")
+    if r["zero_waits"] > 0 and hw.dp_overlap > 0:  # measured where each rank has a core
+        hw = dataclasses.replace(hw, dp_overlap=in_step_overlap(
+            hw, spec, seq, micro_batch, ranks, r["zero_waits"]))
+    return hw
+
+
+def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, ranks: int,
+                    waits: float) -> float:
+    """``dp_overlap`` as the ZeRO-3 step measured it: the share of a second of compute that a
+    collective progresses by inside the step, the one at which the planner's waits for
+    ZeRO-3 over `ranks` ranks at these shapes (up to WRAPPED_LAYERS layers, `micro_batch` ×
+    `seq` tokens: what :func:`zero_step_passes` ran) equal the `waits` its steps measured
+    (seconds per micro-batch, the ranks' mean: their exposed gathers and reduce-scatters and
+    the straggler), found by bisection between 0 and `hw.dp_overlap` (the share beside plain
+    compute, :func:`collective_overlap`). Beside a matmul loop gloo's thread progresses at
+    about that share; inside the step, with the gathered buffers allocated and filled and the
+    reductions queued behind the gathers, at a third to a fifth of it at micro-batch 2 here
+    (docs/planner.md, Inside the step a collective runs slower). The planner's waits fall as
+    the share grows: where they exceed `waits` even at the full share, the full share; where
+    they fall short even at 0, 0."""
+    from tessera.planner.cost import Layout, Workload, layout_costs
+
+    model = dataclasses.replace(spec, layers=min(spec.layers, WRAPPED_LAYERS))
+    layout = Layout(dp=ranks, zero=3, micro_batch=micro_batch)
+
+    def planner_waits(share: float) -> float:
+        # ZeRO-3's own work (zero_unit_*) off: what is left of the chunks' ZeRO times is the
+        # exposed collectives and the straggler
+        h = dataclasses.replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
+        w = Workload(model=model, hardware=h, gpus=ranks, global_batch=ranks * micro_batch,
+                     seq_len=seq, precision="fp32", scatter_gather=False)
+        chunks = layout_costs(w, layout).chunks
+        return sum(c.zero_forward + c.zero_backward for c in chunks)
+
+    low, high = 0.0, hw.dp_overlap
+    if planner_waits(high) >= waits:
+        return high
+    if planner_waits(low) <= waits:
+        return low
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if planner_waits(mid) > waits else (low, mid)
+    return (low + high) / 2
