@@ -41,10 +41,11 @@ What is measured:
   bytes (``ddp_copy_passes``), and of what ZeRO-3 adds to a micro-batch besides its waits
   (its buffers and copies, gloo's thread on the core while the prefetched gathers and the
   reduce-scatters are in flight) as passes over the parameter bytes
-  (``zero_unit_passes``, ``zero_step_passes``): whole training steps of a model at the
-  model's shapes (up to four layers) and the user's micro-batch, wrapped with its
-  collectives over the calibrated ranks against the model unwrapped, in blocks of steps
-  over several builds, less the waits and the parts priced on their own (on one rank,
+  (``zero_unit_passes``, ``zero_step_passes``): whole training steps as the trainer runs
+  them (``parallelize``, ``Executor``) of a model at the model's shapes (up to four layers)
+  and the user's micro-batch, at dp = the calibrated ranks against the same model at dp 1,
+  in blocks of steps over several builds, the slowest rank's, less the waits, the scalar
+  all-reduces and the parts priced on their own (:func:`wrapped_step_extra`; on one rank,
   where there is nothing in flight, ZeRO-3's passes come from the one-rank group's chain
   of 1024×1024 layers);
 - α and β over gloo, on ``ranks`` processes started with :func:`tessera.testing.run_ranks`:
@@ -81,11 +82,14 @@ bucket launched inside the backward) shares the core with the compute thread, ea
 half of it (two runnable threads on one core; a core to spare for every thread: all of it),
 so c seconds of compute hide c/2 seconds of the collective, and what the collective's thread
 takes from the compute is priced in the passes above, measured with the collectives in
-flight. (Beside plain compute a unit's gather and reduce-scatter were measured at 0.5-0.7 of
-their solo speed; inside a ZeRO-3 step at micro-batch 2, at a third to a fifth of it:
-docs/planner.md, Inside the step a collective runs slower. That rate is not measured yet.)
-Where ranks time-share fewer cores, every core is already busy with some rank's compute:
-nothing hides (0). On GPUs the collectives run on their own stream: 1.
+flight. That is the share beside plain compute (a unit's gather and reduce-scatter were
+measured there at 0.5-0.7 of their solo speed). Inside a ZeRO-3 step at micro-batch 2 they
+progressed at a third to a fifth of it (docs/planner.md, Inside the step a collective runs
+slower), so where the ZeRO-3 step's waits were measured (:func:`zero_step_passes`) the
+share is the one at which the planner's waits for that step equal them, at most the share
+beside plain compute (:func:`in_step_overlap`). Where ranks time-share fewer cores, every
+core is already busy with some rank's compute: nothing hides (0). On GPUs the collectives
+run on their own stream: 1.
 
 Device and backend: the run's (``--device``/``--backend``; by default CUDA with NCCL where a
 GPU is present, else the CPU with gloo, as ``tessera train`` picks). Every tensor is made on
