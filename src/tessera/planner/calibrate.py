@@ -612,13 +612,14 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     thread taking the core while the all-reduce is in flight, and the work after the wait
     (the used flags, the gradients re-pointed; clipping and AdamW over the bucket's views).
     Measured where training runs it (:func:`wrapped_step_extra`): whole training steps
-    (forward, backward, gradient sync, clipping, AdamW) wrapped in DataParallel over the
-    default group with the gradients reduced, against the same model unwrapped; the median
-    over the pairs. The whole cost, not the hooks' own timer (``DataParallel.hook_seconds``),
-    which misses most of it; nor the backward alone inside ``no_sync()``, which this
-    replaced: it left out the launch, the all-reduce in flight and the work after the wait,
-    and priced DDP at dp 2 at 0.66-0.91 of its measured cost (docs/planner.md, What DDP at
-    dp 2 misses). Every rank of the default group must call it."""
+    (forward, backward, gradient sync, norm, clipping, AdamW) as the trainer runs them, in
+    DataParallel over the default group with the gradients reduced, against the same model
+    at dp 1, the slowest rank's; the median over the pairs. The whole cost, not the hooks'
+    own timer (``DataParallel.hook_seconds``), which misses most of it; nor the backward
+    alone inside ``no_sync()``, which this replaced: it left out the launch, the all-reduce
+    in flight and the work after the wait, and priced DDP at dp 2 at 0.66-0.91 of its
+    measured cost (docs/planner.md, What DDP at dp 2 misses). Every rank of the default
+    group must call it."""
     extra, _, plain = wrapped_step_extra(spec, seq, micro_batch, 0, True, builds, pairs)
     params = [p for p in plain.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -636,16 +637,19 @@ def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: flo
     shards kept, the hooks and the launches, and gloo's thread taking the rank's core while
     the prefetched gathers and the reduce-scatters are in flight (on a CPU, what a collective
     hidden behind compute still costs it). Measured where training runs it
-    (:func:`wrapped_step_extra`): forward, backward and ``finish_gradient_sync`` of the model
-    wrapped in ZeRO-3 over the default group (its units: the embedding, each block, the
-    head), against the same model unwrapped; the median over the pairs. Not the clipping nor
+    (:func:`wrapped_step_extra`): the trainer's forward, backward and gradient sync of the
+    model in ZeRO-3 over the default group (its units: the embedding, each block, the head),
+    against the same model at dp 1, the slowest rank's; the median over the pairs. Not the
+    clipping nor
     the optimizer, which the planner prices on their own (the sharded AdamW,
     ``cost.optimizer_step_time``; the norm's scalar all-reduce, ``cost.scalar_sync_times``).
     It replaces the one-rank group's figure of :func:`zero_unit_costs` wherever the default
     group has several CPU ranks: with nothing in flight, that priced ZeRO-3's work at dp 2 at
     2.4-3.3 ms a micro-batch, a sixth to a quarter of what its steps do besides their waits
-    (13-21 ms; docs/planner.md, What ZeRO-3 at dp 2 misses). Every rank of the default group
-    must call it (the steps gather and reduce)."""
+    (13-21 ms; docs/planner.md, What ZeRO-3 at dp 2 misses). Also returns the steps' waits
+    (seconds per micro-batch, the ranks' mean, the median over the pairs), from which
+    :func:`in_step_overlap` reads ``dp_overlap``. Every rank of the default group must call
+    it (the steps gather and reduce)."""
     from tessera.parallel.zero import transformer_units
 
     extra, waits, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs)
