@@ -188,6 +188,7 @@ def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
                 "gather_efficiency": 1.0,
                 "zero_unit": 0.0,
                 "zero_passes": 0.0,
+                "zero_waits": 0.0,
                 "ddp_tensor": 0.0,
                 "ddp_passes": 2.0,
             }
