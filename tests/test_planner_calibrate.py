@@ -369,6 +369,14 @@ def ddp_step_baseline():
     return run_ranks(_ddp_step_seconds_with, 2, args=("hook", 0.0), timeout=120)
 
 
+def _ddp_added(baseline: list, where: str, seconds: float) -> list[float]:
+    """Per rank, what _ddp_step_seconds_with(`where`, `seconds`) reads over the baseline."""
+    from tessera.testing import run_ranks
+
+    added = run_ranks(_ddp_step_seconds_with, 2, args=(where, seconds), timeout=120)
+    return [with_it - base for (base, _), (with_it, _) in zip(baseline, added, strict=True)]
+
+
 @pytest.mark.multiprocess
 def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees(ddp_step_baseline):
     # Before: the copy's cost came from DataParallel.hook_seconds, the hooks' own timer, which
@@ -390,14 +398,10 @@ def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait(ddp_step
     # the bucket's views). 20 ms of CPU there must show in full (the step's scatter is well
     # under 1 ms: 10%); 20 ms more spent waiting on a bucket must not show at all (the
     # planner prices the waits as the all-reduce and the straggler), within the same 2 ms.
-    from tessera.testing import run_ranks
-
-    after = run_ranks(_ddp_step_seconds_with, 2, args=("after", 20e-3), timeout=120)
-    waited = run_ranks(_ddp_step_seconds_with, 2, args=("wait", 20e-3), timeout=120)
-    for (base, _), (with_after, _), (with_wait, _) in zip(ddp_step_baseline, after, waited,
-                                                          strict=True):
-        assert with_after - base == pytest.approx(20e-3, abs=2e-3)
-        assert with_wait - base == pytest.approx(0.0, abs=2e-3)
+    for after in _ddp_added(ddp_step_baseline, "after", 20e-3):
+        assert after == pytest.approx(20e-3, abs=2e-3)
+    for waited in _ddp_added(ddp_step_baseline, "wait", 20e-3):
+        assert waited == pytest.approx(0.0, abs=2e-3)
 
 
 @pytest.mark.multiprocess
@@ -409,14 +413,10 @@ def test_ddp_copy_passes_prices_the_slowest_rank_and_leaves_the_scalar_syncs_out
     # their own (cost.scalar_sync_times): 20 ms more before each must not show. Within 2 ms,
     # as above (the tiny step's scatter is well under 1 ms); a mean or an unsubtracted sync is
     # off by 10 or 20.
-    from tessera.testing import run_ranks
-
-    one = run_ranks(_ddp_step_seconds_with, 2, args=("after-rank0", 20e-3), timeout=120)
-    synced = run_ranks(_ddp_step_seconds_with, 2, args=("sync", 20e-3), timeout=120)
-    for (base, _), (with_one, _), (with_sync, _) in zip(ddp_step_baseline, one, synced,
-                                                        strict=True):
-        assert with_one - base == pytest.approx(20e-3, abs=2e-3)
-        assert with_sync - base == pytest.approx(0.0, abs=2e-3)
+    for one_rank in _ddp_added(ddp_step_baseline, "after-rank0", 20e-3):
+        assert one_rank == pytest.approx(20e-3, abs=2e-3)
+    for synced in _ddp_added(ddp_step_baseline, "sync", 20e-3):
+        assert synced == pytest.approx(0.0, abs=2e-3)
 
 
 def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_waited():

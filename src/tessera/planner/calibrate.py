@@ -596,8 +596,8 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     wrapped_pairs = zip(*(r[0] for r in ranks), strict=True)
     plain_pairs = zip(*(r[1] for r in ranks), strict=True)
     extra = [across(w) - across(p) for w, p in zip(wrapped_pairs, plain_pairs, strict=True)]
-    waited = [statistics.fmean(w) for w in zip(*(r[2] for r in ranks), strict=True)]
-    return extra, waited, build_model(shapes, seed=0)
+    pair_waits = [statistics.fmean(w) for w in zip(*(r[2] for r in ranks), strict=True)]
+    return extra, pair_waits, build_model(shapes, seed=0)
 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
