@@ -395,13 +395,16 @@ def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees(ddp_step_basel
 def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait(ddp_step_baseline):
     # The backward alone inside no_sync(), which ddp_copy_passes timed before, left out what
     # the gradient sync does after its wait (flags, re-pointed gradients, the optimizer over
-    # the bucket's views). 20 ms of CPU there must show in full (the step's scatter is well
-    # under 1 ms: 10%); 20 ms more spent waiting on a bucket must not show at all (the
-    # planner prices the waits as the all-reduce and the straggler), within the same 2 ms.
+    # the bucket's views). 20 ms of CPU there must show in full; 20 ms more spent waiting on
+    # a bucket must not show at all (the planner prices the waits as the all-reduce and the
+    # straggler). 2 ms below: the step's scatter is well under 1 ms either way. 6 ms above:
+    # a 20 ms pause can only leave what follows it slower (cold caches, a late wake-up the
+    # peer then waits for), by more on a busy host (as in the ZeRO-3 test below). A missed
+    # work or a counted wait is still off by 20.
     for after in _ddp_added(ddp_step_baseline, "after", 20e-3):
-        assert after == pytest.approx(20e-3, abs=2e-3)
+        assert 18e-3 <= after <= 26e-3
     for waited in _ddp_added(ddp_step_baseline, "wait", 20e-3):
-        assert waited == pytest.approx(0.0, abs=2e-3)
+        assert -2e-3 <= waited <= 6e-3
 
 
 @pytest.mark.multiprocess
@@ -410,13 +413,13 @@ def test_ddp_copy_passes_prices_the_slowest_rank_and_leaves_the_scalar_syncs_out
     # A step ends for every rank when the last has done its work: 20 ms more of CPU on one
     # rank alone costs the step 20 ms (the other waits for it at the loss's all-reduce), not
     # the 10 ms a mean over the ranks would say. The step's scalar all-reduces are priced on
-    # their own (cost.scalar_sync_times): 20 ms more before each must not show. Within 2 ms,
-    # as above (the tiny step's scatter is well under 1 ms); a mean or an unsubtracted sync is
-    # off by 10 or 20.
+    # their own (cost.scalar_sync_times): 20 ms more before each must not show. Windows as
+    # above (2 ms below, 6 ms above: a pause only slows what follows it); a mean or an
+    # unsubtracted sync is off by 10 or 20.
     for one_rank in _ddp_added(ddp_step_baseline, "after-rank0", 20e-3):
-        assert one_rank == pytest.approx(20e-3, abs=2e-3)
+        assert 18e-3 <= one_rank <= 26e-3
     for synced in _ddp_added(ddp_step_baseline, "sync", 20e-3):
-        assert synced == pytest.approx(0.0, abs=2e-3)
+        assert -2e-3 <= synced <= 6e-3
 
 
 def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_waited():
@@ -482,14 +485,16 @@ def _zero_step_seconds_with(where: str, seconds: float) -> tuple[float, float]:
 def test_zero_step_passes_hold_the_work_beside_the_waits_but_not_the_waits():
     # ZeRO-3's own work was timed on a one-rank group, where no collective is in flight, and
     # priced ZeRO-3 at dp 2 at a sixth to a quarter of what its steps do besides their
-    # waits. Now whole
-    # forward + backward passes with the real group: 20 ms more of CPU work in the step must
-    # show in full, 20 ms more spent waiting on a reduction must not show at all (the planner
-    # prices the waits as the collectives compute did not hide and the straggler). Within
-    # 3 ms: the medians of the tiny model's pairs scatter by well under 1 ms, but a 20 ms
-    # pause, spent burning or asleep, leaves the rest of the step 1-2 ms slower (measured
-    # +1.2 to +1.8 ms in both cases: cold caches); a missed work or an unsubtracted wait is
-    # off by 20. The baseline is positive: ZeRO-3 adds work (its gathers' buffers, the
+    # waits. Now whole forward + backward passes with the real group: 20 ms more of CPU work
+    # in the step must show in full, 20 ms more spent waiting on a reduction must not show at
+    # all (the planner prices the waits as the collectives compute did not hide and the
+    # straggler). The windows are lopsided on purpose: the medians of the tiny model's pairs
+    # scatter by well under 1 ms either way (3 ms below), but a 20 ms pause, spent burning or
+    # asleep, can only leave what follows it slower, never faster: cold caches and a late
+    # wake-up, which the peer then waits for at the next collective (measured +1.2 to +1.8 ms
+    # of work and +2.4 to +2.8 ms of waits here, +5.5 ms of waits on a busier CI host), so the
+    # slack is above. A missed work or an unsubtracted wait is still off by 20, a wait counted
+    # twice by 20 more. The baseline is positive: ZeRO-3 adds work (its gathers' buffers, the
     # collectives' thread), so the floor at 0 passes cannot hide a difference.
     from tessera.testing import run_ranks
 
@@ -498,9 +503,7 @@ def test_zero_step_passes_hold_the_work_beside_the_waits_but_not_the_waits():
     waited = run_ranks(_zero_step_seconds_with, 2, args=("wait", 20e-3), timeout=120)
     for (b, b_waits), (a, _), (w, w_waits) in zip(base, after, waited, strict=True):
         assert b > 0
-        assert a - b == pytest.approx(20e-3, abs=3e-3)
-        assert w - b == pytest.approx(0.0, abs=3e-3)
-        # and the waits it measured, from which calibrate sets dp_overlap, hold the 20 ms:
-        # within 5 ms, since the pause leaves the step's later waits longer too (measured
-        # +2.4 to +2.8 ms over the 20); a missed wait reads ~0, a doubled one 40
-        assert w_waits - b_waits == pytest.approx(20e-3, abs=5e-3)
+        assert 17e-3 <= a - b <= 28e-3
+        assert -3e-3 <= w - b <= 8e-3
+        # and the waits it measured, from which calibrate sets dp_overlap, hold the 20 ms
+        assert 17e-3 <= w_waits - b_waits <= 30e-3
