@@ -468,6 +468,70 @@ def test_wrapped_step_extra_cancels_what_building_first_costs():
         assert s - b == pytest.approx(0.0, abs=3e-3)
 
 
+def _zero_steps_calibrate_runs(micro_batch: int) -> tuple[list[int], float, float]:
+    """calibrate._compute_rates at `micro_batch` with every measurement faked but the ZeRO-3
+    steps' bookkeeping: the micro-batches zero_step_passes ran, and the zero_passes and
+    zero_waits it returned (passes = the micro-batch, waits = a thousandth of it)."""
+    import tessera.planner.calibrate as calibrate
+
+    ran = []
+
+    def zero_step_passes(spec, seq, mb, bandwidth, per_unit, *args, **kwargs):
+        ran.append(mb)
+        return float(mb), mb / 1000
+
+    for name, value in [("matmul_rate", 1.0), ("matmul_curve", (1.0, 0.0)),
+                        ("attention_rate", 1.0), ("memory_bandwidth", 1.0),
+                        ("op_overhead", 0.0), ("elementwise_passes", 1.0),
+                        ("optimizer_tensor_seconds", 0.0), ("jitter", (0.0, 0.0)),
+                        ("zero_unit_costs", (0.0, 0.0)), ("ddp_hook_costs", (0.0, 0.0))]:
+        setattr(calibrate, name, lambda *args, _v=value, **kwargs: _v)
+    calibrate.zero_step_passes = zero_step_passes
+    rates = calibrate._compute_rates(load_model("demo"), 128, micro_batch)
+    return ran, rates["zero_passes"], rates["zero_waits"]
+
+
+@pytest.mark.multiprocess
+def test_the_share_is_read_off_zero3_steps_at_micro_batch_2():
+    # At micro-batch 16 the planner's waits fall to their floor by a share of 0.1, so the
+    # floor's own error read as the share (0.05-0.08 against 0.17 at micro-batch 2 in the same
+    # runs). Calibrate reads the share off ZeRO-3 steps at micro-batch 2 (SHARE_MICRO_BATCH);
+    # ZeRO-3's work (zero_passes) stays the calibrated micro-batch's. At micro-batch 2 itself
+    # one set of steps serves both. Over 2 ranks on this machine's cores (CI has 2).
+    import os
+
+    from tessera.planner.calibrate import SHARE_MICRO_BATCH
+    from tessera.testing import run_ranks
+
+    assert SHARE_MICRO_BATCH == 2
+    if (os.cpu_count() or 1) >= 2:
+        for ran, passes, waits in run_ranks(_zero_steps_calibrate_runs, 2, args=(16,)):
+            assert (ran, passes, waits) == ([16, 2], 16.0, 2 / 1000)
+    for ran, passes, waits in run_ranks(_zero_steps_calibrate_runs, 2, args=(2,)):
+        assert (ran, passes, waits) == ([2], 2.0, 2 / 1000)
+
+
+def test_calibrate_solves_the_share_at_the_micro_batch_its_waits_came_from(monkeypatch):
+    # The waits came from ZeRO-3 steps at micro-batch 2 (or the calibrated one, where
+    # smaller): the planner's waits they are solved against must be for that micro-batch.
+    import tessera.planner.calibrate as calibrate
+
+    solved = []
+    rates = dict(mm=1e9, attn=1e9, bw=1e9, mm_large=1e9, passes=1.0, overhead=0.0,
+                 optimizer=0.0, jitter_fixed=0.0, jitter_rate=0.0, mm_tail=0.0,
+                 p2p_alpha=1e-5, p2p_beta=1e-9, alpha=1e-5, beta=1e-9, gather_efficiency=1.0,
+                 zero_unit=0.0, zero_passes=0.0, zero_waits=1e-3, ddp_tensor=0.0,
+                 ddp_passes=0.0)
+    monkeypatch.setattr(calibrate, "measure", lambda *args, **kwargs: rates)
+    monkeypatch.setattr(calibrate, "machine_shape", lambda device: (2, 1e10, 64))
+    monkeypatch.setattr(calibrate, "in_step_overlap",
+                        lambda hw, spec, seq, mb, ranks, waits: solved.append(mb) or 0.1)
+    for micro_batch in (16, 2, 1):
+        hw = calibrate.calibrate(load_model("demo"), 128, micro_batch, ranks=2)
+        assert hw.dp_overlap == 0.1 and hw.calibrated_micro_batch == micro_batch
+    assert solved == [2, 2, 1]
+
+
 def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_waited():
     # calibrate sets dp_overlap from the ZeRO-3 step's measured waits: the share at which the
     # planner's waits for the same layout and shapes are those waits. Round trip: the waits

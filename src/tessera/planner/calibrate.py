@@ -85,9 +85,10 @@ takes from the compute is priced in the passes above, measured with the collecti
 flight. That is the share beside plain compute (a unit's gather and reduce-scatter were
 measured there at 0.5-0.7 of their solo speed). Inside a ZeRO-3 step at micro-batch 2 they
 progressed at a third to a fifth of it (docs/planner.md, Inside the step a collective runs
-slower), so where the ZeRO-3 step's waits were measured (:func:`zero_step_passes`) the
-share is the one at which the planner's waits for that step equal them, at most the share
-beside plain compute (:func:`in_step_overlap`). Where ranks time-share fewer cores, every
+slower), so where the ZeRO-3 step's waits were measured (:func:`zero_step_passes`, at
+micro-batch 2, ``SHARE_MICRO_BATCH``, where the collectives do not hide whole) the share is
+the one at which the planner's waits for that step equal them, at most the share beside
+plain compute (:func:`in_step_overlap`). Where ranks time-share fewer cores, every
 core is already busy with some rank's compute: nothing hides (0). On GPUs the collectives
 run on their own stream: 1.
 
@@ -759,6 +760,9 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         # not block the host, so there wall time less the waits would hold the collectives)
         if dist.get_world_size() > 1 and not _on_gpu():
             zero_passes, zero_waits = zero_step_passes(spec, seq, micro_batch, bw, zero_unit)
+            share_batch = min(micro_batch, SHARE_MICRO_BATCH)
+            if share_batch != micro_batch and dist.get_world_size() <= (os.cpu_count() or 1):
+                _, zero_waits = zero_step_passes(spec, seq, share_batch, bw, zero_unit)
         ddp_tensor, ddp_passes = ddp_hook_costs(spec, seq, micro_batch, bw)
     finally:
         torch.set_num_threads(threads)
@@ -920,8 +924,18 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
                f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")
     if r["zero_waits"] > 0 and hw.dp_overlap > 0:  # measured where each rank has a core
         hw = dataclasses.replace(hw, dp_overlap=in_step_overlap(
-            hw, spec, seq, micro_batch, ranks, r["zero_waits"]))
+            hw, spec, seq, min(micro_batch, SHARE_MICRO_BATCH), ranks, r["zero_waits"]))
     return hw
+
+
+SHARE_MICRO_BATCH = 2
+"""The micro-batch of the ZeRO-3 steps whose waits :func:`in_step_overlap` reads
+``dp_overlap`` from (the calibrated one where smaller). The share is a rate of gloo's thread
+beside the step's compute, but only a step whose collectives do not hide whole shows it: at
+micro-batch 16 here (demo shapes, dp 2) the planner's waits fall from 17-25 ms at a share of
+0 to their floor (the first gather and the straggler, 4.8-6.9 ms) by 0.1, so 1.4-1.8 ms of
+waits above that floor, the floor's own error, read as a share of 0.05-0.08 against 0.17 at
+micro-batch 2 in the same runs; the twenty-ninth to thirty-first runs of docs/planner.md."""
 
 
 def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, ranks: int,

@@ -175,9 +175,10 @@ class Hardware:
     """Seconds of a data-parallel collective (a ZeRO gather or reduce-scatter, a DDP bucket)
     that one second of compute beside it hides: 1 on GPUs, where NCCL runs on its own
     stream; on CPU ranks with a core each, the share ``calibrate.in_step_overlap`` reads off
-    calibrate's ZeRO-3 steps (their waits), at most what ``calibrate.collective_overlap``
-    gives for the machine's shape beside plain compute (0.5: gloo's thread and the compute
-    thread share the core); 0 where ranks time-share fewer cores."""
+    calibrate's ZeRO-3 steps at micro-batch 2 (their waits), at most what
+    ``calibrate.collective_overlap`` gives for the machine's shape beside plain compute (0.5:
+    gloo's thread and the compute thread share the core); 0 where ranks time-share fewer
+    cores."""
     calibrated_micro_batch: int = 0
     """The micro-batch `tessera plan calibrate` measured at (matmul shapes, the DDP hooks'
     copy, the jitter's stretches all depend on it); 0: not known (a catalog GPU, or a
