@@ -457,13 +457,14 @@ def test_time_shared_ranks_pay_data_parallel_waits_once():
     4/2), but a data-parallel collective blocks every rank of the group at once, so its
     exposed time is added once, not stretched; and a rank's early arrival costs nothing (its
     core goes to the late ones), so no straggler wait. The step minus the exposed DP time is
-    exactly the cores' share of the compute, for ZeRO-3; for DDP, plus its bucket work
-    (the gradient hooks inside the backward and the division after the all-reduce: every
-    rank's own thread, all ranks at once) stretched by 4/2 like compute, of which the
-    exposed DP time holds it once."""
+    exactly the cores' share of the compute plus the engine's own work stretched by 4/2 like
+    compute, of which the exposed DP time holds it once: for DDP its bucket work (the
+    gradient hooks inside the backward and the division after the all-reduce), for ZeRO-3
+    its work around each unit's collectives, every micro-batch (every rank's own thread,
+    all ranks at once)."""
     from tessera.planner.cost import ddp_bucket_time
 
-    hw = _local_cpu()
+    hw = _local_cpu(zero_unit_us=500.0, zero_unit_passes=20.0)
     for zero in (0, 3):
         w, L = _demo(hw, 4, dp=4, zero=zero)
         est = estimate(w, L)
@@ -473,13 +474,17 @@ def test_time_shared_ranks_pay_data_parallel_waits_once():
         if zero == 0:
             (ch,) = est.costs.chunks
             assert own == ddp_bucket_time(hw, 4 * ch.params, ch.tensors) > 0
-        else:
-            assert own == 0.0  # ZeRO-3's unit work sits between the collectives' waits
+        else:  # 6 units (4 blocks, the embedding, the head), fp32 parameters
+            (ch,) = est.costs.chunks
+            book = 6 * hw.zero_unit_us * 1e-6 + hw.zero_unit_passes * 4 * ch.params / hw.memory_bw
+            assert own == pytest.approx(L.microbatches(w.global_batch) * book, rel=1e-9)
+            assert own > 0
         assert est.step_time - b["dp_exposed"] == pytest.approx(4 / 2 * work + (4 / 2 - 1) * own,
                                                                 rel=1e-9)
         assert b["dp_exposed"] > own
         # the same layout on 4 cores: no time-sharing, the waits include the straggler term
-        wide = estimate(*_demo(_local_cpu(cores=4), 4, dp=4, zero=zero))
+        wide = estimate(*_demo(_local_cpu(cores=4, zero_unit_us=500.0, zero_unit_passes=20.0),
+                               4, dp=4, zero=zero))
         wb = wide.breakdown()
         assert wb["time_sharing"] == pytest.approx(0.0, abs=1e-12)
         # (the simulator's cache rounds the chunk costs to 6 significant digits,
