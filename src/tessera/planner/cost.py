@@ -1095,7 +1095,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             # tessera's own work around each unit's collectives (ZeRO-3, calibrated: a fixed
             # part per unit and passes over the gathered parameter bytes, per micro-batch,
             # with what the collectives in flight take from the rank's core): exposed, on
-            # the rank's own thread, every rank of the group at once once a collective
+            # the rank's own thread, every rank of the group at the same time when a collective
             # releases them all, so ranks that time-share cores stretch it like compute
             # (dp_cpu, shared_cpu_bound).
             book = (hw.zero_unit_us * 1e-6 * _engine_units(spec, t, pp, n_chunks, sizes, chunks,
