@@ -454,18 +454,19 @@ def test_wrapped_step_extra_cancels_what_building_first_costs():
     # Of two models built in turn, the first steps slower (4 ranks on 2 cores, micro-batch 16:
     # calibrate's DDP extra read 3.2 and 4.7 ms with dp 1 built first, 6.8 and 6.6 with the
     # wrapped model first). Calibrate builds them in turn each way, so what being built first
-    # costs cancels: 10 ms more on every step of each pair's first-built model leaves the
-    # mean extra where it was (half the pairs read 10 ms low, half 10 ms high), within 3 ms:
+    # costs cancels: 20 ms more on every step of each pair's first-built model leaves the
+    # mean extra where it was (half the pairs read 20 ms low, half 20 ms high), within 5 ms:
     # the tiny step's pairs scatter by ~1 ms, and a burn leaves the next step a little slower
-    # (cold caches; as in the pause tests above), on either side. Always dp 1 first would
-    # read 10 ms low, always wrapped first 10 ms high. The mean, not calibrate's median: of
+    # (cold caches; as in the pause tests above), on either side, not equally (a full-suite
+    # run read -3.4 ms with a 10 ms burn). Always dp 1 first would read 20 ms low, always
+    # wrapped first 20 ms high. The mean, not calibrate's median: of
     # two halves 20 ms apart the median is the mean of the nearest two pairs, a tail.
     from tessera.testing import run_ranks
 
     base = run_ranks(_extra_with_first_built_slower, 2, args=(0.0,), timeout=120)
-    slowed = run_ranks(_extra_with_first_built_slower, 2, args=(10e-3,), timeout=120)
+    slowed = run_ranks(_extra_with_first_built_slower, 2, args=(20e-3,), timeout=120)
     for b, s in zip(base, slowed, strict=True):
-        assert s - b == pytest.approx(0.0, abs=3e-3)
+        assert s - b == pytest.approx(0.0, abs=5e-3)
 
 
 def _zero_steps_calibrate_runs(micro_batch: int) -> tuple[list[int], float, float]:
