@@ -847,6 +847,15 @@ def _calibration_worker(spec: ModelSpec, seq: int, micro_batch: int,
         return {**rates, **_collective_link(spec, seq, micro_batch, cores)}
 
 
+CALIBRATION_TIMEOUT_S = 3600
+"""How long the calibrating ranks may take before they are taken for hung. A guard against a
+deadlock, not a budget: the trainer's steps that time DDP's and ZeRO-3's work (12 builds ×
+6 pairs each, and ZeRO-3 again at micro-batch 2) take most of a calibration, ~3-7 minutes
+here on a good morning; on 2026-11-28 afternoon the same host ran 2-3x slower and a 2-rank
+calibration at micro-batch 16 ran past the 600 s allowed until then, losing the whole
+measurement."""
+
+
 def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device: str = "cpu",
             backend: str = "gloo") -> dict[str, float]:
     """Compute rates (the median over `ranks` processes measuring at once) and the link
@@ -854,7 +863,7 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
     from tessera.testing import run_ranks
 
     results = run_ranks(_calibration_worker, ranks, args=(spec, seq, micro_batch, device),
-                        timeout=600, backend=backend)
+                        timeout=CALIBRATION_TIMEOUT_S, backend=backend)
     out = dict(results[0])
     for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter_fixed",
                 "jitter_rate", "mm_large", "mm_tail", "zero_unit", "zero_passes", "zero_waits",
