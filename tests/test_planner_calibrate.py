@@ -512,19 +512,26 @@ def test_the_share_is_read_off_zero3_steps_at_micro_batch_2():
         assert (ran, passes, waits) == ([2], 2.0, 2 / 1000)
 
 
+def _measured_without_ranks(monkeypatch, gather_efficiency: float):
+    """calibrate with its measurement replaced (no ranks run): fixed rates, ZeRO-3 steps that
+    waited 1 ms a micro-batch, gathers timed at `gather_efficiency`, a 2-core machine."""
+    import tessera.planner.calibrate as calibrate
+
+    rates = dict(mm=1e9, attn=1e9, bw=1e9, mm_large=1e9, passes=1.0, overhead=0.0,
+                 optimizer=0.0, jitter_fixed=0.0, jitter_rate=0.0, mm_tail=0.0,
+                 p2p_alpha=1e-5, p2p_beta=1e-9, alpha=1e-5, beta=1e-9,
+                 gather_efficiency=gather_efficiency, zero_unit=0.0, zero_passes=0.0,
+                 zero_waits=1e-3, ddp_tensor=0.0, ddp_passes=0.0)
+    monkeypatch.setattr(calibrate, "measure", lambda *args, **kwargs: rates)
+    monkeypatch.setattr(calibrate, "machine_shape", lambda device: (2, 1e10, 64))
+    return calibrate
+
+
 def test_calibrate_solves_the_share_at_the_micro_batch_its_waits_came_from(monkeypatch):
     # The waits came from ZeRO-3 steps at micro-batch 2 (or the calibrated one, where
     # smaller): the planner's waits they are solved against must be for that micro-batch.
-    import tessera.planner.calibrate as calibrate
-
+    calibrate = _measured_without_ranks(monkeypatch, gather_efficiency=1.0)
     solved = []
-    rates = dict(mm=1e9, attn=1e9, bw=1e9, mm_large=1e9, passes=1.0, overhead=0.0,
-                 optimizer=0.0, jitter_fixed=0.0, jitter_rate=0.0, mm_tail=0.0,
-                 p2p_alpha=1e-5, p2p_beta=1e-9, alpha=1e-5, beta=1e-9, gather_efficiency=1.0,
-                 zero_unit=0.0, zero_passes=0.0, zero_waits=1e-3, ddp_tensor=0.0,
-                 ddp_passes=0.0)
-    monkeypatch.setattr(calibrate, "measure", lambda *args, **kwargs: rates)
-    monkeypatch.setattr(calibrate, "machine_shape", lambda device: (2, 1e10, 64))
     monkeypatch.setattr(calibrate, "in_step_overlap",
                         lambda hw, spec, seq, mb, ranks, waits: solved.append(mb) or 0.1)
     for micro_batch in (16, 2, 1):
@@ -568,16 +575,8 @@ def test_time_shared_calibration_reads_the_gathers_off_zero3_steps(monkeypatch):
     # Ranks that outnumber the cores hide nothing (dp_overlap 0): calibrate solves the gather
     # efficiency from the ZeRO-3 steps' waits instead, at the calibrated micro-batch; with a
     # core per rank it solves the share and keeps the timed gathers' efficiency.
-    import tessera.planner.calibrate as calibrate
-
+    calibrate = _measured_without_ranks(monkeypatch, gather_efficiency=0.6)
     solved = []
-    rates = dict(mm=1e9, attn=1e9, bw=1e9, mm_large=1e9, passes=1.0, overhead=0.0,
-                 optimizer=0.0, jitter_fixed=0.0, jitter_rate=0.0, mm_tail=0.0,
-                 p2p_alpha=1e-5, p2p_beta=1e-9, alpha=1e-5, beta=1e-9, gather_efficiency=0.6,
-                 zero_unit=0.0, zero_passes=0.0, zero_waits=1e-3, ddp_tensor=0.0,
-                 ddp_passes=0.0)
-    monkeypatch.setattr(calibrate, "measure", lambda *args, **kwargs: rates)
-    monkeypatch.setattr(calibrate, "machine_shape", lambda device: (2, 1e10, 64))
     monkeypatch.setattr(calibrate, "in_step_overlap", lambda *args: 0.1)
     monkeypatch.setattr(calibrate, "in_step_gather_efficiency",
                         lambda hw, spec, seq, mb, ranks, waits:
