@@ -383,12 +383,16 @@ def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees(ddp_step_basel
     # misses what autograd's dispatch of each hook and the copy's effect on the backward cost
     # around it. Work added to every hook outside that timer must show in full: 2 ms of thread
     # CPU per gradient. The tiny model's step takes a few ms; its scatter between two
-    # steps is well under a millisecond, against the 2 ms × tensors (~24 ms) injected.
+    # steps is well under a millisecond, against the 2 ms × tensors (~42 ms) injected. 2 ms
+    # below, as the tests below. A quarter above: every one of the ~21 pauses can only slow
+    # what follows it (cold caches, a late wake-up on a busy host; CI once read 4.9 ms over
+    # 42). A missed burn reads ~0 and a doubled one ~2×, both far outside.
     from tessera.testing import run_ranks
 
     burnt = run_ranks(_ddp_step_seconds_with, 2, args=("hook", 2e-3), timeout=120)
     for (base, tensors), (with_burn, _) in zip(ddp_step_baseline, burnt, strict=True):
-        assert with_burn - base == pytest.approx(2e-3 * tensors, rel=0.1)
+        injected = 2e-3 * tensors
+        assert injected - 2e-3 <= with_burn - base <= 1.25 * injected
 
 
 @pytest.mark.multiprocess
