@@ -270,11 +270,9 @@ def inrun_hardware(hw_path: str, case: Case):
     run measured (dp_cost.py, in the same minutes as its steps: on this shared machine gloo's
     speed moves by ~40% within the hour, so a calibration taken earlier misprices the
     collectives whatever the overlap model says). From the run: the bandwidth that gives the
-    all-reduce of the gradients its measured time in the ring form (α kept from the file), and
-    where each rank has a core of its own, the all-gather and reduce-scatter of a unit against
-    that ring form (gather_efficiency, as calibrate derives it beside compute; where ranks
-    time-share the cores calibrate reads them off ZeRO-3 steps, and they keep the file's
-    seconds on the run's link) and the jitter that gives the
+    all-reduce of the gradients its measured time in the ring form (α kept from the file), the
+    all-gather and reduce-scatter of a unit against that ring form (gather_efficiency, as
+    calibrate derives it), and where each rank has a core of its own, the jitter that gives the
     straggler term the measured skew of the control steps (σ = skew / E[max of n normals] at
     T = the control's compute: the file's σ(T) law scaled to it, all its terms alike; a file
     without one gets jitter = σ / √T). What stays the planner's own is the model under test:
@@ -283,26 +281,19 @@ def inrun_hardware(hw_path: str, case: Case):
     from dataclasses import replace
 
     from tessera.planner.calibrate import gather_efficiency, ring_beta
-    from tessera.planner.cost import allgather_time, expected_max_normal, jitter_sigma
+    from tessera.planner.cost import expected_max_normal, jitter_sigma
     from tessera.planner.hardware import Link, load_hardware
 
     hw, r, n = load_hardware(hw_path), case.paired, case.nproc
     alpha = hw.intra_node_alpha_us * 1e-6
     beta = ring_beta(statistics.median(r.allreduce_s), r.bucket_bytes, n, alpha)
     gbs = 1.0 / beta / 1e9 / hw.link_efficiency
-    ring = Link(alpha=alpha, bandwidth=1.0 / beta)
-    if time_shared(case, hw):
-        # the file's gathers and reduce-scatters are read off its ZeRO-3 steps
-        # (calibrate.in_step_gather_efficiency), not timed on their own: they keep their
-        # seconds on the run's link
-        efficiency = (allgather_time(r.unit_bytes, n, ring)
-                      / allgather_time(r.unit_bytes, n, hw.link(intra_node=True)))
-        return replace(hw, intra_node_gbs=gbs, inter_node_gbs=gbs,
-                       gather_efficiency=efficiency)
     timed = [(r.unit_bytes, statistics.median(r.allgather_s)),
              (r.unit_bytes, statistics.median(r.reduce_scatter_s))]
-    efficiency = gather_efficiency(ring, n, timed)
+    efficiency = gather_efficiency(Link(alpha=alpha, bandwidth=1.0 / beta), n, timed)
     hw = replace(hw, intra_node_gbs=gbs, inter_node_gbs=gbs, gather_efficiency=efficiency)
+    if time_shared(case, hw):
+        return hw
     compute = statistics.median(r.control_compute_s)
     sigma = statistics.median(r.skew_s) / expected_max_normal(n)
     law = jitter_sigma(hw, compute)

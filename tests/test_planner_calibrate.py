@@ -575,48 +575,6 @@ def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_w
     assert in_step_overlap(hw, spec, 128, 2, 2, waits_at(0.5) / 2) == 0.5
 
 
-def test_time_shared_calibration_reads_the_gathers_off_zero3_steps(monkeypatch):
-    # Ranks that outnumber the cores hide nothing (dp_overlap 0): calibrate solves the gather
-    # efficiency from the ZeRO-3 steps' waits instead, at the calibrated micro-batch; with a
-    # core per rank it solves the share and keeps the timed gathers' efficiency.
-    calibrate = _measured_without_ranks(monkeypatch, gather_efficiency=0.6)
-    solved = []
-    monkeypatch.setattr(calibrate, "in_step_overlap", lambda *args: 0.1)
-    monkeypatch.setattr(calibrate, "in_step_gather_efficiency",
-                        lambda hw, spec, seq, mb, ranks, waits:
-                        solved.append((mb, ranks, waits)) or 0.3)
-    hw = calibrate.calibrate(load_model("demo"), 128, 16, ranks=4)
-    assert (hw.gather_efficiency, hw.dp_overlap, solved) == (0.3, 0.0, [(16, 4, 1e-3)])
-    hw = calibrate.calibrate(load_model("demo"), 128, 16, ranks=2)
-    assert (hw.gather_efficiency, hw.dp_overlap, len(solved)) == (0.6, 0.1, 1)
-
-
-def test_in_step_gather_efficiency_is_the_one_at_which_the_planner_waits_what_the_step_waited():
-    # Round trip on 4 ranks over 2 cores: the waits the planner gives at a gather efficiency
-    # of 0.4 solve back to 0.4 (a division: 1e-9 is loose), and they scale as 1 / efficiency
-    # (every wait is a gather or a reduce-scatter there: nothing hidden, no straggler);
-    # waits shorter than at efficiency 1 solve to 1.
-    from dataclasses import replace
-
-    from tessera.planner.calibrate import in_step_gather_efficiency, zero3_planner_waits
-    from tessera.planner.hardware import Hardware
-
-    hw = Hardware(name="cpu-test", peak_tflops=0.09, memory_gb=12.0, memory_bw_gbs=24.0,
-                  intra_node_gbs=2.2, inter_node_gbs=2.2, gpus_per_node=64,
-                  intra_node_alpha_us=440.0, inter_node_alpha_us=440.0, cores=2,
-                  zero_unit_us=500.0, zero_unit_passes=20.0, jitter=0.006, dp_overlap=0.0)
-    spec = load_model("demo")
-
-    def waits_at(efficiency: float) -> float:
-        return zero3_planner_waits(replace(hw, gather_efficiency=efficiency), spec, 128, 16, 4)
-
-    assert waits_at(0.4) == pytest.approx(waits_at(1.0) / 0.4, rel=1e-9)
-    assert waits_at(1.0) > 0
-    assert in_step_gather_efficiency(hw, spec, 128, 16, 4, waits_at(0.4)) == pytest.approx(
-        0.4, rel=1e-9)
-    assert in_step_gather_efficiency(hw, spec, 128, 16, 4, waits_at(1.0) / 2) == 1.0
-
-
 def test_collective_overlap_is_the_core_share_gloos_thread_gets_beside_compute():
     # A core per rank: the compute thread and gloo's share it, half each; cores to spare give
     # the collective threads more (all of one at two cores per rank); ranks time-sharing fewer

@@ -934,9 +934,6 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
     if r["zero_waits"] > 0 and hw.dp_overlap > 0:  # measured where each rank has a core
         hw = dataclasses.replace(hw, dp_overlap=in_step_overlap(
             hw, spec, seq, min(micro_batch, SHARE_MICRO_BATCH), ranks, r["zero_waits"]))
-    elif r["zero_waits"] > 0 and 0 < cores < ranks:  # ranks time-share the cores
-        hw = dataclasses.replace(hw, gather_efficiency=in_step_gather_efficiency(
-            hw, spec, seq, micro_batch, ranks, r["zero_waits"]))
     return hw
 
 
@@ -948,42 +945,6 @@ micro-batch 16 here (demo shapes, dp 2) the planner's waits fall from 17-25 ms a
 0 to their floor (the first gather and the straggler, 4.8-6.9 ms) by 0.1, so 1.4-1.8 ms of
 waits above that floor, the floor's own error, read as a share of 0.05-0.08 against 0.17 at
 micro-batch 2 in the same runs; the twenty-ninth to thirty-first runs of docs/planner.md."""
-
-
-def zero3_planner_waits(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int,
-                        ranks: int) -> float:
-    """The planner's waits, per micro-batch, of ZeRO-3 over `ranks` ranks on `hw` at the
-    shapes :func:`zero_step_passes` runs (up to WRAPPED_LAYERS layers of `spec`,
-    `micro_batch` × `seq` tokens): its chunks' ZeRO times with ZeRO-3's own work
-    (zero_unit_*) off, which leaves the exposed gathers and reduce-scatters and the
-    straggler."""
-    from tessera.planner.cost import Layout, Workload, layout_costs
-
-    model = dataclasses.replace(spec, layers=min(spec.layers, WRAPPED_LAYERS))
-    h = dataclasses.replace(hw, zero_unit_us=0.0, zero_unit_passes=0.0)
-    w = Workload(model=model, hardware=h, gpus=ranks, global_batch=ranks * micro_batch,
-                 seq_len=seq, precision="fp32", scatter_gather=False)
-    chunks = layout_costs(w, Layout(dp=ranks, zero=3, micro_batch=micro_batch)).chunks
-    return sum(c.zero_forward + c.zero_backward for c in chunks)
-
-
-def in_step_gather_efficiency(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int,
-                              ranks: int, waits: float) -> float:
-    """``gather_efficiency`` as the ZeRO-3 step measured it where `ranks` ranks time-share
-    fewer cores: there nothing hides a collective (``dp_overlap`` 0) and an early rank's wait
-    is no straggler cost (``cost.rank_skew``), so the planner's waits for ZeRO-3 at these
-    shapes (:func:`zero3_planner_waits`) are its gathers' and reduce-scatters' seconds, all
-    at the gather efficiency, which divides them. The one at which they equal the `waits`
-    its steps measured (seconds per micro-batch, the ranks' mean), at most 1 as
-    :func:`gather_efficiency`. A gather inside the step waits for the ranks that still do
-    their work around the previous unit's collectives, on cores other ranks also want (4 ranks
-    on 2 here). Timed on their own after a matmul (:func:`timed_collective`), the gathers
-    priced the 4-rank ZeRO-3 rows' waits of the local-truth bench at 0.58-0.98 of what their
-    steps waited (runs 28 and 30-33: a different share in each calibration, while the steps'
-    waits read 56-71 ms; docs/planner.md, The gathers of time-shared ranks)."""
-    at_one = zero3_planner_waits(dataclasses.replace(hw, gather_efficiency=1.0), spec, seq,
-                                 micro_batch, ranks)
-    return min(1.0, at_one / waits)
 
 
 def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, ranks: int,
@@ -1000,9 +961,19 @@ def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, r
     (docs/planner.md, Inside the step a collective runs slower). The planner's waits fall as
     the share grows: where they exceed `waits` even at the full share, the full share; where
     they fall short even at 0, 0."""
+    from tessera.planner.cost import Layout, Workload, layout_costs
+
+    model = dataclasses.replace(spec, layers=min(spec.layers, WRAPPED_LAYERS))
+    layout = Layout(dp=ranks, zero=3, micro_batch=micro_batch)
+
     def planner_waits(share: float) -> float:
-        return zero3_planner_waits(dataclasses.replace(hw, dp_overlap=share), spec, seq,
-                                   micro_batch, ranks)
+        # ZeRO-3's own work (zero_unit_*) off: what is left of the chunks' ZeRO times is the
+        # exposed collectives and the straggler
+        h = dataclasses.replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
+        w = Workload(model=model, hardware=h, gpus=ranks, global_batch=ranks * micro_batch,
+                     seq_len=seq, precision="fp32", scatter_gather=False)
+        chunks = layout_costs(w, layout).chunks
+        return sum(c.zero_forward + c.zero_backward for c in chunks)
 
     low, high = 0.0, hw.dp_overlap
     if planner_waits(high) >= waits:

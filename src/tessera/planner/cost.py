@@ -662,14 +662,13 @@ def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
     Except the work in it that every rank does on its own thread at the same time as the
     others (``ChunkCosts.dp_cpu``: DDP's gradient hooks, which run inside the backward while
     every rank computes, and its division of the buckets right after the all-reduce that
-    releases them all): that is stretched like compute. Measured here (dp_cost.py, the
-    bench's sixteenth run): the hooks' own timer read 3.5 ms a step at dp 2 on 2 cores and
-    6.6 ms at dp 4 on the same cores. ZeRO-3's work around each unit's collectives is not: a
-    unit's gather waits for the last rank to finish its work around the previous one, so
-    the other ranks' share of it is in the gathers' time, which a calibration at that rank
-    count reads off ZeRO-3 steps (``calibrate.in_step_gather_efficiency``). Stretched too,
-    as in the thirty-third run of the local-truth bench, it priced the 4-rank ZeRO-3 rows at
-    1.1-1.2 of their cost at micro-batch 16 (docs/planner.md)."""
+    releases them all; ZeRO-3's work around each unit's collectives, which every rank does
+    once the unit's gather or reduce-scatter releases them all): that is stretched like
+    compute. Measured here (dp_cost.py, the bench's sixteenth run): the hooks' own timer read
+    3.5 ms a step at dp 2 on 2 cores and 6.6 ms at dp 4 on the same cores. ZeRO-3's work,
+    calibrated as the ranks' mean thread CPU in whole steps (``calibrate.zero_step_passes``),
+    was left unstretched until the thirty-second run of the local-truth bench, which put its
+    4-rank rows at 0.78-0.89 at micro-batch 2 (docs/planner.md)."""
     hw = w.hardware
     if not time_shared(w):
         return 0.0
@@ -678,7 +677,7 @@ def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
     zero = m * sum(c.zero_forward + c.zero_backward for c in chunks)
     pipeline_work = m * sum(c.forward + c.backward for c in chunks) - zero + \
         L.pp * optimizer_time
-    own = sum(c.dp_cpu for c in chunks) / L.pp  # already in exposed_dp once
+    own = sum(c.dp_cpu for c in chunks) / L.pp  # already in exposed_dp / zero once
     return (ranks * pipeline_work / L.pp / hw.cores + zero / L.pp + exposed_dp + sync_time
             + (ranks / hw.cores - 1) * own)
 
@@ -829,11 +828,12 @@ class ChunkCosts:
     """Pipelined ZeRO-3: seconds of one all-gather of the chunk's parameters (its UNSHARD
     action in ``schedule.add_sharding_actions``; the simulator places and overlaps them)."""
     dp_cpu: float = 0.0
-    """The part of dp_reduce that is work on the rank's own thread while every other rank of
-    the group does the same work (tessera DDP's gradient hooks during the backward, and its
-    division of the buckets once the all-reduce releases every rank): ranks that time-share
-    cores stretch it like compute (``shared_cpu_bound``). Not ZeRO-3's work around each
-    unit's collectives, whose other ranks' share is in the next gather's wait."""
+    """Seconds a step of the chunk's data-parallel time (dp_reduce; ZeRO-3: its zero_forward
+    and zero_backward, every micro-batch) that are work on the rank's own thread while every
+    other rank of the group does the same work (tessera DDP's gradient hooks during the
+    backward, and its division of the buckets once the all-reduce releases every rank;
+    tessera ZeRO-3's work around each unit's collectives): ranks that time-share cores
+    stretch it like compute (``shared_cpu_bound``)."""
 
     @property
     def forward(self) -> float:
@@ -1095,9 +1095,9 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             # tessera's own work around each unit's collectives (ZeRO-3, calibrated: a fixed
             # part per unit and passes over the gathered parameter bytes, per micro-batch,
             # with what the collectives in flight take from the rank's core): exposed, on
-            # the rank's own thread between collectives every rank of the group waits on;
-            # where ranks time-share cores the other ranks' share of it is in the gathers'
-            # waits (calibrate.in_step_gather_efficiency), so it is not stretched.
+            # the rank's own thread, every rank of the group at the same time when a collective
+            # releases them all, so ranks that time-share cores stretch it like compute
+            # (dp_cpu, shared_cpu_bound).
             book = (hw.zero_unit_us * 1e-6 * _engine_units(spec, t, pp, n_chunks, sizes, chunks,
                                                            ch)
                     + hw.zero_unit_passes * weights / hw.memory_bw
@@ -1121,6 +1121,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                                     + book)
                 ch.dp_reduce = 0.0
                 ch.dp_total = m * (units * (2 * ag + rs) + wait + book)
+                ch.dp_cpu = m * book
 
     # -- pipeline point-to-point ------------------------------------------------------------
     p2p_bytes = float(act)
