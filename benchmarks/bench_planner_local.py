@@ -306,7 +306,9 @@ def inrun_hardware(hw_path: str, case: Case):
 
 def time_shared(case: Case, hw) -> bool:
     """Whether the row's ranks take turns on fewer cores (the planner's ``cost.time_shared``)."""
-    return bool(hw.cores) and case.nproc > hw.cores
+    from tessera.planner.hardware import ranks_time_share
+
+    return ranks_time_share(hw.cores, case.nproc)
 
 
 def measured_cost(case: Case, hw) -> list[float]:

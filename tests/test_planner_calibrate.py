@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from tessera.cli import app
 from tessera.planner.calibrate import collective_overlap
 from tessera.planner.cost import Layout, Workload
-from tessera.planner.hardware import load_hardware
+from tessera.planner.hardware import load_hardware, ranks_time_share
 from tessera.planner.models import load_model
 from tessera.planner.search import estimate
 
@@ -418,10 +418,13 @@ def test_ddp_copy_passes_prices_the_slowest_rank_and_leaves_the_scalar_syncs_out
     # rank alone costs the step 20 ms (the other waits for it at the loss's all-reduce), not
     # the 10 ms a mean over the ranks would say. The step's scalar all-reduces are priced on
     # their own (cost.scalar_sync_times): 20 ms more before each must not show. Windows as
-    # above (2 ms below, 6 ms above: a pause only slows what follows it); a mean or an
-    # unsubtracted sync is off by 10 or 20.
+    # above (2 ms below, 6 ms above: a pause only slows what follows it), except 4 ms below
+    # for the one slow rank: the baseline's own straggler wait, where rank 1 came late, is
+    # absorbed by a rank 0 that now always comes 20 ms later (max(a + 20, b) − max(a, b) =
+    # 20 − (b − a) where b > a; on the 3x slower host it read 17.7-17.9 ms). A mean or an
+    # unsubtracted sync is still off by 10 or 20.
     for one_rank in _ddp_added(ddp_step_baseline, "after-rank0", 20e-3):
-        assert 18e-3 <= one_rank <= 26e-3
+        assert 16e-3 <= one_rank <= 26e-3
     for synced in _ddp_added(ddp_step_baseline, "sync", 20e-3):
         assert -2e-3 <= synced <= 6e-3
 
@@ -573,6 +576,14 @@ def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_w
     assert in_step_overlap(hw, spec, 128, 2, 2, waits_at(0.2)) == pytest.approx(0.2, abs=1e-6)
     assert in_step_overlap(hw, spec, 128, 2, 2, 2 * waits_at(0.0)) == 0.0
     assert in_step_overlap(hw, spec, 128, 2, 2, waits_at(0.5) / 2) == 0.5
+
+
+def test_ranks_time_share_only_more_ranks_than_cores_and_never_devices():
+    # The one rule calibrate, the cost model and the bench read: 4 ranks on 2 cores take
+    # turns; 2 on 2 or 2 on 16 each have a core; cores 0 means a device per rank.
+    assert ranks_time_share(2, 4) and ranks_time_share(1, 2)
+    assert not ranks_time_share(2, 2) and not ranks_time_share(16, 2)
+    assert not ranks_time_share(0, 8) and not ranks_time_share(2, 1)
 
 
 def test_collective_overlap_is_the_core_share_gloos_thread_gets_beside_compute():

@@ -116,7 +116,7 @@ from tessera.planner.cost import (
     layer_activation_bytes,
     layer_forward_flops,
 )
-from tessera.planner.hardware import Hardware, Link
+from tessera.planner.hardware import Hardware, Link, ranks_time_share
 from tessera.planner.models import ModelSpec
 
 LOCAL_RANKS = 64
@@ -551,7 +551,7 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
                            generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    shared = world > (os.cpu_count() or 1)  # ranks time-share the cores
+    shared = ranks_time_share(os.cpu_count() or 1, world)
     clock = time.thread_time if shared else _wall_clock
 
     def build(dp: int, seed: int):
@@ -712,7 +712,7 @@ def timed_collective(op: str, nbytes: int, repeats: int,
     from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 
     n = dist.get_world_size()
-    shared = 0 < cores < n
+    shared = ranks_time_share(cores, n)
     full = torch.ones(nbytes // 4 // n * n)
     shard = torch.ones(full.numel() // n)
     run = {"all_reduce": lambda: dist.all_reduce(full),
@@ -761,7 +761,8 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         if dist.get_world_size() > 1 and not _on_gpu():
             zero_passes, zero_waits = zero_step_passes(spec, seq, micro_batch, bw, zero_unit)
             share_batch = min(micro_batch, SHARE_MICRO_BATCH)
-            if share_batch != micro_batch and dist.get_world_size() <= (os.cpu_count() or 1):
+            cores = os.cpu_count() or 1
+            if share_batch != micro_batch and not ranks_time_share(cores, dist.get_world_size()):
                 _, zero_waits = zero_step_passes(spec, seq, share_batch, bw, zero_unit)
         ddp_tensor, ddp_passes = ddp_hook_costs(spec, seq, micro_batch, bw)
     finally:
@@ -888,7 +889,7 @@ def collective_overlap(cores: int, ranks: int) -> float:
     ``cost.shared_cpu_bound``)."""
     if cores <= 0:
         return 1.0
-    if cores < ranks:
+    if ranks_time_share(cores, ranks):
         return 0.0
     return min(1.0, cores / (2 * ranks))
 

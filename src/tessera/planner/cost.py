@@ -112,7 +112,7 @@ from statistics import NormalDist
 
 from tessera.config import DP_MODES, Config, ConfigError
 from tessera.planner import engine
-from tessera.planner.hardware import Hardware, Link
+from tessera.planner.hardware import Hardware, Link, ranks_time_share
 from tessera.planner.models import ModelSpec, from_model_config
 
 OPS_PER_LAYER_FORWARD = 70
@@ -560,8 +560,7 @@ def allgather_time(nbytes: float, n: int, link: Link) -> float:
 
 def time_shared(w: Workload) -> bool:
     """More ranks on a machine than CPU cores (``hardware.cores``): they take turns on them."""
-    ranks = min(w.gpus, w.hardware.gpus_per_node)
-    return w.hardware.cores > 0 and ranks > w.hardware.cores
+    return ranks_time_share(w.hardware.cores, min(w.gpus, w.hardware.gpus_per_node))
 
 
 def rank_skew(w: Workload, n: int, busy: float) -> float:

@@ -311,6 +311,12 @@ CALIBRATED = Path("runs/local_hardware.toml")
 git ignores runs/); a training run's summary prices its layout with it."""
 
 
+def ranks_time_share(cores: int, ranks: int) -> bool:
+    """Whether `ranks` ranks on one machine with `cores` CPU cores take turns on them: more
+    ranks than cores. Never for devices (``cores`` 0: a GPU each)."""
+    return 0 < cores < ranks
+
+
 def calibrated_path(ranks: int, default: Path = CALIBRATED) -> Path:
     """The hardware file of a calibration with `ranks` processes measuring at once, beside
     `default` (the two-rank file): `default` itself for 2 ranks or fewer, else
