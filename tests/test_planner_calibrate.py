@@ -20,6 +20,7 @@ from tessera.planner.search import estimate
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     out = tmp_path / "local.toml"
     r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "tiny", "--micro-batch", "4",
@@ -163,6 +164,7 @@ def _jitter_with_sleeps(extra_s: float, base_s: float) -> tuple[float, float]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_jitter_is_the_spread_between_ranks_not_over_time():
     """jitter() inverts the straggler term: ranks that start together after a barrier and
     finish d apart give a slowest-minus-mean of d/2 at two ranks, so σ = (d/2) / E[max of 2
@@ -216,6 +218,7 @@ def _collective_after_a_late_rank(late_s: float, cores: int) -> float:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_time_shared_ranks_time_a_collective_without_their_turns():
     """With a core each, rank 0's call holds its wait for rank 1 (50 ms late: the median of
     the calls is at least that); where the ranks outnumber the cores (2 ranks, 1 core) the
@@ -378,6 +381,7 @@ def _ddp_added(baseline: list, where: str, seconds: float) -> list[float]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees(ddp_step_baseline):
     # Before: the copy's cost came from DataParallel.hook_seconds, the hooks' own timer, which
     # misses what autograd's dispatch of each hook and the copy's effect on the backward cost
@@ -396,6 +400,7 @@ def test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees(ddp_step_basel
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait(ddp_step_baseline):
     # The backward alone inside no_sync(), which ddp_copy_passes timed before, left out what
     # the gradient sync does after its wait (flags, re-pointed gradients, the optimizer over
@@ -412,6 +417,7 @@ def test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait(ddp_step
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_ddp_copy_passes_prices_the_slowest_rank_and_leaves_the_scalar_syncs_out(
         ddp_step_baseline):
     # A step ends for every rank when the last has done its work: 20 ms more of CPU on one
@@ -457,6 +463,7 @@ def _extra_with_first_built_slower(seconds: float) -> float:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_wrapped_step_extra_cancels_what_building_first_costs():
     # Of two models built in turn, the first steps slower (4 ranks on 2 cores, micro-batch 16:
     # calibrate's DDP extra read 3.2 and 4.7 ms with dp 1 built first, 6.8 and 6.6 with the
@@ -500,6 +507,7 @@ def _zero_steps_calibrate_runs(micro_batch: int) -> tuple[list[int], float, floa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_the_share_is_read_off_zero3_steps_at_micro_batch_2():
     # At micro-batch 16 the planner's waits fall to their floor by a share of 0.1, so the
     # floor's own error read as the share (0.05-0.08 against 0.17 at micro-batch 2 in the same
@@ -615,6 +623,7 @@ def _zero_step_seconds_with(where: str, seconds: float) -> tuple[float, float]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 def test_zero_step_passes_hold_the_work_beside_the_waits_but_not_the_waits():
     # ZeRO-3's own work was timed on a one-rank group, where no collective is in flight, and
     # priced ZeRO-3 at dp 2 at a sixth to a quarter of what its steps do besides their
