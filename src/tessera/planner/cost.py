@@ -667,7 +667,10 @@ def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
     3.5 ms a step at dp 2 on 2 cores and 6.6 ms at dp 4 on the same cores. ZeRO-3's work,
     calibrated as the ranks' mean thread CPU in whole steps (``calibrate.zero_step_passes``),
     was left unstretched until the thirty-second run of the local-truth bench, which put its
-    4-rank rows at 0.78-0.89 at micro-batch 2 (docs/planner.md)."""
+    4-rank rows at 0.78-0.89 at micro-batch 2 (docs/planner.md). Stretched in full it
+    over-prices them on a slower host (1.23 and 1.25 in the thirty-fifth run): how much of it
+    a time-shared step pays is open (docs/planner.md, How much of ZeRO-3's work time-shared
+    ranks pay)."""
     hw = w.hardware
     if not time_shared(w):
         return 0.0
