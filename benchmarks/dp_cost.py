@@ -388,17 +388,28 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     return out.to_dict()
 
 
+PAIR_GUARD_S, BUILD_GUARD_S = 12.0, 30.0
+"""measure_paired's time limit per pair of steps and per build. Was 4 s a pair and nothing per
+build: on 2026-11-29 the slow host (3x the quiet one's step times) ran 4 ranks of ZeRO-3 at
+micro-batch 16 at ~3.4 s a pair plus its builds, and the limit (696 s) killed the row with
+its measurement; 12 s a pair is 3.5x that pace."""
+
+
 def measure_paired(dp: int, zero_stage: int, micro_batch: int, blocks: int = 20,
                    block: int = 4, warmup: int = 1, rebuilds: int = 2,
                    same: bool = False, hooks_only: bool = False,
                    grads_in_place: bool = False, aa: str = "built") -> PairedResult:
-    """Run `paired_rank` on `dp` ranks (one thread each); average each pair over the ranks."""
+    """Run `paired_rank` on `dp` ranks (one thread each); average each pair over the ranks.
+
+    The ranks' time limit guards against a deadlock, not a budget: PAIR_GUARD_S per pair of
+    steps (each model's step) and BUILD_GUARD_S per build of the two models."""
     from tessera.testing import run_ranks
 
+    pairs = (blocks + rebuilds * warmup) * block
     per_rank = run_ranks(paired_rank, dp,
                          args=(zero_stage, micro_batch, blocks, block, warmup, rebuilds, same,
                                hooks_only, grads_in_place, aa),
-                         timeout=120 + 4 * (blocks + rebuilds * warmup) * block,
+                         timeout=120 + PAIR_GUARD_S * pairs + BUILD_GUARD_S * rebuilds,
                          start_method="spawn", collective_timeout=120)
     res = PairedResult(bucket_bytes=per_rank[0]["bucket_bytes"],
                        unit_bytes=per_rank[0]["unit_bytes"])
