@@ -963,15 +963,13 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
 
 
 @lru_cache(maxsize=65536)
-def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
-                 recompute: str, sp: bool, zero: int, dp_mode: str,
-                 cp_method: str, sizes: tuple[int, ...], by_actions: bool = False
-                 ) -> tuple[list[ChunkCosts], float, float, float]:
-    """Per-chunk costs and the point-to-point latency, bytes and bandwidth (cached: a search
-    asks for the same chunks under many layouts; the returned chunks are read-only)."""
+def _compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recompute: str,
+                    sp: bool, cp_method: str, sizes: tuple[int, ...]) -> ChunkList:
+    """Per-chunk compute, tensor- and context-parallel costs and bytes, before any data
+    parallelism (cached: the layouts that differ only in their ZeRO stage or data-parallel
+    mode share them; :func:`_chunk_costs` adds those to copies, these stay read-only)."""
     spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
-    gb = w.bytes[1]
     s = w.seq_len
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
@@ -1052,7 +1050,46 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             ch.params = nl * engine.block_numel(spec, t)
     # The middle chunks are shared[nl] objects: one object iff one middle size.
     chunks.uniform_middle = len(shared) <= 1
-    distinct = list({id(ch): ch for ch in chunks}.values())
+    return chunks
+
+
+_CHUNK_FIELDS = tuple(f.name for f in fields(ChunkCosts))
+
+
+def _copy(ch: ChunkCosts) -> ChunkCosts:
+    """A copy of `ch` (its fields are numbers; faster than dataclasses.replace)."""
+    new = object.__new__(ChunkCosts)
+    for name in _CHUNK_FIELDS:
+        setattr(new, name, getattr(ch, name))
+    return new
+
+
+@lru_cache(maxsize=65536)
+def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
+                 recompute: str, sp: bool, zero: int, dp_mode: str,
+                 cp_method: str, sizes: tuple[int, ...], by_actions: bool = False
+                 ) -> tuple[list[ChunkCosts], float, float, float]:
+    """Per-chunk costs (:func:`_compute_chunks`, with the data-parallel collectives) and the
+    point-to-point latency, bytes and bandwidth (cached: a search asks for the same chunks
+    under many layouts; the returned chunks are read-only)."""
+    spec, hw = w.model, w.compute_hardware
+    e = w.bytes[3]
+    gb = w.bytes[1]
+    s = w.seq_len
+    n_chunks = pp * v
+    tessera = w.tessera_engine and cp == 1
+    base = _compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes)
+    copies: dict[int, ChunkCosts] = {}  # a shared middle chunk stays one object
+    chunks = ChunkList()
+    for ch in base:
+        if id(ch) not in copies:
+            copies[id(ch)] = _copy(ch)
+        chunks.append(copies[id(ch)])
+    chunks.uniform_middle = base.uniform_middle
+    distinct = list(copies.values())
+    tokens = b * (s // cp)
+    tp_link = group_link(hw, t)
+    act = e * tokens * spec.hidden
 
     # -- data parallel --------------------------------------------------------------------------
     # Every collective is priced per unit on the link its group crosses (group_link: the dp·cp

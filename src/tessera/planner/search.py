@@ -219,9 +219,11 @@ def _busiest_rank_chunks(est: Estimate) -> list[int]:
 
 
 def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True,
-             costs: LayoutCosts | None = None) -> Estimate:
+             costs: LayoutCosts | None = None, bound: bool = True) -> Estimate:
     """Costs, memory and (if `simulate`) the simulated step time of layout `L`; `costs`: its
-    ``layout_costs`` where the caller has them (they are read, never changed)."""
+    ``layout_costs`` where the caller has them (they are read, never changed). Without
+    `bound` the lower bound is left NaN (the search bounds only the layouts that fit:
+    :func:`step_lower_bound`)."""
     why = check_layout(w, L) if check else None
     if why:
         raise PlanError(f"layout {L.describe()}: {why}")
@@ -230,15 +232,20 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True,
     held = (inflight(L.schedule, L.pp, m, L.virtual, L.microbatch_group) if _pipelined(L)
             else (1,))
     memory = _memory(w, L, costs, held, m)
-    bound = max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time + costs.ps_time
-                + costs.sync_time,
-                shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time,
-                                 sync_time=costs.sync_time))
     est = Estimate(workload=w, layout=L, costs=costs, memory=memory, inflight=held,
-                   lower_bound=bound)
+                   lower_bound=step_lower_bound(w, L, costs, m) if bound else math.nan)
     if simulate:
         run_simulation(est)
     return est
+
+
+def step_lower_bound(w: Workload, L: Layout, costs: LayoutCosts, m: int) -> float:
+    """No schedule runs `L`'s step faster: the busiest pipeline rank's work, fill and drain
+    (:func:`chunk_lower_bound`) with the step's tail, or what ranks sharing cores must do."""
+    return max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time + costs.ps_time
+               + costs.sync_time,
+               shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time,
+                                sync_time=costs.sync_time))
 
 
 def _pipelined(L: Layout) -> bool:
@@ -570,11 +577,13 @@ def _search(w: Workload, space: SearchSpace, top: int,
     shared: dict[Layout | tuple, LayoutCosts] = {}
     for L in candidates:
         key = L if zero3_by_actions(L) else L.key_without_schedule()
-        est = estimate(w, L, simulate=False, check=layouts is not None, costs=shared.get(key))
+        est = estimate(w, L, simulate=False, check=layouts is not None, costs=shared.get(key),
+                       bound=False)
         shared[key] = est.costs
         if smallest is None or est.memory.total < smallest.memory.total:
             smallest = est
-        if est.memory.total <= capacity:
+        if est.memory.total <= capacity:  # only what fits is ranked, so only it is bounded
+            est.lower_bound = step_lower_bound(w, L, est.costs, est.m)
             fitting.append(est)
     if not fitting:
         assert smallest is not None
