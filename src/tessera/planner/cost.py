@@ -962,6 +962,12 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
     return (L.dp - 1) * exchange + rank_skew(w, L.dp, work)
 
 
+def _activation_bytes(w: Workload, b: int, cp: int) -> float:
+    """Bytes of one micro-batch's hidden states on a context-parallel rank: what crosses a
+    pipeline boundary, and what a tensor-parallel embedding reduces."""
+    return w.bytes[3] * b * (w.seq_len // cp) * w.model.hidden
+
+
 @lru_cache(maxsize=65536)
 def _compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recompute: str,
                     sp: bool, cp_method: str, sizes: tuple[int, ...]) -> ChunkList:
@@ -992,7 +998,7 @@ def _compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recom
     tokens = b * (s // cp)
     split = t if sp else 1
     tp_link = group_link(hw, t)
-    act = e * tokens * spec.hidden
+    act = _activation_bytes(w, b, cp)
     logits_bytes = 4 * tokens * spec.vocab_size / t
 
     def add_embedding(ch: ChunkCosts) -> None:
@@ -1073,9 +1079,7 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     point-to-point latency, bytes and bandwidth (cached: a search asks for the same chunks
     under many layouts; the returned chunks are read-only)."""
     spec, hw = w.model, w.compute_hardware
-    e = w.bytes[3]
     gb = w.bytes[1]
-    s = w.seq_len
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
     base = _compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes)
@@ -1087,9 +1091,8 @@ def _chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         chunks.append(copies[id(ch)])
     chunks.uniform_middle = base.uniform_middle
     distinct = list(copies.values())
-    tokens = b * (s // cp)
     tp_link = group_link(hw, t)
-    act = e * tokens * spec.hidden
+    act = _activation_bytes(w, b, cp)
 
     # -- data parallel --------------------------------------------------------------------------
     # Every collective is priced per unit on the link its group crosses (group_link: the dp·cp
