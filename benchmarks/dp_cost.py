@@ -239,6 +239,17 @@ class StepTimes(NamedTuple):
     """the forward_backward call in this thread's CPU time"""
 
 
+COLLECTIVE_REPEATS = 8
+"""Calls of each collective timed per measured block (after 3 warm-up calls), whose median is
+the block's sample: the in-run link rates of bench_planner_local.py come from the median over
+the blocks. Was 2: at 24 blocks a row the median of a unit's all-gather had a 95% interval of
+-25%/+35% (bootstrap over runs 37-39's blocks: 2.3 ms [1.8, 3.1] at dp 2, micro-batch 16), and
+that noise alone moved a ZeRO-3 row's in-run price by up to 16% between runs of the same code
+and files (dp 2 ZeRO-3 at micro-batch 2: 32.9, 32.5, then 37.8 ms as its gather read 1.88 ms
+against 1.39-1.46) while its measured cost stayed at 30.6-31.6. Eight calls a block cost each
+block ~0.2 s beside its ~2.5 s of steps."""
+
+
 AA_MODES = ("built", "shared-params", "one-model")
 """What an A/A run's second one-rank model is (``paired_rank``'s `aa`)."""
 
@@ -363,7 +374,8 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
                                       tuple(wrappers) if hooks_only and dp else (),
                                       tuple(wrappers) if grads_in_place and dp else ())
                     times[which].append((step, hook_seconds(wrappers) - hooks))
-            timed = {name: timed_collective(op, size, 2, lambda: x @ w.t(), cores)
+            timed = {name: timed_collective(op, size, COLLECTIVE_REPEATS, lambda: x @ w.t(),
+                                            cores)
                      for name, op, size in (("allreduce_s", "all_reduce", bucket),
                                             ("allgather_s", "all_gather", unit),
                                             ("reduce_scatter_s", "reduce_scatter", unit))}

@@ -483,14 +483,20 @@ but the cost of one layer (~1 ms at micro-batch 16) is within the step's wall-ti
 give ~4x the signal."""
 
 
-WRAPPED_BUILDS, WRAPPED_PAIRS = 12, 6
+WRAPPED_BUILDS, WRAPPED_PAIRS = 24, 6
 """Fresh builds of the two models in ``ddp_copy_passes`` and ``zero_step_passes``, and pairs
 of steps per build (two measured blocks after a warm-up one). A build's pairs share the
 seconds they ran in: in one launch (DDP at dp 4 on 2 cores, micro-batch 16, 2026-11-28) the
 medians of single builds read 2.4-17.3 ms, and the median over 4 random builds of them moved
 5.1-9.0 ms (10-90%); over 4 builds × 20 pairs, as before, calibrations minutes apart priced
 DDP's work at 2.5-7.3 ms. So many builds of few pairs, as ``bench_planner_local.py``'s
-BLOCKS_PER_BUILD found for the measured side."""
+BLOCKS_PER_BUILD found for the measured side. 24 builds since 2026-11-29 (12 before): these
+steps measure the same thing as the bench's overlap rows, with as many pairs as a row had,
+so a calibration's draw is as noisy as a run's and enters every run made with that file as
+one bias. Runs 37-39 shared one calibration: dp 2 ZeRO-3 at micro-batch 16 was priced
+1.13x the three runs' mean measured cost (each run's own ±7%), the row each run was nearest
+to missing (docs/planner.md, Fortieth run). Twice the builds narrow the median's interval by
+~1/√2, for ~1.6x the calibration's time."""
 
 
 WRAPPED_BLOCK = 4
