@@ -494,9 +494,10 @@ BLOCKS_PER_BUILD found for the measured side. 24 builds since 2026-11-29 (12 bef
 steps measure the same thing as the bench's overlap rows, with as many pairs as a row had,
 so a calibration's draw is as noisy as a run's and enters every run made with that file as
 one bias. Runs 37-39 shared one calibration: dp 2 ZeRO-3 at micro-batch 16 was priced
-1.13x the three runs' mean measured cost (each run's own ±7%), the row each run was nearest
-to missing (docs/planner.md, Fortieth run). Twice the builds narrow the median's interval by
-~1/√2, for ~1.6x the calibration's time."""
+1.13x the three runs' mean measured cost (each run's own ±7%): 1.06, 1.20 and 1.12 in-run
+(docs/planner.md, Fortieth run). Twice the builds narrow the median's interval by
+~1/√2, for ~1.75x the calibration's time (the four demo files of the local-truth bench:
+28 minutes on the quiet host, 16 before)."""
 
 
 WRAPPED_BLOCK = 4
