@@ -246,8 +246,8 @@ the blocks. Was 2: at 24 blocks a row the median of a unit's all-gather had a 95
 -25%/+35% (bootstrap over runs 37-39's blocks: 2.3 ms [1.8, 3.1] at dp 2, micro-batch 16), and
 that noise alone moved a ZeRO-3 row's in-run price by up to 16% between runs of the same code
 and files (dp 2 ZeRO-3 at micro-batch 2: 32.9, 32.5, then 37.8 ms as its gather read 1.88 ms
-against 1.39-1.46) while its measured cost stayed at 30.6-31.6. Eight calls a block cost each
-block ~0.2 s beside its ~2.5 s of steps."""
+against 1.39-1.46) while its measured cost stayed at 30.6-31.6. With eight calls the whole
+overlap bench took 34 minutes (runs 40 and 41) against 32 before (runs 37-39)."""
 
 
 AA_MODES = ("built", "shared-params", "one-model")

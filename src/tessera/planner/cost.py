@@ -1002,7 +1002,7 @@ def _compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recom
     logits_bytes = 4 * tokens * spec.vocab_size / t
 
     def add_embedding(ch: ChunkCosts) -> None:
-        embed_mem = w.elementwise_passes * e * tokens * spec.hidden / hw.memory_bw
+        embed_mem = w.elementwise_passes * act / hw.memory_bw
         ch.forward_compute += embed_mem
         ch.backward_compute += 2 * embed_mem
         ch.params += spec.embedding_params / t
@@ -1028,7 +1028,7 @@ def _compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recom
         tied_copy = spec.tied_embeddings and pp > 1
         ch.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
         ch.tensors += 2
-        ch.act_bytes += logits_bytes + 2 * e * tokens * spec.hidden / split
+        ch.act_bytes += logits_bytes + 2 * act / split
 
     shared: dict[int, ChunkCosts] = {}
     chunks = ChunkList()
