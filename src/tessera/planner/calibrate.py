@@ -102,6 +102,7 @@ are wall times after a ``torch.cuda.synchronize()``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import statistics
 import time
@@ -530,6 +531,13 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     rank's core, is wall time, not this thread's CPU. Where the ranks time-share fewer cores,
     this thread's CPU time, averaged over the ranks (the planner counts all the ranks' work
     over the cores: ``cost.shared_cpu_bound``), in which the blocking waits cost ~nothing.
+    Stepped as the local-truth bench steps its pairs (``benchmarks/dp_cost.py``), whose
+    rows these steps price: each rank its own tokens, a barrier before every step, the
+    previous build's models freed before the next build. Without the three, in launches
+    alternating with the bench's way (DDP, 4 ranks on 2 cores, micro-batch 16, 8 builds each,
+    2026-11-29), this read DDP's extra CPU at 8.6 and 7.0 ms a step where the bench's way
+    read 14.1 and 11.1; with them 11.1 and 9.2 (launches before: 3.0-9.9, the bench's rows
+    9.8-13.3; docs/planner.md, Forty-second run).
     The same list on every rank. Also returns, per pair, the wrapped step's waits averaged
     over the ranks (wall seconds; what the planner's exposed collectives and straggler
     stand for), and the model at dp 1 built from the same shapes (its parameters and units).
@@ -555,8 +563,9 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
         return cfg.validate(dp)
 
     topo = Topology.build(config(world).parallel, "cpu")
+    # each rank its own tokens, as training gives it its own share of the batch
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
-                           generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(1000 + dist.get_rank()))
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     shared = ranks_time_share(os.cpu_count() or 1, world)
     clock = time.thread_time if shared else _wall_clock
@@ -572,6 +581,7 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     def step_seconds(executor, optimizer, clip: float) -> float:
         """One training step's seconds on `clock`, less its waits and scalar syncs."""
         optimizer.zero_grad(set_to_none=True)  # as the trainer leaves them
+        dist.barrier()  # every rank starts the step together, as the bench's pairs do
         start = clock()
         executor.forward_backward([batch])
         if full_step:
@@ -588,6 +598,7 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
         # (4 ranks on 2 cores, micro-batch 16: the extra read 3.2 and 4.7 ms built dp 1
         # first, 6.8 and 6.6 wrapped first), as in the local-truth bench's A/A check
         dps = (1, world) if b % 2 == 0 else (world, 1)
+        gc.collect()  # the previous build's models go back before this one allocates
         built = {dp: build(dp, b) for dp in dps}
         models = [(*built[1], False), (*built[world], True)]
         for block in range(-(-pairs // (WRAPPED_BLOCK - 1)) + 1):
@@ -603,7 +614,7 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
                 wrapped_s += times[True][1:]
                 plain_s += times[False][1:]
                 waits += waited[1:]
-        del models
+        del models, built
     ranks: list = [None] * world
     dist.all_gather_object(ranks, (wrapped_s, plain_s, waits))
     across = statistics.fmean if shared else max  # over the ranks, pair by pair
