@@ -868,11 +868,11 @@ def _calibration_worker(spec: ModelSpec, seq: int, micro_batch: int,
 
 CALIBRATION_TIMEOUT_S = 3600
 """How long the calibrating ranks may take before they are taken for hung. A guard against a
-deadlock, not a budget: the trainer's steps that time DDP's and ZeRO-3's work (12 builds ×
-6 pairs each, and ZeRO-3 again at micro-batch 2) take most of a calibration, ~3-7 minutes
-here on a good morning; on 2026-11-28 afternoon the same host ran ~3.4x slower and a 2-rank
-calibration at micro-batch 16 ran past the 600 s allowed until then, losing the whole
-measurement."""
+deadlock, not a budget: the trainer's steps that time DDP's and ZeRO-3's work
+(WRAPPED_BUILDS × WRAPPED_PAIRS each, and ZeRO-3 again at micro-batch 2) take most of a
+calibration (the four demo files took 2-14 minutes each on the quiet host, 2026-11-29); on
+2026-11-28 afternoon the same host ran ~3.4x slower and a 2-rank calibration at
+micro-batch 16 ran past the 600 s allowed until then, losing the whole measurement."""
 
 
 def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device: str = "cpu",
