@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -494,26 +495,50 @@ def _restore_loader(path: Path, extra: dict[str, Any], loader) -> None:
 # Reading DCP's index as data: its .metadata is a pickle, and a checksum in a manifest that came
 # with the same files proves nothing about who wrote them.
 
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
+def _path_modules() -> tuple[str, ...]:
+    """Where pickle finds ``PosixPath``: ``pathlib``, and ``pathlib._local`` on Pythons that
+    have it (3.13 defines the class there and pickles it under that name; 3.14 keeps the name
+    so that such files still load)."""
+    try:
+        import pathlib._local  # noqa: F401
+    except ImportError:
+        return ("pathlib",)
+    return ("pathlib", "pathlib._local")
+
+
+_METADATA_CLASSES: dict[str, frozenset[str]] = {
+    # The index itself and its parts. BytesStorageMetadata (non-tensor entries) is absent:
+    # tessera writes only tensors.
+    "torch.distributed.checkpoint.metadata": frozenset({
         "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    # Where each box lies in the .distcp files.
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # TensorProperties.layout: torch.strided is pickled as _get_layout("torch.strided"), a
+    # lookup of the name in torch's layouts.
+    "torch.serialization": frozenset({"_get_layout"}),
+    # Global shapes, and the dtypes tessera's tensors have: fp32 weights, masters, optimizer
+    # moments and MoE biases, bf16 weights (train.precision=bf16), int64 optimizer steps and
+    # uint8 generator states. Named one by one: deciding by ``getattr(torch, name)`` would run
+    # torch's module __getattr__ on a name the file chose (it imports lazy submodules and calls
+    # the replacements of deprecated names) before anything is refused.
+    "torch": frozenset({"Size", "float32", "bfloat16", "int64", "uint8"}),
+    # StorageMeta.checkpoint_id: the directory DCP wrote to.
+    **{module: frozenset({"PosixPath"}) for module in _path_modules()},
 }
+"""Every (module, name) the ``.metadata`` of tessera's checkpoints refers to (fp32 and bf16,
+dense and MoE, tied embeddings, any layout), and nothing else; tests/test_security.py checks
+that each is needed and that every other name of these modules is refused."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Only the classes DCP's index is made of (and torch dtypes): anything else, such as a
-    function a forged file would call while loading, is refused before it runs."""
+    """Resolves only the names in :data:`_METADATA_CLASSES`; any other, such as a function a
+    forged file would call while loading, is refused before it is looked up."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_CLASSES.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        if name not in _METADATA_CLASSES.get(module, ()):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        return super().find_class(module, name)
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -524,8 +549,12 @@ class SafeReader(dcp.FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         try:
             with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+                data = f.read()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint {path}: unreadable ({e})") from e
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:  # any malformed pickle, built only from the admitted names
             raise CheckpointError(f"checkpoint {path}: refused ({e})") from e
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"checkpoint {path}: refused (not a checkpoint index)")
