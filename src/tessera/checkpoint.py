@@ -13,7 +13,8 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
 - ``extra.json``: the step, the learning-rate schedule's position, and the data loader's
   position in global samples;
 - ``meta.json``, written last: format, step, the model, the layout that wrote it, the batch
-  shape and data seed, and the SHA-256 and size of every other file.
+  shape and data seed, what the run's validation scored (data set, targets, windows per pass;
+  ``tessera eval``'s defaults), and the SHA-256 and size of every other file.
 
 Saving gathers nothing: each rank hands DCP views of its own tensors (parameters, TP shards,
 pipeline chunks, ZeRO flat ranges cut into boxes), so a save's extra memory on a rank is at
@@ -88,6 +89,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from tessera.config import Config, ModelConfig
+from tessera.data.loader import val_batch_size, val_window_count
 from tessera.sharded_state import Piece, model_pieces
 
 FORMAT = 2
@@ -127,6 +129,15 @@ def _identity(cfg: Config) -> dict[str, Any]:
     """What must be equal to resume: the model, and what the loader's position means."""
     return {"model": asdict(cfg.model), "global_batch": global_batch(cfg),
             "seq_len": cfg.data.seq_len, "data_seed": cfg.data.seed}
+
+
+def _validation(cfg: Config) -> dict[str, Any]:
+    """What the trainer's validation scored (``trainer.evaluate``): the data set's val split,
+    in windows of ``seq_len``, this many targets, this many windows per forward pass; ``tessera
+    eval`` scores the same by default."""
+    windows = val_window_count(cfg.data.val_tokens, cfg.data.seq_len, cfg.parallel.dp)
+    return {"data": os.path.abspath(cfg.data.path), "tokens": windows * cfg.data.seq_len,
+            "batch_size": val_batch_size(cfg.train.micro_batch_size)}
 
 
 def _layout(cfg: Config, world: int) -> dict[str, Any]:
@@ -310,7 +321,8 @@ def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler,
     extra = {"step": step, "samples": loader.step * loader.global_batch_size,
              "global_batch": loader.global_batch_size, "data_seed": loader.seed,
              "scheduler": {"last_epoch": scheduler.last_epoch, "lr": scheduler.get_last_lr()}}
-    meta = {"format": FORMAT, "step": step, **_identity(cfg), "layout": _layout(cfg, world)}
+    meta = {"format": FORMAT, "step": step, **_identity(cfg), "layout": _layout(cfg, world),
+            "validation": _validation(cfg)}
     if saver is None:
         return _write(tmp, final, pieces, extra, meta, rank, world, group, keep)
     # The copies the thread writes: training changes the live tensors from the next step on.
