@@ -26,7 +26,7 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from tessera.config import Config, ConfigError, load_file, make_config
+from tessera.config import PRESETS, Config, ConfigError, load_file, make_config
 from tessera.pipeline.schedules import SCHEDULES
 
 EXIT_BAD_INPUT = 2
@@ -77,8 +77,8 @@ def fail(message: str) -> typer.Exit:
 
 
 Preset = Annotated[str | None, typer.Option(
-    help="Named preset: tiny, demo, gpt2-124m, llama-1b. Default: the config file's `preset`, "
-         "else demo.")]
+    help=f"Named preset: {', '.join(PRESETS)}. Default: the config file's `preset`, else "
+         f"{DEFAULT_PRESET}.")]
 ConfigFile = Annotated[str | None, typer.Option("--config", help="TOML or YAML config file.")]
 Sets = Annotated[list[str] | None, typer.Option(
     "--set", help="Override one field: section.field=value (repeatable).")]
