@@ -14,7 +14,6 @@ import torch
 from typer.testing import CliRunner
 
 from cli_errors import cli_error
-from conftest import SAMPLE_TEXT
 from tessera.checkpoint import step_dir
 from tessera.cli import app
 from tessera.config import make_config
@@ -82,12 +81,12 @@ def test_eval_with_other_windows_says_what_it_scored(trained, tiny_data):
 
 def _small_val_data(root: Path, val_tokens: int) -> str:
     """A prepared byte-level data set whose val split holds about `val_tokens` tokens."""
+    text = "def add(a, b):\n    return a + b\n\n" * 300
     src = root / "src"
     src.mkdir()
-    (src / "a.py").write_text(SAMPLE_TEXT * 30)
+    (src / "a.py").write_text(text)
     out = root / "data"
-    prepare([str(src)], out, ByteTokenizer(), val_percent=100 * val_tokens / (30 * len(
-        SAMPLE_TEXT)))
+    prepare([str(src)], out, ByteTokenizer(), val_percent=100 * val_tokens / len(text))
     return str(out)
 
 
