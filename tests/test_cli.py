@@ -254,3 +254,17 @@ def test_schedule_help_names_every_registered_schedule(command):
     listed = re.search(r"Pipeline schedule: ([^.]*)\.", " ".join(r.output.split()))
     assert listed is not None, r.output
     assert set(listed[1].split(", ")) == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("command", ["train", "config"])
+def test_preset_help_names_every_preset(command):
+    # Before: the help listed tiny, demo, gpt2-124m and llama-1b, four of the seven.
+    import re
+
+    from tessera.config import PRESETS
+
+    r = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    listed = re.search(r"Named preset: ([^.]*)\. Default", " ".join(r.output.split()))
+    assert listed is not None, r.output
+    assert listed[1].split(", ") == list(PRESETS)

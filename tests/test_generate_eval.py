@@ -1,21 +1,26 @@
-"""`tessera generate` and `tessera eval` read a checkpoint's consolidated weights: eval
-reproduces the trainer's own validation loss, generate continues a prompt with top-k / top-p /
-greedy."""
+"""`tessera generate` and `tessera eval` read a checkpoint's consolidated weights: eval by
+default reproduces the trainer's own validation loss, generate continues a prompt with top-k /
+top-p / greedy."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from cli_errors import cli_error
+from tessera.checkpoint import step_dir
 from tessera.cli import app
 from tessera.config import make_config
 from tessera.data.loader import TokenDataset
-from tessera.evaluate import evaluate
+from tessera.data.prepare import prepare
+from tessera.data.tokenizer import ByteTokenizer
+from tessera.evaluate import evaluate, trained_validation
 from tessera.generate import filter_logits
 from tessera.model import Transformer
 from tessera.testing import assert_close_summed
@@ -35,23 +40,107 @@ def trained(tiny_data, tmp_path_factory):
     return out
 
 
-def test_eval_reproduces_the_trainers_validation_loss(trained, tiny_data):
+def test_eval_defaults_to_the_trainers_validation(trained, tiny_data):
+    # `tessera eval --checkpoint RUN` alone scores what the run's last validation scored: its
+    # data set's val split, windows of data.seq_len=16 (not the model's 64), the 256 targets
+    # of data.val_tokens, in batches of 4 micro-batches (32 windows).
     summary = json.loads((trained / "summary.json").read_text())
     step, val = summary["val_losses"][-1]
-    result = runner.invoke(app, ["eval", "--checkpoint", str(trained), "--data", tiny_data,
-                                 "--seq-len", "16", "--tokens", "256"])
+    result = runner.invoke(app, ["eval", "--checkpoint", str(trained)])
     assert result.exit_code == 0, result.output
     assert f"step-{step:07d}" in result.output
-    # What the command printed is the API's result, rounded for print (an exact check).
+    assert f"(256 tokens of {tiny_data}, 16 windows of 16)" in result.output
+    assert "note:" not in result.output  # nothing fell back
+    assert f"loss {val:.4f} nats/token, perplexity {math.exp(val):.2f}" in result.output
+    # Tolerance 0: the same fp32 weights, windows and batches through the same kernels, each
+    # batch's mean loss times its targets added in fp32 in the same order as the trainer's
+    # validation adds them; the same arithmetic, so the same number.
+    ckpt = step_dir(trained / "checkpoints", step)
+    defaults = trained_validation(ckpt)
+    assert defaults == {"data": tiny_data, "seq_len": 16, "tokens": 256, "batch_size": 32}
     cfg, state = load_weights(trained)
     model = Transformer(cfg)
     model.load_state_dict(state)
-    got = evaluate(model, TokenDataset(tiny_data), 16, 256)
-    assert f"loss {got.loss:.4f} nats/token, perplexity {math.exp(got.loss):.2f}" in result.output
-    # The same windows through the same fp32 model; only the batching differs, so the mean
-    # over the 256 targets (and the per-row sums of each window's 16 positions and 256 logits)
-    # is added in another order: the summation bound over those terms.
-    assert_close_summed(got.loss, val, terms=256 + 16 + 256, msg="eval vs trainer val loss")
+    got = evaluate(model, TokenDataset(tiny_data), 16, 256, 32)
+    assert got.loss == val and (got.tokens, got.windows) == (256, 16)
+
+
+def test_eval_with_other_windows_says_what_it_scored(trained, tiny_data):
+    # Windows of the model's 64 tokens: other targets scored, so another (close) loss; the
+    # printed loss is the API's result, rounded for print.
+    result = runner.invoke(app, ["eval", "--checkpoint", str(trained), "--data", tiny_data,
+                                 "--seq-len", "64", "--tokens", "512", "--batch-size", "4"])
+    assert result.exit_code == 0, result.output
+    cfg, state = load_weights(trained)
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    got = evaluate(model, TokenDataset(tiny_data), 64, 512, 4)
+    assert f"loss {got.loss:.4f} nats/token" in result.output
+    assert f"(512 tokens of {tiny_data}, 8 windows of 64)" in result.output
+
+
+def _small_val_data(root: Path, val_tokens: int) -> str:
+    """A prepared byte-level data set whose val split holds about `val_tokens` tokens."""
+    text = "def add(a, b):\n    return a + b\n\n" * 300
+    src = root / "src"
+    src.mkdir()
+    (src / "a.py").write_text(text)
+    out = root / "data"
+    prepare([str(src)], out, ByteTokenizer(), val_percent=100 * val_tokens / len(text))
+    return str(out)
+
+
+def test_eval_on_a_small_val_split_scores_what_it_holds(trained, tmp_path):
+    data = _small_val_data(tmp_path, 50)
+    held = len(TokenDataset(data).val)
+    assert 17 <= held < 64 + 1  # some windows of 16 (of the trainer's 16), none of 64
+    windows = (held - 1) // 16
+    result = runner.invoke(app, ["eval", "--checkpoint", str(trained), "--data", data])
+    assert result.exit_code == 0, result.output
+    assert (f"note: the val split holds {windows} windows of 16 ({windows * 16:,} targets), "
+            "fewer than --tokens=256: scoring all of them") in result.output
+    assert f"({windows * 16} tokens of {data}, {windows} windows of 16)" in result.output
+    # Windows longer than the split: nothing to score, said with eval's own flag.
+    line = cli_error(["eval", "--checkpoint", str(trained), "--data", data, "--seq-len", "64"])
+    assert line.startswith(f"error: --seq-len=64: the val split of {data} holds {held} tokens, "
+                           "fewer than one window of --seq-len + 1"), line
+
+
+def test_eval_of_an_older_checkpoint_or_hugging_face_weights(trained, tiny_data, tmp_path):
+    # A checkpoint that records no validation: --data is required, and the targets fall back
+    # to 65,536, more than the tiny val split holds: it scores all its windows, saying so.
+    old = tmp_path / "old"
+    shutil.copytree(step_dir(trained / "checkpoints", 6), old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["validation"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    line = cli_error(["eval", "--checkpoint", str(old)])
+    assert line == (f"error: --data=None: required: {old} does not record the data set its run "
+                    "trained on"), line
+    result = runner.invoke(app, ["eval", "--checkpoint", str(old), "--data", tiny_data])
+    assert result.exit_code == 0, result.output
+    held = (len(TokenDataset(tiny_data).val) - 1) // 16
+    assert f"note: 65,536 targets: {old} does not record" in result.output
+    assert "fewer than --tokens=65,536: scoring all of them" in result.output
+    assert f"{held} windows of 16)" in result.output  # the manifest's seq_len still applies
+    # Hugging Face weights record no windows: the model's max_seq_len, said.
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export-hf", "--checkpoint", str(trained), "--out",
+                               str(hf)]).exit_code == 0
+    result = runner.invoke(app, ["eval", "--checkpoint", str(hf), "--data", tiny_data,
+                                 "--tokens", "256"])
+    assert result.exit_code == 0, result.output
+    assert f"note: windows of the model's max_seq_len=64: {hf} records no training" in (
+        result.output)
+    assert f"(256 tokens of {tiny_data}, 4 windows of 64)" in result.output
+    # The recorded data set gone: --data names it.
+    gone = tmp_path / "gone"
+    shutil.copytree(step_dir(trained / "checkpoints", 6), gone)
+    meta["validation"] = {"data": str(tmp_path / "moved"), "tokens": 256, "batch_size": 32}
+    (gone / "meta.json").write_text(json.dumps(meta))
+    assert cli_error(["eval", "--checkpoint", str(gone)]) == (
+        f"error: --data=None: required: the data set {gone} trained on, {tmp_path / 'moved'}, "
+        "is not there")
 
 
 def test_generate_from_a_checkpoint(trained):
@@ -72,6 +161,9 @@ def test_generate_and_eval_bad_input(trained, tmp_path, tiny_data):
     assert "no meta.json there" in cli_error(["generate", "--checkpoint", str(tmp_path)])
     assert "--seq-len=999: must be <= the model's max_seq_len=64" in cli_error(
         ["eval", "--checkpoint", str(trained), "--data", tiny_data, "--seq-len", "999"])
+    for flag in ("--tokens", "--seq-len", "--batch-size"):
+        assert cli_error(["eval", "--checkpoint", str(trained), flag, "0"]) == (
+            f"error: {flag}=0: must be >= 1")
 
 
 def test_top_k_and_top_p_filters():

@@ -102,6 +102,16 @@ def test_export_reads_back_into_transformers(tmp_path, tiny_data):
     result = CliRunner().invoke(app, ["generate", "--checkpoint", str(tmp_path / "hf"),
                                       "--prompt", "def ", "--tokens", "5"])
     assert result.exit_code == 0 and result.output.startswith("def "), result.output
+    # Every exported file is readable as any file written here is (umask 022 here: 0644).
+    result = CliRunner().invoke(app, ["checkpoint", "export", str(out), "--to",
+                                      str(tmp_path / "pt"), "--format", "torch"])
+    assert result.exit_code == 0, result.output
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for f in ("hf/model.safetensors", "hf/config.json", "pt/model.pt", "pt/model.json"):
+        assert oct((tmp_path / f).stat().st_mode & 0o777) == oct(0o666 & ~mask), f
 
 
 def test_llama3_rope_scaling_matches_llama_for_causal_lm(tmp_path):
@@ -189,3 +199,22 @@ def test_unsupported_llama_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     line = cli_error(["generate", "--checkpoint", str(tmp_path)])
     assert "rope_type='llama3' without low_freq_factor, high_freq_factor" in line
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exported_files_get_the_mode_of_a_normal_write(tmp_path, umask):
+    # safetensors writes a temporary file (0600) and renames it; the export gives it the mode
+    # the umask gives any new file, as config.json and --format torch's files have.
+    import os
+
+    from tessera.hf import save_hf
+
+    cfg = make_config("tiny").model
+    state = Transformer(cfg).state_dict()
+    old = os.umask(umask)
+    try:
+        save_hf(cfg, state, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "config.json"):
+        assert oct((tmp_path / "hf" / name).stat().st_mode & 0o777) == oct(0o666 & ~umask), name

@@ -92,3 +92,141 @@ def test_every_torch_load_in_the_package_is_weights_only():
     assert calls, "no torch.load found: the check would pass vacuously"
     for path, line in calls:
         assert "weights_only=True" in line, f"{path}: {line.strip()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The index's allow-list: exactly what tessera's checkpoints need
+
+
+def _call_by_global(module: str, name: str) -> bytes:
+    """Protocol 2: GLOBAL 'module name', then call it with no arguments (REDUCE)."""
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b")R."
+
+
+def _call_by_stack_global(module: str, name: str) -> bytes:
+    """Protocol 4: the two names as strings on the stack, STACK_GLOBAL, then REDUCE."""
+    def text(s: str) -> bytes:
+        raw = s.encode()
+        return b"X" + len(raw).to_bytes(4, "little") + raw
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93)R."
+
+
+def _offered_names(module_name: str) -> list[str]:
+    """Every attribute of the module but the admitted ones; for torch also the names its module
+    __getattr__ answers (lazy submodules, deprecated functions), which dir() does not list."""
+    import importlib
+
+    from tessera.checkpoint import _METADATA_CLASSES
+
+    module = importlib.import_module(module_name)
+    names = set(dir(module))
+    if module is torch:
+        names |= set(getattr(torch, "_lazy_modules", ())) | set(
+            getattr(torch, "_deprecated_attrs", {}))
+    return sorted(names - _METADATA_CLASSES[module_name])
+
+
+class _Spy:
+    """Stands in for a module attribute: records a lookup's call, and any call of its result."""
+
+    def __init__(self, calls: list[str], name: str):
+        self.calls, self.name = calls, name
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(self.name)
+        return self
+
+
+def test_every_other_name_of_an_admitted_module_is_refused(tmp_path):
+    import importlib
+    import io
+
+    from tessera.checkpoint import _METADATA_CLASSES, _MetadataUnpickler
+
+    index = tmp_path / ".metadata"
+    offered, calls = 0, []
+    for module_name in _METADATA_CLASSES:
+        module = importlib.import_module(module_name)
+        for name in _offered_names(module_name):
+            for form in (_call_by_global, _call_by_stack_global):
+                data = form(module_name, name)
+                index.write_bytes(data)
+                with pytest.raises(CheckpointError) as refused:
+                    read_metadata(tmp_path)
+                assert str(refused.value) == (
+                    f"checkpoint {index}: refused ({module_name}.{name} is not part of a "
+                    "checkpoint index)")
+                # Nothing ran: with the name bound to a spy, the spy is never looked up (a
+                # lookup would hand it to REDUCE, which would call it).
+                missing = object()
+                old = module.__dict__.get(name, missing)
+                setattr(module, name, _Spy(calls, f"{module_name}.{name}"))
+                try:
+                    with pytest.raises(pickle.UnpicklingError):
+                        _MetadataUnpickler(io.BytesIO(data)).load()
+                finally:
+                    if old is missing:
+                        delattr(module, name)
+                    else:
+                        setattr(module, name, old)
+                offered += 1
+    assert not calls, calls
+    assert offered > 2 * 1000, offered  # torch alone has over a thousand names
+
+
+def test_the_spy_would_see_an_admitted_name_run(tmp_path):
+    # The check above proves something: an admitted name bound to a spy is looked up and called.
+    import io
+
+    from tessera.checkpoint import _MetadataUnpickler
+
+    calls: list[str] = []
+    module = torch.serialization
+    old = module._get_layout
+    module._get_layout = _Spy(calls, "torch.serialization._get_layout")
+    try:
+        for form in (_call_by_global, _call_by_stack_global):
+            _MetadataUnpickler(io.BytesIO(form("torch.serialization", "_get_layout"))).load()
+    finally:
+        module._get_layout = old
+    assert calls == ["torch.serialization._get_layout"] * 2
+
+
+def _save_tiny(data: str, out: Path, *overrides: str) -> Path:
+    from tessera.config import make_config
+    from tessera.trainer import run
+
+    cfg = make_config("tiny", overrides=[
+        f"data.path={data}", "data.seq_len=16", "data.val_tokens=256", "train.steps=1",
+        "train.checkpoint_interval=1", "train.sample_tokens=0", "train.eval_interval=0",
+        f"train.out_dir={out}", *overrides])
+    run(cfg, progress=False)
+    return out / "checkpoints" / "step-0000001"
+
+
+def test_every_admitted_name_is_needed(tiny_data, tmp_path):
+    # The names the indexes of real checkpoints ask for, fp32 and bf16 (bf16 weights beside
+    # fp32 masters): together exactly the allow-list. (MoE, tied embeddings and multi-rank
+    # layouts ask for the same names.)
+    from tessera.checkpoint import _METADATA_CLASSES, _MetadataUnpickler, load_model
+
+    asked: set[tuple[str, str]] = set()
+
+    class Recording(_MetadataUnpickler):
+        def find_class(self, module, name):
+            asked.add((module, name))
+            return super().find_class(module, name)
+
+    for precision in ("fp32", "bf16"):
+        ckpt = _save_tiny(tiny_data, tmp_path / precision, f"train.precision={precision}")
+        with (ckpt / ".metadata").open("rb") as f:
+            Recording(f).load()
+        assert load_model(ckpt)[1]  # and it loads through the allow-list
+    # PosixPath is admitted under each name a Python pickles it by (pathlib, or pathlib._local
+    # on 3.13); a checkpoint names one of them.
+    paths = {(m, n) for m, names in _METADATA_CLASSES.items() if m.startswith("pathlib")
+             for n in names}
+    admitted = {(m, n) for m, names in _METADATA_CLASSES.items() for n in names}
+    assert asked <= admitted
+    assert admitted - asked <= paths and len(asked & paths) == 1, admitted - asked

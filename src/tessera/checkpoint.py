@@ -13,7 +13,8 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
 - ``extra.json``: the step, the learning-rate schedule's position, and the data loader's
   position in global samples;
 - ``meta.json``, written last: format, step, the model, the layout that wrote it, the batch
-  shape and data seed, and the SHA-256 and size of every other file.
+  shape and data seed, what the run's validation scored (data set, targets, windows per pass;
+  ``tessera eval``'s defaults), and the SHA-256 and size of every other file.
 
 Saving gathers nothing: each rank hands DCP views of its own tensors (parameters, TP shards,
 pipeline chunks, ZeRO flat ranges cut into boxes), so a save's extra memory on a rank is at
@@ -52,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -87,6 +89,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from tessera.config import Config, ModelConfig
+from tessera.data.loader import val_batch_size, val_window_count
 from tessera.sharded_state import Piece, model_pieces
 
 FORMAT = 2
@@ -126,6 +129,15 @@ def _identity(cfg: Config) -> dict[str, Any]:
     """What must be equal to resume: the model, and what the loader's position means."""
     return {"model": asdict(cfg.model), "global_batch": global_batch(cfg),
             "seq_len": cfg.data.seq_len, "data_seed": cfg.data.seed}
+
+
+def _validation(cfg: Config) -> dict[str, Any]:
+    """What the trainer's validation scored (``trainer.evaluate``): the data set's val split,
+    in windows of ``seq_len``, this many targets, this many windows per forward pass; ``tessera
+    eval`` scores the same by default."""
+    windows = val_window_count(cfg.data.val_tokens, cfg.data.seq_len, cfg.parallel.dp)
+    return {"data": os.path.abspath(cfg.data.path), "tokens": windows * cfg.data.seq_len,
+            "batch_size": val_batch_size(cfg.train.micro_batch_size)}
 
 
 def _layout(cfg: Config, world: int) -> dict[str, Any]:
@@ -309,7 +321,8 @@ def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler,
     extra = {"step": step, "samples": loader.step * loader.global_batch_size,
              "global_batch": loader.global_batch_size, "data_seed": loader.seed,
              "scheduler": {"last_epoch": scheduler.last_epoch, "lr": scheduler.get_last_lr()}}
-    meta = {"format": FORMAT, "step": step, **_identity(cfg), "layout": _layout(cfg, world)}
+    meta = {"format": FORMAT, "step": step, **_identity(cfg), "layout": _layout(cfg, world),
+            "validation": _validation(cfg)}
     if saver is None:
         return _write(tmp, final, pieces, extra, meta, rank, world, group, keep)
     # The copies the thread writes: training changes the live tensors from the next step on.
@@ -494,26 +507,50 @@ def _restore_loader(path: Path, extra: dict[str, Any], loader) -> None:
 # Reading DCP's index as data: its .metadata is a pickle, and a checksum in a manifest that came
 # with the same files proves nothing about who wrote them.
 
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
+def _path_modules() -> tuple[str, ...]:
+    """Where pickle finds ``PosixPath``: ``pathlib``, and ``pathlib._local`` on Pythons that
+    have it (3.13 defines the class there and pickles it under that name; 3.14 keeps the name
+    so that such files still load)."""
+    try:
+        import pathlib._local  # noqa: F401
+    except ImportError:
+        return ("pathlib",)
+    return ("pathlib", "pathlib._local")
+
+
+_METADATA_CLASSES: dict[str, frozenset[str]] = {
+    # The index itself and its parts. BytesStorageMetadata (non-tensor entries) is absent:
+    # tessera writes only tensors.
+    "torch.distributed.checkpoint.metadata": frozenset({
         "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    # Where each box lies in the .distcp files.
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # TensorProperties.layout: torch.strided is pickled as _get_layout("torch.strided"), a
+    # lookup of the name in torch's layouts.
+    "torch.serialization": frozenset({"_get_layout"}),
+    # Global shapes, and the dtypes tessera's tensors have: fp32 weights, masters, optimizer
+    # moments and MoE biases, bf16 weights (train.precision=bf16), int64 optimizer steps and
+    # uint8 generator states. Named one by one: deciding by ``getattr(torch, name)`` would run
+    # torch's module __getattr__ on a name the file chose (it imports lazy submodules and calls
+    # the replacements of deprecated names) before anything is refused.
+    "torch": frozenset({"Size", "float32", "bfloat16", "int64", "uint8"}),
+    # StorageMeta.checkpoint_id: the directory DCP wrote to.
+    **{module: frozenset({"PosixPath"}) for module in _path_modules()},
 }
+"""Every (module, name) the ``.metadata`` of tessera's checkpoints refers to (fp32 and bf16,
+dense and MoE, tied embeddings, any layout), and nothing else; tests/test_security.py checks
+that each is needed and that every other name of these modules is refused."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Only the classes DCP's index is made of (and torch dtypes): anything else, such as a
-    function a forged file would call while loading, is refused before it runs."""
+    """Resolves only the names in :data:`_METADATA_CLASSES`; any other, such as a function a
+    forged file would call while loading, is refused before it is looked up."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_CLASSES.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        if name not in _METADATA_CLASSES.get(module, ()):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+        return super().find_class(module, name)
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -524,8 +561,12 @@ class SafeReader(dcp.FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         try:
             with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+                data = f.read()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint {path}: unreadable ({e})") from e
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:  # any malformed pickle, built only from the admitted names
             raise CheckpointError(f"checkpoint {path}: refused ({e})") from e
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"checkpoint {path}: refused (not a checkpoint index)")

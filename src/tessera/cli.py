@@ -6,7 +6,7 @@
     tessera config [--preset NAME] [--config FILE] [--set ...]     print the resolved config
     tessera schedule --schedule NAME --pp P --microbatches M [--virtual V] [--out DIR]
     tessera generate --checkpoint DIR [--prompt TEXT] [--tokens N] [--temperature T] ...
-    tessera eval --checkpoint DIR --data DIR [--seq-len N] [--tokens N]
+    tessera eval --checkpoint DIR [--data DIR] [--seq-len N] [--tokens N]
     tessera export-hf --checkpoint DIR --out DIR          (a Hugging Face Llama directory)
     tessera checkpoint inspect PATH                        (step, layout, tensors, sizes)
     tessera checkpoint export PATH --to DIR [--format hf|torch]   (consolidated weights)
@@ -26,7 +26,7 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from tessera.config import Config, ConfigError, load_file, make_config
+from tessera.config import PRESETS, Config, ConfigError, load_file, make_config
 from tessera.pipeline.schedules import SCHEDULES
 
 EXIT_BAD_INPUT = 2
@@ -77,8 +77,8 @@ def fail(message: str) -> typer.Exit:
 
 
 Preset = Annotated[str | None, typer.Option(
-    help="Named preset: tiny, demo, gpt2-124m, llama-1b. Default: the config file's `preset`, "
-         "else demo.")]
+    help=f"Named preset: {', '.join(PRESETS)}. Default: the config file's `preset`, else "
+         f"{DEFAULT_PRESET}.")]
 ConfigFile = Annotated[str | None, typer.Option("--config", help="TOML or YAML config file.")]
 Sets = Annotated[list[str] | None, typer.Option(
     "--set", help="Override one field: section.field=value (repeatable).")]
@@ -381,6 +381,9 @@ def show_config(preset: Preset = None, config: ConfigFile = None, set_: Sets = N
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
 
 
+EVAL_TOKENS = 65536
+"""`tessera eval`'s targets when the checkpoint does not record its validation's."""
+
 Checkpoint = Annotated[str, typer.Option(
     help="A checkpoint step directory, a checkpoint root, a run's --out (its newest), or a "
          "Hugging Face Llama directory (config.json + *.safetensors).")]
@@ -533,40 +536,76 @@ def checkpoint_export_cmd(
 @app.command("eval")
 def eval_cmd(
     checkpoint: Checkpoint,
-    data: Annotated[str, typer.Option(help="Prepared data directory.")],
+    data: Annotated[str | None, typer.Option(
+        help="Prepared data directory; default: the one the checkpoint's run trained on.")
+    ] = None,
     seq_len: Annotated[int | None, typer.Option(
-        help="Tokens per window; default: the model's max_seq_len.")] = None,
-    tokens: Annotated[int, typer.Option(help="Targets to score.")] = 65536,
+        help="Tokens per window; default: the training windows' (data.seq_len), else the "
+             "model's max_seq_len.")] = None,
+    tokens: Annotated[int | None, typer.Option(
+        help="Targets to score (all the split's windows if it holds fewer); default: what the "
+             f"training validation scored, else {EVAL_TOKENS}.")] = None,
     split: Annotated[str, typer.Option(help="val or train.")] = "val",
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 16,
+    batch_size: Annotated[int | None, typer.Option(
+        help="Windows per forward pass; default: the training validation's, else 16.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
 ) -> None:
-    """Validation loss (nats per token) and perplexity of a checkpoint's model."""
+    """Validation loss (nats per token) and perplexity of a checkpoint's model; by default on
+    the windows the training run validated on."""
     from tessera.checkpoint import CheckpointError
     from tessera.data.loader import DataError, TokenDataset
-    from tessera.evaluate import evaluate
+    from tessera.evaluate import evaluate, trained_validation, windows_held
 
     try:
         if split not in ("val", "train"):
             raise ConfigError("--split", split, "must be val or train")
         for flag, value in (("--tokens", tokens), ("--batch-size", batch_size),
-                            ("--seq-len", seq_len or 1)):
-            if value < 1:
+                            ("--seq-len", seq_len)):
+            if value is not None and value < 1:
                 raise ConfigError(flag, value, "must be >= 1")
         model, path = load_checkpoint_model(checkpoint, device)
+        trained = trained_validation(path)
+        notes = []
+        if data is None:
+            if "data" not in trained:
+                raise ConfigError("--data", None, f"required: {path} does not record the data "
+                                  "set its run trained on")
+            data = trained["data"]
+            if not os.path.isdir(data):
+                raise ConfigError("--data", None, f"required: the data set {path} trained on, "
+                                  f"{data}, is not there")
         dataset = TokenDataset(data)
         if dataset.vocab_size > model.cfg.vocab_size:
             raise ConfigError("--data", data, f"its vocabulary {dataset.vocab_size} exceeds "
                               f"the model's {model.cfg.vocab_size}")
-        seq = seq_len or model.cfg.max_seq_len
+        if seq_len is None and "seq_len" not in trained:
+            notes.append(f"windows of the model's max_seq_len={model.cfg.max_seq_len}: {path} "
+                         "records no training windows (--seq-len sets them)")
+        seq = seq_len or trained.get("seq_len", model.cfg.max_seq_len)
         if seq > model.cfg.max_seq_len:
             raise ConfigError("--seq-len", seq, f"must be <= the model's max_seq_len="
                               f"{model.cfg.max_seq_len}")
+        if tokens is None and "tokens" not in trained:
+            notes.append(f"{EVAL_TOKENS:,} targets: {path} does not record how many its "
+                         "training validation scored (--tokens sets them)")
+        tokens = tokens or trained.get("tokens", EVAL_TOKENS)
+        batch_size = batch_size or trained.get("batch_size", 16)
+        held = windows_held(getattr(dataset, split), seq)
+        if held < 1:
+            raise ConfigError("--seq-len", seq, f"the {split} split of {data} holds "
+                              f"{len(getattr(dataset, split))} tokens, fewer than one window "
+                              f"of --seq-len + 1")
+        if held * seq < tokens:
+            notes.append(f"the {split} split holds {held} windows of {seq} ({held * seq:,} "
+                         f"targets), fewer than --tokens={tokens:,}: scoring all of them")
         result = evaluate(model, dataset, seq, tokens, batch_size, split)
     except (ConfigError, CheckpointError, DataError, ValueError) as e:
         raise fail(str(e)) from None
+    for note in notes:
+        print(f"note: {note}")
     print(f"{path}: {split} loss {result.loss:.4f} nats/token, perplexity "
-          f"{result.perplexity:.2f} ({result.tokens:,} tokens of {data}, windows of {seq})")
+          f"{result.perplexity:.2f} ({result.tokens:,} tokens of {data}, {result.windows} "
+          f"windows of {seq})")
 
 
 @data_app.command("prepare")

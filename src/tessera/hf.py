@@ -14,6 +14,7 @@ rather than computed wrong). No network: the directory must be on disk.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +209,23 @@ def save_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], path: str | Path) 
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_state(cfg, state), str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = path / "model.safetensors"
+    save_file(to_hf_state(cfg, state), str(weights), metadata={"format": "pt"})
+    # save_file writes a temporary file (mode 0600) and renames it into place: give the weights
+    # the mode any file written here gets, as config.json has.
+    os.chmod(weights, 0o666 & ~_umask())
     (path / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
     return path
+
+
+def _umask() -> int:
+    """This process's umask: from /proc (Linux), else set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -7,7 +7,8 @@ What it shows, and where each number comes from:
 - the planner's predicted step time for this very layout (``tessera.planner``: on a GPU the
   catalog entry of that GPU; on CPU the file ``tessera plan calibrate`` writes,
   ``runs/local_hardware.toml``, or where this machine has none, the calibration shipped in
-  ``benchmarks/results/local_hardware.toml``, said so) beside the measured median;
+  ``benchmarks/results/local_hardware.toml``, said so) beside the measured median, with a note
+  when other work loaded the host (:func:`host_load_note`: the prediction prices an idle one);
 - the pipeline bubble measured on the last step's timestamps beside the closed form
   (p−1)/(v·m) of the schedule;
 - memory per rank by category: parameters, gradients and optimizer state counted from the
@@ -21,6 +22,7 @@ What it shows, and where each number comes from:
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +146,34 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         return None, f"the planner could not price this layout ({e})"
 
 
+def host_load() -> tuple[float, int] | None:
+    """The host's 1-minute load average (runnable threads, over the last minute) and its
+    cores; None where the system keeps no load average."""
+    try:
+        return os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:
+        return None
+
+
+def own_threads(world: int, device: torch.device) -> int:
+    """Runnable threads the run itself keeps on this host: each local rank's torch threads on
+    CPU (``tessera train --nproc`` gives each one), one per rank driving a GPU."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local * (torch.get_num_threads() if device.type == "cpu" else 1)
+
+
+def host_load_note(load: float, cores: int, own: int) -> str | None:
+    """A note when others' work loaded the host, beyond the run's own `own` threads: at least
+    one other runnable thread on average, and either others hold half the cores or more, or
+    with the run the host has more runnable threads than cores (a rank then waits for a core).
+    None on a host the run had to itself."""
+    others = load - own
+    if others < 1 or (others < cores / 2 and load <= cores):
+        return None
+    return (f"host loaded (load average {load:.2f} on {cores} cores, the run's own threads "
+            f"{own}): the prediction assumes an idle host")
+
+
 def gather_memory(executor) -> list[dict[str, Any]]:
     """Every rank's model-state bytes and peak activation bytes (all ranks call)."""
     record = executor.last_record
@@ -160,7 +190,10 @@ def gather_memory(executor) -> list[dict[str, Any]]:
 def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: float,
                   tokens_per_s: float, flops_per_s: float, mfu: float | None,
                   timeline: dict | None, memory: list[dict[str, Any]],
-                  moe: dict[str, Any] | None = None) -> list[str]:
+                  moe: dict[str, Any] | None = None,
+                  load: tuple[float, int] | None = None) -> list[str]:
+    """The summary's lines. `load`: the host's (load average, cores) over the run's end;
+    None: read now (:func:`host_load`)."""
     p, t = cfg.parallel, cfg.train
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}"
     if p.ep > 1:
@@ -181,6 +214,10 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
     else:
         lines.append(f"step time   measured {1e3 * median_step_s:.3g} ms, planner predicted "
                      f"{1e3 * predicted:.3g} ms ({predicted / median_step_s:.2f}x; {source})")
+        load = load or host_load()
+        note = host_load_note(*load, own_threads(world, device)) if load else None
+        if note:
+            lines.append(f"            {note}")
     if timeline is not None:
         from tessera.pipeline.schedules import closed_form_bubble
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from tessera import checkpoint
 from tessera.checkpoint import CheckpointError
 from tessera.config import Config, ConfigError
-from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_windows
+from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_batch_size, val_windows
 from tessera.data.tokenizer import load_tokenizer
 from tessera.generate import generate
 from tessera.host_memory import keep_freed_memory
@@ -187,7 +187,7 @@ class StepProfiler:
 def evaluate(executor, cfg: Config, dataset: TokenDataset, topo: Topology) -> float:
     """Mean validation loss in nats per token over data.val_tokens held-out tokens."""
     batches = val_windows(dataset.val, cfg.data.seq_len, cfg.data.val_tokens,
-                          cfg.train.micro_batch_size * 4, topo.coords()["dp"], topo.dp,
+                          val_batch_size(cfg.train.micro_batch_size), topo.coords()["dp"], topo.dp,
                           topo.coords()["cp"], topo.cp)
     loss_sum, count = executor.eval_loss(batches)
     return loss_sum / count

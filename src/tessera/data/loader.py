@@ -206,13 +206,25 @@ def cp_shard(batch: tuple[torch.Tensor, torch.Tensor], cp_rank: int, cp_size: in
     return tuple(shard_sequence(t, 1, cp_size, cp_rank) for t in batch)
 
 
+def val_window_count(n_tokens: int, seq_len: int, dp_size: int = 1) -> int:
+    """How many validation windows cover >= n_tokens targets: a multiple of dp_size, so every
+    rank scores the same number."""
+    n_windows = math.ceil(n_tokens / seq_len)
+    return n_windows + (-n_windows) % dp_size
+
+
+def val_batch_size(micro_batch_size: int) -> int:
+    """Validation windows per forward pass: four micro-batches (no activations kept for a
+    backward)."""
+    return 4 * micro_batch_size
+
+
 def val_windows(split: TokenSplit, seq_len: int, n_tokens: int, batch_size: int, dp_rank: int = 0,
                 dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed non-overlapping validation windows covering >= n_tokens targets, dealt round-robin
     to data-parallel ranks and batched. Raises if the split is too small."""
-    n_windows = math.ceil(n_tokens / seq_len)
-    n_windows += (-n_windows) % dp_size  # every rank scores the same number of windows
+    n_windows = val_window_count(n_tokens, seq_len, dp_size)
     if n_windows * seq_len + 1 > len(split):
         raise DataError(f"val split has {len(split)} tokens, fewer than the {n_tokens} asked "
                         "for validation (data.val_tokens)")
