@@ -165,7 +165,7 @@ def test_latest_and_prune_take_one_runs_checkpoints(tmp_path):
 
 
 def test_a_restart_takes_only_its_own_runs_newest(tmp_path, monkeypatch):
-    from tessera.trainer import run_start
+    from tessera.trainer import check_run_dir, run_start
 
     root = tmp_path / "checkpoints"
     cfg = make_config("tiny", overrides=[f"train.checkpoint_dir={root}"])
@@ -185,6 +185,12 @@ def test_a_restart_takes_only_its_own_runs_newest(tmp_path, monkeypatch):
     # A first attempt never takes a checkpoint by itself, and counts every one as another run's.
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert run_start(cfg).resume_from is None and run_start(cfg).others == [a2, b4]
+    with pytest.raises(ConfigError, match=rf"train.checkpoint_dir='{root}': holds another run's "
+                       r"checkpoints \(step-0000002, step-0000004; run a, b\): .* or train into "
+                       "a new train.checkpoint_dir"):
+        check_run_dir(cfg, run_start(cfg))
+    check_run_dir(make_config("tiny", overrides=[f"train.checkpoint_dir={root}",
+                                                 "train.overwrite=true"]), run_start(cfg))
 
 
 def test_a_restarted_run_resumes_its_own_checkpoint_end_to_end(tiny_data, first, tmp_path,
@@ -259,6 +265,11 @@ def test_new_run_names_take_a_suffix_and_latest_is_replaced(tmp_path, monkeypatc
     assert run_dir.point_latest(Path("runs/20260101-000000-3")) is None
     assert os.readlink("runs/latest") == "20260101-000000-3"
     assert not [p for p in Path("runs").iterdir() if p.name.startswith(".latest")]
+    # --resume latest follows the link; where its directory is gone, a new run starts.
+    assert run_dir.default_out_dir("latest", False) == (Path("runs/20260101-000000-3"), False)
+    Path("runs/20260101-000000-3").rmdir()
+    out, new = run_dir.default_out_dir("latest", False)
+    assert new and STAMP.fullmatch(out.name) and out.parent == Path("runs")
 
 
 def test_an_older_runs_latest_directory_is_left_with_a_warning(tiny_data, tmp_path,

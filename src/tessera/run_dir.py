@@ -81,7 +81,7 @@ def default_out_dir(resume: str, under_launcher: bool) -> tuple[Path, bool]:
     """The output directory of a run given no ``--out``, and whether it is a new one (to be
     created with :func:`claim` once every check passed): see the module docstring. Raises
     ValueError (the rule) when the ranks of an outside launcher cannot agree on one."""
-    if resume == "latest" and (target := latest_target()) is not None:
+    if resume == "latest" and (target := latest_target()) is not None and target.is_dir():
         return target, False
     if not under_launcher:
         return new_out_dir(), True

@@ -223,14 +223,15 @@ def check_run_dir(cfg: Config, start: RunStart) -> None:
     (ConfigError, before any collective)."""
     if not start.others or cfg.train.overwrite:
         return
-    field, value = (("train.checkpoint_dir", cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir
-                    else ("train.out_dir", cfg.train.out_dir))
+    field, value, elsewhere = (
+        ("train.checkpoint_dir", cfg.train.checkpoint_dir, "a new train.checkpoint_dir")
+        if cfg.train.checkpoint_dir else ("train.out_dir", cfg.train.out_dir, "a new --out"))
     runs = sorted({checkpoint.run_id_of(p) or "from before run ids" for p in start.others})
     names = [p.name for p in start.others]
     shown = ", ".join(names if len(names) <= 3 else [names[0], "...", names[-1]])
     raise ConfigError(field, value, f"holds another run's checkpoints ({shown}; run "
                       f"{', '.join(runs)}): continue that run with --resume latest, delete them "
-                      "with --overwrite, or train into a new --out")
+                      f"with --overwrite, or train into {elsewhere}")
 
 
 class StepProfiler:
