@@ -13,8 +13,15 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
 - ``extra.json``: the step, the learning-rate schedule's position, and the data loader's
   position in global samples;
 - ``meta.json``, written last: format, step, the model, the layout that wrote it, the batch
-  shape and data seed, what the run's validation scored (data set, targets, windows per pass;
-  ``tessera eval``'s defaults), and the SHA-256 and size of every other file.
+  shape and data seed, the run id and the config's hash (:func:`config_hash`), what the run's
+  validation scored (data set, targets, windows per pass; ``tessera eval``'s defaults), and the
+  SHA-256 and size of every other file.
+
+A checkpoint directory belongs to one run (``tessera.run_dir``): pruning keeps the newest
+checkpoints of the run that saves, and :func:`latest` (``--resume latest``, a restart,
+``tessera eval``/``generate``/``export-hf``/``checkpoint`` on a directory) takes the newest of
+one run, never another run's; ``trainer.check_run_dir`` refuses to start a run where another
+run's checkpoints are.
 
 Saving gathers nothing: each rank hands DCP views of its own tensors (parameters, TP shards,
 pipeline chunks, ZeRO flat ranges cut into boxes), so a save's extra memory on a rank is at
@@ -145,25 +152,84 @@ def _layout(cfg: Config, world: int) -> dict[str, Any]:
             **{k: getattr(cfg.parallel, k) for k in LAYOUT_FIELDS}}
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (one with a manifest), or None."""
+CONFIG_HASH_EXCLUDED = ("out_dir", "checkpoint_dir", "resume", "overwrite")
+"""The train fields left out of :func:`config_hash`: where a run writes and what it continues
+from, not what it trains."""
+
+
+def config_hash(cfg: Config) -> str:
+    """16 hex digits of the SHA-256 of the resolved config (every section and field, as
+    ``tessera config`` prints them, but the train fields in :data:`CONFIG_HASH_EXCLUDED`),
+    serialized as JSON with sorted keys: equal configs give equal hashes."""
+    fields = cfg.to_dict()
+    fields["train"] = {k: v for k, v in fields["train"].items() if k not in CONFIG_HASH_EXCLUDED}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def complete(root: str | Path) -> list[Path]:
+    """The complete checkpoints under `root` (directories with a manifest), oldest step first."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")
                   and (p / META).is_file())
+
+
+def run_id_of(path: str | Path) -> str | None:
+    """The run id in the manifest of the checkpoint at `path`; None for one written before
+    run ids (or no readable manifest there: :func:`read_manifest` says what is wrong)."""
+    try:
+        meta = json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError):
+        return None
+    run_id = meta.get("run_id") if isinstance(meta, dict) else None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def owner(root: str | Path) -> str | None:
+    """The run the checkpoint directory `root` belongs to: the run id of its newest checkpoint
+    that has one (None: no checkpoint there has a run id)."""
+    for path in reversed(complete(root)):
+        if (run_id := run_id_of(path)) is not None:
+            return run_id
+    return None
+
+
+def latest(root: str | Path, run_id: str | None = None) -> Path | None:
+    """The newest complete checkpoint under `root` of run `run_id`, or None. Without
+    `run_id`, of the run the directory belongs to (:func:`owner`), or where no checkpoint has
+    a run id (all written before run ids), the newest of all."""
+    done = complete(root)
+    run_id = run_id or owner(root)
+    if run_id is not None:
+        done = [p for p in done if run_id_of(p) == run_id]
     return done[-1] if done else None
 
 
-def prune(root: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints under `root` (0 keeps all), and
-    any unfinished ``.tmp`` directory."""
+def other_runs(root: str | Path, run_id: str | None, resuming: bool) -> list[Path]:
+    """The complete checkpoints under `root` that are not run `run_id`'s: those of another run
+    id, all of them for a new run (`run_id` None), and those without one (written before run
+    ids) unless this run resumes a checkpoint."""
+    return [p for p in complete(root)
+            if run_id is None or run_id_of(p) not in (run_id, *((None,) if resuming else ()))]
+
+
+def remove(paths: list[Path]) -> None:
+    """Delete these checkpoint directories (``--overwrite``: another run's)."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(root: str | Path, keep: int, run_id: str | None) -> None:
+    """Delete all but the newest `keep` complete checkpoints of run `run_id` under `root` (0
+    keeps all; other runs' are never touched), and any unfinished ``.tmp`` directory."""
     root = Path(root)
     for tmp in root.glob("step-*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
     if keep <= 0:
         return
-    done = sorted(p for p in root.glob("step-*") if (p / META).is_file())
+    done = [p for p in complete(root) if run_id_of(p) == run_id]
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -299,9 +365,10 @@ class AsyncSaver:
 
 def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler, loader,
          rank: int, world: int, group: dist.ProcessGroup | None = None, *, keep: int = 0,
-         saver: AsyncSaver | None = None) -> Path:
-    """Write this step's checkpoint and prune all but the newest `keep` (0 keeps all); every
-    rank of `group` (None: the default group; the saver's group with a saver) calls.
+         saver: AsyncSaver | None = None, run_id: str | None = None) -> Path:
+    """Write this step's checkpoint of run `run_id` (recorded in the manifest with the
+    config's hash; None records none) and prune all but that run's newest `keep` (0 keeps
+    all); every rank of `group` (None: the default group; the saver's group with a saver) calls.
     Collectives: DCP's plan gather and result gather, and two barriers. With `saver`, each
     rank copies the boxes it writes, and the writing, manifest, rename and pruning go on in the
     saver's thread after this returns. Returns the final directory (complete on return
@@ -323,6 +390,7 @@ def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler,
              "scheduler": {"last_epoch": scheduler.last_epoch, "lr": scheduler.get_last_lr()}}
     meta = {"format": FORMAT, "step": step, **_identity(cfg), "layout": _layout(cfg, world),
             "validation": _validation(cfg)}
+    meta |= {"run_id": run_id, "config_hash": config_hash(cfg)}
     if saver is None:
         return _write(tmp, final, pieces, extra, meta, rank, world, group, keep)
     # The copies the thread writes: training changes the live tensors from the next step on.
@@ -336,7 +404,8 @@ def _write(tmp: Path, final: Path, pieces: list[Piece], extra: dict[str, Any],
            meta: dict[str, Any], rank: int, world: int, group: dist.ProcessGroup | None,
            keep: int) -> Path:
     """Every rank writes its pieces into `tmp`; rank 0 then adds the extra state and the
-    manifest, renames `tmp` to `final` and prunes; a barrier ends it on every rank."""
+    manifest, renames `tmp` to `final` and prunes the run's older ones; a barrier ends it on
+    every rank."""
     dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
              planner=_PieceSavePlanner(pieces), process_group=group)
     if rank == 0:  # DCP returned: every rank's file and DCP's index are written
@@ -349,7 +418,7 @@ def _write(tmp: Path, final: Path, pieces: list[Piece], extra: dict[str, Any],
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        prune(final.parent, keep)
+        prune(final.parent, keep, meta.get("run_id"))
     _barrier(world, group)
     return final
 
@@ -425,7 +494,8 @@ def verify(path: str | Path, cfg: Config, world: int | None = None) -> dict[str,
 
 def find(path: str | Path) -> Path:
     """A checkpoint directory from what a user types: the step directory itself, a checkpoint
-    root (its newest), or a run's out_dir (the newest under its checkpoints/)."""
+    root, or a run's out_dir (its checkpoints/): of a directory, the newest checkpoint of the
+    run it belongs to (:func:`latest`)."""
     path = Path(path)
     if (path / META).is_file():
         return path
@@ -633,14 +703,17 @@ def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
 
 
 def describe(path: str | Path) -> list[str]:
-    """`tessera checkpoint inspect`: step, layout, model, and every tensor with its global
-    shape, dtype, number of saved boxes and bytes; files checked first."""
+    """`tessera checkpoint inspect`: the run id and config hash, step, layout, model, and every
+    tensor with its global shape, dtype, number of saved boxes and bytes; files checked
+    first."""
     path = find(path)
     meta = read_manifest(path)
     extra = json.loads((path / EXTRA).read_text())
     metadata = read_metadata(path)
     layout = meta.get("layout", {})
+    run_id = meta.get("run_id") or "none (written before run ids)"
     lines = [f"checkpoint {path}",
+             f"run {run_id}, config hash {meta.get('config_hash') or 'none'}",
              f"step {meta['step']}, {extra['samples']} samples seen (global batch "
              f"{extra['global_batch']}), lr {extra['scheduler']['lr'][0]:.3g}",
              "written by: " + " ".join(f"{k}={v}" for k, v in layout.items()),
@@ -665,5 +738,6 @@ def describe(path: str | Path) -> list[str]:
 
 
 __all__ = ["CheckpointError", "AsyncSaver", "save", "restore", "verify", "read_manifest",
-           "latest", "prune", "find", "load_model", "load_tensors", "describe", "step_dir",
+           "latest", "prune", "find", "complete", "owner", "run_id_of", "other_runs", "remove",
+           "config_hash", "load_model", "load_tensors", "describe", "step_dir",
            "global_batch"]

@@ -170,7 +170,12 @@ def train(
     ] = None,
     resume: Annotated[str | None, typer.Option(
         help="Continue from a checkpoint directory (written by any layout), or 'latest' (the "
-             "newest, if any).")] = None,
+             "newest of the run in --out, if any; without --out, of the run runs/latest "
+             "points to).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Start even where another run's checkpoints are: they are deleted "
+                            "when the run starts (without it, such a run is refused).")
+    ] = False,
     micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")
                                 ] = None,
     precision: Annotated[str | None, typer.Option(help="fp32 or bf16.")] = None,
@@ -190,8 +195,9 @@ def train(
         help="CUDA: the allocator's history, <out>/memory/rank-N.pickle, for memory_viz.")
     ] = None,
     data: Annotated[str | None, typer.Option(help="Prepared data directory.")] = None,
-    out: Annotated[str | None, typer.Option(help="Output directory for metrics and sample.")
-                   ] = None,
+    out: Annotated[str | None, typer.Option(
+        help="Output directory (metrics, sample, checkpoints), one run's; default: a new "
+             "runs/<YYYYmmdd-HHMMSS>, linked from runs/latest.")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
 ) -> None:
     """Train a model; launches --nproc ranks itself unless already under torchrun."""
@@ -208,6 +214,7 @@ def train(
         "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
                       precision=precision, peak_tflops=peak_tflops, out_dir=out,
                       checkpoint_interval=checkpoint_interval, resume=resume,
+                      overwrite=overwrite or None,
                       profile_steps=profile_steps, init_from=init_from,
                       tensorboard=tensorboard, memory_snapshot=memory_snapshot,
                       collective_timeout_s=collective_timeout),
@@ -215,7 +222,14 @@ def train(
     }
     from tessera.checkpoint import CheckpointError, verify
     from tessera.data.loader import DataError
-    from tessera.trainer import check_data, check_options, resume_path
+    from tessera.trainer import (
+        begin_out_dir,
+        check_data,
+        check_options,
+        check_run_dir,
+        run_start,
+        with_out_dir,
+    )
 
     under_launcher = "RANK" in os.environ
     try:
@@ -232,26 +246,40 @@ def train(
         cfg.validate(world)
         check_data(cfg)
         check_options(cfg, "cuda" if torch_cuda_available() else "cpu")
-        resume_from = resume_path(cfg)
-        if resume_from is not None:
-            verify(resume_from, cfg, world)
+        defaulted_out = not cfg.train.out_dir
+        cfg, new_out = with_out_dir(cfg)
+        origin = run_start(cfg)
+        check_run_dir(cfg, origin)
+        if origin.resume_from is not None:
+            verify(origin.resume_from, cfg, world)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+    if new_out:  # every check passed: the new directory is made (once) and linked
+        cfg = begin_out_dir(cfg)
     if not under_launcher or (os.environ["RANK"] == "0" and RELAUNCHED not in os.environ):
         for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
             print(f"warning: {line}", file=sys.stderr, flush=True)
 
     if not under_launcher and (world > 1 or max_restarts):
         from tessera.launch import launch
+        from tessera.run_dir import RUN_ID_ENV, out_dir_override
 
-        os.environ[RELAUNCHED] = "1"  # the ranks inherit it: they do not warn again
         argv = train_args(sys.argv[1:])
         for option in ("--nproc", "--max-restarts"):
             argv = strip_option(argv, option)
+        if defaulted_out:  # the ranks and their restarts write where this process chose
+            argv += out_dir_override(cfg.train.out_dir)
+        # The ranks inherit these: they do not warn again, and hold this run's id (restarts too).
+        before = {name: os.environ.get(name) for name in (RELAUNCHED, RUN_ID_ENV)}
+        os.environ.update({RELAUNCHED: "1", RUN_ID_ENV: origin.run_id})
         try:
             code = launch(world, argv, max_restarts or 0)
         finally:
-            del os.environ[RELAUNCHED]
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         raise typer.Exit(code)
 
     from tessera.trainer import run

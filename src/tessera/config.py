@@ -336,8 +336,10 @@ class TrainConfig:
     """Run validation every this many steps (and at the end); 0 only at the end."""
     log_interval: int = 10
     """Print a metrics line every this many steps."""
-    out_dir: str = "runs/latest"
-    """Where metrics.jsonl, the sample and pictures go."""
+    out_dir: str = ""
+    """Where metrics.jsonl, the sample, pictures and checkpoints go; empty: a new
+    runs/<YYYYmmdd-HHMMSS> for each run, with runs/latest a link to it (``tessera.run_dir``).
+    It belongs to one run: a new run where another run's checkpoints are is refused."""
     sample_tokens: int = 200
     """Tokens generated at the end of training; 0 skips the sample."""
     sample_prompt: str = "def "
@@ -355,11 +357,16 @@ class TrainConfig:
     goes on while the files are written; a save is finished (manifest, rename, pruning) before
     the next one starts and before training ends."""
     resume: str = ""
-    """A checkpoint directory to continue from, or 'latest': the newest under checkpoint_dir if
-    there is one (else start fresh, so a restarted job picks up where it stopped). Any layout
-    may resume any checkpoint of the same model and global batch (dp x grad_accum x
+    """A checkpoint directory to continue from, or 'latest': the newest checkpoint of the run
+    checkpoint_dir belongs to, if there is one (else start fresh); without an out_dir, 'latest'
+    continues the run runs/latest points to. The resumed run keeps the checkpoint's run id. Any
+    layout may resume any checkpoint of the same model and global batch (dp x grad_accum x
     micro_batch_size). A job the elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0)
-    always takes the newest."""
+    always takes its own run's newest checkpoint."""
+    overwrite: bool = False
+    """Let a run start where another run's checkpoints are (under checkpoint_dir): rank 0
+    deletes them when the run starts, before its first save, so they never mix with this run's
+    (without it, such a run is refused)."""
     collective_timeout_s: float = 300.0
     """Seconds a collective may wait for the other ranks before it fails (every process group
     of the run), and how long a rank's heartbeat may stay silent before the others stop with a
