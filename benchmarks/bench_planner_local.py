@@ -242,11 +242,11 @@ BLOCKS_PER_BUILD = 2
 build's pairs share the seconds they ran in, and the host's speed moves for seconds at a time
 (A/A runs of 12 and 24 builds at micro-batch 16: the medians of single builds ranged -73 to
 +161 ms on a ~490 ms step, their spread well beyond the pairs' own noise; first read as where a
-build's tensors land, but one model run in both places spreads as much, docs/planner.md,
-Twenty-second run), so an estimate from the two builds used before carried that luck as a
-bias that the interval over pairs did not show (the A/A check read -13.8, -12.8, +3.0 and
-+12.7 ms in four runs, the last with [4.1, 23.3]); with 12-24 builds, the interval over
-builds (dp_cost.median_interval) held 0 in four A/A runs of four. With a warm-up block per
+build's tensors land, but one model run in both places spreads as much: the twenty-second run,
+`git show 9c9bd19:docs/planner.md`), so an estimate from the two builds used before carried
+that luck as a bias that the interval over pairs did not show (the A/A check read -13.8, -12.8,
++3.0 and +12.7 ms in four runs, the last with [4.1, 23.3]); with 12-24 builds, the interval
+over builds (dp_cost.median_interval) held 0 in four A/A runs of four. With a warm-up block per
 build, 2 measured blocks per build give the narrowest interval for the time."""
 
 

@@ -24,14 +24,14 @@ control step), averaged over the ranks: the machine's drift is common to the two
 The two models are built ``rebuilds`` times (default 2; bench_planner_local.py builds them
 again every 2 measured blocks), in turn DP first and control first, each build running its
 share of the blocks. A build's pairs ran in the same ten-odd seconds of the run and share the
-host's speed in them: on this shared VM a step's time jumps by tens of percent for seconds at
-a time, which cancels only in part between a DP block and the control block ~2 s away. So a
-build's pairs are not independent, and the estimate needs many builds. (The first reading
-was that where a build's tensors land moved its steps; an A/A run with one model in both
-places spreads by build as much: docs/planner.md, Twenty-second run.) ``--same`` runs the
-method A/A (a second one-rank model in place of the DP model): its "cost" is the method's
-own bias. ``--aa`` says what that second model is: ``built`` (default) a model built beside
-the control, ``shared-params`` one whose parameters are the control's own tensors,
+host's speed in them: on this shared VM a step's time jumps by tens of percent for seconds at a
+time, which cancels only in part between a DP block and the control block ~2 s away. So a
+build's pairs are not independent, and the estimate needs many builds. (The first reading was
+that where a build's tensors land moved its steps; an A/A run with one model in both places
+spreads by build as much: the twenty-second run, `git show 9c9bd19:docs/planner.md`.)
+``--same`` runs the method A/A (a second one-rank model in place of the DP model): its "cost"
+is the method's own bias. ``--aa`` says what that second model is: ``built`` (default) a model
+built beside the control, ``shared-params`` one whose parameters are the control's own tensors,
 ``one-model`` the control's model itself, run in both places (so nothing differs between the
 two steps of a pair but when they ran). ``--hooks-only`` (DDP) runs the DP model's
 forward_backward inside ``no_sync()``: the gradient hooks without the all-reduce.
