@@ -193,6 +193,10 @@ def train(
     out: Annotated[str | None, typer.Option(help="Output directory for metrics and sample.")
                    ] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check everything (config, layout, data, resume checkpoint, memory "
+                          "per rank) and print the resolved config, the memory estimate and "
+                          "the warnings; start nothing.")] = False,
 ) -> None:
     """Train a model; launches --nproc ranks itself unless already under torchrun."""
     flags = {
@@ -213,9 +217,9 @@ def train(
                       collective_timeout_s=collective_timeout),
         "data": dict(path=data),
     }
-    from tessera.checkpoint import CheckpointError, verify
+    from tessera.checkpoint import CheckpointError
     from tessera.data.loader import DataError
-    from tessera.trainer import check_data, check_options, resume_path
+    from tessera.preflight import check_run, report_lines
 
     under_launcher = "RANK" in os.environ
     try:
@@ -229,14 +233,14 @@ def train(
         world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
             nproc or cfg.parallel.world_size)
         check_max_restarts(max_restarts, under_launcher)
-        cfg.validate(world)
-        check_data(cfg)
-        check_options(cfg, "cuda" if torch_cuda_available() else "cpu")
-        resume_from = resume_path(cfg)
-        if resume_from is not None:
-            verify(resume_from, cfg, world)
+        # A rank this command launched skips the memory check: its launcher made it.
+        checked = check_run(cfg, world, "cuda" if torch_cuda_available() else "cpu",
+                            memory=RELAUNCHED not in os.environ)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+    if dry_run:
+        print("\n".join(report_lines(checked, "tessera train --dry-run")))
+        return
     if not under_launcher or (os.environ["RANK"] == "0" and RELAUNCHED not in os.environ):
         for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
             print(f"warning: {line}", file=sys.stderr, flush=True)
@@ -372,12 +376,32 @@ def schedule_cmd(
 
 
 @app.command("config")
-def show_config(preset: Preset = None, config: ConfigFile = None, set_: Sets = None) -> None:
-    """Print the resolved configuration as YAML."""
+def show_config(
+    preset: Preset = None, config: ConfigFile = None, set_: Sets = None,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Also check the config as `train --dry-run` does, for dp*tp*pp*cp "
+                        "ranks: layout, data (if data.path exists), resume checkpoint, memory "
+                        "per rank; print the memory estimate and the warnings.")] = False,
+) -> None:
+    """Print the resolved configuration as YAML (exit 2 with one line if --check fails)."""
+    from tessera.checkpoint import CheckpointError
+    from tessera.data.loader import DataError
+    from tessera.preflight import check_run, report_lines
+
     try:
         cfg = resolve_config(preset, config, set_, {})
-    except ConfigError as e:
+        if check:
+            if os.path.exists(cfg.data.path) and not cfg.train.init_from:
+                cfg = vocab_from_data(cfg, config, set_)
+            elif cfg.train.init_from:
+                cfg = model_from_weights(cfg)
+            checked = check_run(cfg, cfg.parallel.world_size,
+                                "cuda" if torch_cuda_available() else "cpu", data=False)
+    except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+    if check:
+        print("\n".join(report_lines(checked, "tessera config --check")))
+        return
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
 
 

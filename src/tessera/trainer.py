@@ -87,12 +87,32 @@ def init_distributed(backend: str, device: torch.device | None = None,
 
 
 def check_data(cfg: Config) -> TokenDataset:
-    """Open and verify the prepared data; the vocabulary must fit the model's."""
+    """Open and verify the prepared data: the vocabulary must fit the model's, the train split
+    hold one window and a step's global batch, the val split the validation windows."""
     dataset = TokenDataset(cfg.data.path)
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"must be >= the data's vocabulary {dataset.vocab_size} "
                           f"({cfg.data.path})")
+    # BatchLoader draws window starts in [0, len - seq_len - 1).
+    t, train_tokens = cfg.train, len(dataset.train)
+    if train_tokens < cfg.data.seq_len + 2:
+        raise ConfigError("data.seq_len", cfg.data.seq_len,
+                          f"the train split of {cfg.data.path} holds {train_tokens} tokens, "
+                          f"fewer than one training window needs (seq_len+2="
+                          f"{cfg.data.seq_len + 2})")
+    # A step draws dp*grad_accum*micro_batch_size windows (BatchLoader.global_batch_size);
+    # more tokens than the split holds read every token more than once a step, and at the
+    # sizes that get there, each rank stacks them all in memory before its first forward.
+    step_tokens = cfg.parallel.dp * t.grad_accum * t.micro_batch_size * cfg.data.seq_len
+    if step_tokens > train_tokens:
+        name, value = max([("train.micro_batch_size", t.micro_batch_size),
+                           ("train.grad_accum", t.grad_accum), ("parallel.dp", cfg.parallel.dp)],
+                          key=lambda named: named[1])  # the largest factor
+        raise ConfigError(name, value, f"a step's global batch, dp*grad_accum*micro_batch_size"
+                          f"*seq_len = {step_tokens:,} tokens, exceeds the train split of "
+                          f"{cfg.data.path} ({train_tokens:,} tokens); lower it or prepare "
+                          "more data")
     # The validation windows (val_windows): ceil(val_tokens / seq_len) of them, a multiple of
     # dp, each seq_len + 1 tokens long.
     seq, dp = cfg.data.seq_len, cfg.parallel.dp
