@@ -388,6 +388,7 @@ HUGE_FLAGS: list[list[str]] = [
     ["--micro-batch-size", "99999999999999999999"],
     ["--steps", "1" * 76],
     ["--nproc", "100000"],
+    ["--stage-layout", "1*99999999999"],
 ]
 
 

@@ -285,6 +285,34 @@ def test_cpu_ranks_share_the_machine_and_gpu_ranks_have_their_own(monkeypatch):
     tessera.preflight.check_memory(cfg, 4, "cpu", 2)  # half the ranks elsewhere: 38 bytes
 
 
+def test_gpu_ranks_need_a_gpu_each_and_fit_the_smallest(monkeypatch):
+    import torch
+
+    rows = [tessera.preflight.RankMemory(0, 1, 1, 2, 10, 0),
+            tessera.preflight.RankMemory(1, 1, 1, 2, 20, 0)]
+    monkeypatch.setattr(tessera.preflight, "memory_per_rank", lambda cfg: rows)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    sizes = {0: 100, 1: 23}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("Props", (), {"total_memory": sizes[i]}))
+    cfg = make_config("tiny", overrides=["parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"--nproc=3: more ranks than this machine's 2 GPUs"):
+        tessera.preflight.check_memory(cfg, 3, "cuda", 3)
+    with pytest.raises(ConfigError, match="memory="):  # the fullest rank, 24 B > 23 B
+        tessera.preflight.check_memory(cfg, 2, "cuda", 2)
+    sizes[1] = 24
+    _, note = tessera.preflight.check_memory(cfg, 2, "cuda", 2)
+    assert note.startswith("the fullest rank: 0.0 MiB of 0.0 MiB available (the smallest of "
+                           "this machine's 2 GPUs)")
+
+
+def test_stage_layout_expanding_past_a_million_chunks_is_one_line():
+    line = cli_error(["config", "--preset", "tiny", "--check", "--set",
+                      "parallel.stage_layout=1*99999999999"])
+    assert line == ("error: parallel.stage_layout='1*99999999999': gives more than 1,000,000 "
+                    "chunks")
+
+
 def test_config_check_refuses_a_bad_layout():
     line = cli_error(["config", "--preset", "tiny", "--set", "parallel.tp=3", "--check"])
     assert line == "error: parallel.tp=3: must divide model.n_heads=4"
