@@ -306,6 +306,13 @@ def test_gpu_ranks_need_a_gpu_each_and_fit_the_smallest(monkeypatch):
                            "this machine's 2 GPUs)")
 
 
+def test_launcher_numbers_beyond_int64_are_one_line(tiny_data, tmp_path, no_launch):
+    line = cli_error(_train(tiny_data, tmp_path, "--nproc", "2", "--max-restarts", str(2**64)))
+    assert line == f"error: --max-restarts={2**64}: must be >= 0 and <= {INT64_MAX}"
+    line = cli_error(_train(tiny_data, tmp_path, "--nproc", str(10**40)))
+    assert line.startswith("error: parallel.dp=<integer of 41 digits>: must fit in a 64-bit")
+
+
 def test_stage_layout_expanding_past_a_million_chunks_is_one_line():
     line = cli_error(["config", "--preset", "tiny", "--check", "--set",
                       "parallel.stage_layout=1*99999999999"])
@@ -376,6 +383,10 @@ NO_EFFECT = [
                                       "are saved or resumed"),
     (["train.sample_tokens=0", "train.sample_prompt=x"],
      "train.sample_prompt='x': no effect, no sample is generated"),
+    (["parallel.stage_layout='2'"], "parallel.stage_layout='2': no effect, one pipeline "
+                                    "stage"),
+    (["train.eval_interval=100"], "train.eval_interval=100: no effect, above train.steps=30"),
+    (["train.log_interval=31"], "train.log_interval=31: no effect, above train.steps=30"),
 ]
 
 
@@ -397,6 +408,8 @@ def test_an_option_without_effect_warns(sets, warning):
     ["parallel.virtual_stages=2", "parallel.schedule=bfs", "parallel.zero_stage=3",
      "parallel.dp=2"],
     ["train.checkpoint_interval=5", "train.keep_checkpoints=5"],
+    ["train.eval_interval=30", "train.log_interval=30"],
+    ["parallel.pp=2", "parallel.stage_layout=1,1", "train.grad_accum=8"],
 ], ids=lambda s: " ".join(s))
 def test_the_same_option_where_it_acts_does_not_warn(sets):
     cfg = make_config("tiny", overrides=sets)

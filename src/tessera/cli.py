@@ -26,7 +26,7 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from tessera.config import Config, ConfigError, load_file, make_config
+from tessera.config import INT64_MAX, Config, ConfigError, load_file, make_config
 from tessera.pipeline.schedules import SCHEDULES
 
 EXIT_BAD_INPUT = 2
@@ -274,8 +274,8 @@ def torch_cuda_available() -> bool:
 def check_max_restarts(max_restarts: int | None, under_launcher: bool) -> None:
     if max_restarts is None:
         return
-    if max_restarts < 0:
-        raise ConfigError("--max-restarts", max_restarts, "must be >= 0")
+    if not 0 <= max_restarts <= INT64_MAX:
+        raise ConfigError("--max-restarts", max_restarts, f"must be >= 0 and <= {INT64_MAX}")
     if under_launcher:
         raise ConfigError("--max-restarts", max_restarts, "is the launcher's: under torchrun, "
                           "give it to torchrun (torchrun --max-restarts N -m tessera.train ...)")

@@ -565,7 +565,7 @@ class Config:
             unused(["parallel.max_staleness"], f"only dp_mode='ps-async' reads it, not "
                                                f"{p.dp_mode!r}")
         if p.pp == 1 and p.virtual_stages == 1:
-            unused(["parallel.schedule", "parallel.microbatch_group"],
+            unused(["parallel.schedule", "parallel.microbatch_group", "parallel.stage_layout"],
                    "one pipeline stage (parallel.pp=1, virtual_stages=1) runs its micro-batches "
                    "one after the other")
         elif p.pp == 1 and not (p.zero_stage == 3 and self._breadth_first()):
@@ -588,6 +588,12 @@ class Config:
                                                  "(train.checkpoint_interval=0, no train.resume)")
         if not t.sample_tokens:
             unused(["train.sample_prompt"], "no sample is generated (train.sample_tokens=0)")
+        if t.eval_interval > t.steps:
+            unused(["train.eval_interval"], f"above train.steps={t.steps}: validation runs "
+                                            "only before the first step and after the last")
+        if t.log_interval > t.steps:
+            unused(["train.log_interval"], f"above train.steps={t.steps}: only the last step "
+                                           "is printed")
         return out
 
     def _breadth_first(self) -> bool:
