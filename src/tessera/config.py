@@ -588,12 +588,6 @@ class Config:
                                                  "(train.checkpoint_interval=0, no train.resume)")
         if not t.sample_tokens:
             unused(["train.sample_prompt"], "no sample is generated (train.sample_tokens=0)")
-        if t.eval_interval > t.steps:
-            unused(["train.eval_interval"], f"above train.steps={t.steps}: validation runs "
-                                            "only before the first step and after the last")
-        if t.log_interval > t.steps:
-            unused(["train.log_interval"], f"above train.steps={t.steps}: only the last step "
-                                           "is printed")
         return out
 
     def _breadth_first(self) -> bool:
