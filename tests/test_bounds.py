@@ -442,3 +442,27 @@ def test_a_no_effect_warning_is_printed_at_start(tiny_data, tmp_path, monkeypatc
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
         "warning: parallel.cp_ulysses=4: no effect, no context parallelism (parallel.cp=1)"]
+
+
+def test_dry_run_verifies_the_checkpoint_it_would_resume(tiny_data, tmp_path):
+    common = ["--steps", "2", "--set", "data.seq_len=16", "--set", "data.val_tokens=256",
+              "--set", "train.sample_tokens=0", "--no-progress"]
+    run = runner.invoke(app, _train(tiny_data, tmp_path / "run", "--checkpoint-interval", "2",
+                                    *common))
+    assert run.exit_code == 0, run.output
+    step = tmp_path / "run" / "out" / "checkpoints" / "step-0000002"
+    result = runner.invoke(app, _train(tiny_data, tmp_path, "--resume", str(step), "--dry-run",
+                                       *common))
+    assert result.exit_code == 0, result.output
+    assert f"# resume: {step} (checkpoint verified)" in result.stdout
+    # Another global batch cannot resume it: refused by the dry run as by a real start.
+    line = cli_error(_train(tiny_data, tmp_path, "--resume", str(step), "--dry-run",
+                            "--micro-batch-size", "4", *common))
+    assert str(step) in line
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    line = cli_error(_train(tiny_data, tmp_path, "--resume", str(step), "--dry-run", *common))
+    assert str(step) in line
+    assert not (tmp_path / "out").exists()
