@@ -384,25 +384,25 @@ def show_config(
                         "per rank; print the memory estimate and the warnings.")] = False,
 ) -> None:
     """Print the resolved configuration as YAML (exit 2 with one line if --check fails)."""
+    try:
+        cfg = resolve_config(preset, config, set_, {})
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    if not check:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return
     from tessera.checkpoint import CheckpointError
     from tessera.data.loader import DataError
     from tessera.preflight import check_run, report_lines
 
-    try:
-        cfg = resolve_config(preset, config, set_, {})
-        if check:
-            if os.path.exists(cfg.data.path) and not cfg.train.init_from:
-                cfg = vocab_from_data(cfg, config, set_)
-            elif cfg.train.init_from:
-                cfg = model_from_weights(cfg)
-            checked = check_run(cfg, cfg.parallel.world_size,
-                                "cuda" if torch_cuda_available() else "cpu", data=False)
+    try:  # as train does, with the data checked only where it exists
+        cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config,
+                                                                                 set_)
+        checked = check_run(cfg, cfg.parallel.world_size,
+                            "cuda" if torch_cuda_available() else "cpu", data=False)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
-    if check:
-        print("\n".join(report_lines(checked, "tessera config --check")))
-        return
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print("\n".join(report_lines(checked, "tessera config --check")))
 
 
 Checkpoint = Annotated[str, typer.Option(
