@@ -14,7 +14,12 @@ categories below; each category makes its case invalid by construction:
 - ``file``: malformed TOML or YAML, an empty YAML file, a top level that is not a table, bytes
   that are not UTF-8, a YAML tag that would build a Python object, a missing file;
 - ``flag``: a command-line flag with a value of the wrong type or out of range, an unknown flag,
-  a malformed ``--set``, a missing data directory or checkpoint.
+  a malformed ``--set``, a missing data directory or checkpoint;
+- ``huge``: an integer beyond int64 (20 and 76 digits), one of 5,000 digits (past Python's
+  4,300-digit limit on reading integers) or above a field's sensible maximum
+  (``tessera.config.LIMITS``), in any integer or float field, through ``--set``, a TOML or a
+  YAML file; and sizes the data or the schedule cannot hold (a pipeline of ten million
+  micro-batches, a global batch larger than the train split).
 
 A case is ``Case(label, argv, files)``: `argv` after ``tessera``, with ``{dir}`` (a scratch
 directory holding `files`) and ``{data}`` (a prepared data set) still to fill in.
@@ -53,7 +58,14 @@ class Case:
 # Values and how each channel writes them
 
 
+class Digits(str):
+    """An integer written out as its digits: one too long for Python to read or print (more
+    than 4,300 digits) is written as it is in every channel."""
+
+
 def _toml(value) -> str:
+    if isinstance(value, Digits):
+        return str(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float) and math.isnan(value):
@@ -70,6 +82,8 @@ def _toml(value) -> str:
 
 
 def _yaml(value) -> str:
+    if isinstance(value, Digits):
+        return str(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float) and math.isnan(value):
@@ -188,7 +202,7 @@ OUT_OF_RANGE: dict[tuple[str, str], list] = {
     ("train", "checkpoint_interval"): [-1],
     ("train", "keep_checkpoints"): [-1],
     ("train", "profile_steps"): ["5", "a:b", "3-4", "0:2", "4:2", "1:999", ":"],
-    ("train", "collective_timeout_s"): [0.0, 0.5, -300.0],
+    ("train", "collective_timeout_s"): [0.0, 0.5, -300.0, 1e7],
     ("data", "seq_len"): [0, -16],
     ("data", "val_tokens"): [0, -1],
 }
@@ -296,6 +310,7 @@ MALFORMED: list[tuple[str, str, str | bytes]] = [
     ("yaml", "not UTF-8", b"model:\n  d_model: \xc3\x28\n"),
     ("yaml", "section is a list", "model:\n  - d_model\n  - 64\n"),
     ("yaml", "unknown anchor", "model: *nothing\n"),
+    ("yaml", "impossible date", "train:\n  out_dir: 2020-13-45\n"),
     ("yaml", "duplicate anchors, unclosed quote", "model: {d_model: \"64}\n"),
 ]
 
@@ -366,7 +381,40 @@ def bad_flag(rng: random.Random) -> Case:
     return Case(f"flag: {' '.join(flags)}", [*base, *flags])
 
 
-CATEGORIES = [wrong_type, out_of_range, combination, unknown, malformed_file, bad_flag]
+HUGE_FLAGS: list[list[str]] = [
+    ["--nproc", "2", "--pp", "2", "--microbatches", "10000000"],
+    ["--microbatches", "70000"],
+    ["--micro-batch-size", "1000000"],
+    ["--micro-batch-size", "99999999999999999999"],
+    ["--steps", "1" * 76],
+    ["--nproc", "100000"],
+    ["--stage-layout", "1*99999999999"],
+]
+
+
+def huge(rng: random.Random) -> Case:
+    roll = rng.random()
+    if roll < 0.2:
+        flags = rng.choice(HUGE_FLAGS)
+        return Case(f"huge: {' '.join(flags)[:60]}", [*BASE, *flags])
+    if roll < 0.35:  # above a field's own maximum
+        from tessera.config import LIMITS
+
+        name, (limit, _) = rng.choice(sorted(LIMITS.items()))
+        section, field_name = name.split(".")
+        return _through(rng, f"huge: {name}={limit + 1}", {section: {field_name: limit + 1}})
+    # Beyond int64 in an integer field; 5,000 digits in any numeric one (a float field takes a
+    # large finite number: only the digits Python cannot read are invalid there).
+    section, name, annotation = rng.choice([f for f in _all_fields()
+                                            if "int" in f[2] or "float" in f[2]])
+    value = rng.choice([2**63, -(2**63) - 1, 10**75, Digits("7" * 5000)]
+                       if "int" in annotation else [Digits("7" * 5000)])
+    label = (f"{len(value)}-digit integer" if isinstance(value, Digits)
+             else f"{len(str(abs(value)))}-digit integer")
+    return _through(rng, f"huge: {section}.{name}={label}", {section: {name: value}})
+
+
+CATEGORIES = [wrong_type, out_of_range, combination, unknown, malformed_file, bad_flag, huge]
 
 
 def cases(seed: int, n: int) -> list[Case]:

@@ -38,7 +38,9 @@ def _assert_one_error_line(code, stderr: str, label: str) -> str:
 def test_generator_makes_300_cases_in_every_category():
     drawn = cases(SEED, 300)
     assert len(drawn) == 300 and cases(SEED, 300) == drawn  # deterministic from the seed
-    assert Counter(c.category for c in drawn) == {make.__name__: 50 for make in CATEGORIES}
+    counts = Counter(c.category for c in drawn)
+    assert set(counts) == {make.__name__ for make in CATEGORIES}  # round-robin: as even as can be
+    assert max(counts.values()) - min(counts.values()) <= 1
     assert len({(c.label, tuple(c.argv)) for c in drawn}) >= 200  # mostly distinct
 
 

@@ -370,7 +370,7 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tiny_data, tmp_
 
 
 def test_a_restarted_job_resumes_from_the_newest_checkpoint(tmp_path, monkeypatch):
-    from tessera.trainer import resume_path
+    from tessera.run_dir import resume_path
 
     root = tmp_path / "checkpoints"
     cfg = make_config("tiny", overrides=[f"train.checkpoint_dir={root}"])

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from cli_errors import cli_error
 from tessera.cli import app
 from tessera.config import ConfigError, make_config
-from tessera.trainer import check_options
+from tessera.preflight import check_options
 
 TINY = ["--preset", "tiny", "--no-progress", "--set", "data.seq_len=16",
         "--set", "data.val_tokens=64", "--set", "train.sample_tokens=0"]

@@ -1,4 +1,4 @@
-"""A run directory belongs to one run (``tessera.run_dir``, ``trainer.run_start``).
+"""A run directory belongs to one run (``tessera.run_dir``, ``run_dir.run_start``).
 
 The bug this guards: a second run trained into the same --out overwrote the first run's
 checkpoint of the same step, pruning then deleted the second run's own checkpoints and kept the
@@ -165,7 +165,7 @@ def test_latest_and_prune_take_one_runs_checkpoints(tmp_path):
 
 
 def test_a_restart_takes_only_its_own_runs_newest(tmp_path, monkeypatch):
-    from tessera.trainer import check_run_dir, run_start
+    from tessera.run_dir import check_run_dir, run_start
 
     root = tmp_path / "checkpoints"
     cfg = make_config("tiny", overrides=[f"train.checkpoint_dir={root}"])

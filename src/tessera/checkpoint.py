@@ -20,7 +20,7 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
 A checkpoint directory belongs to one run (``tessera.run_dir``): pruning keeps the newest
 checkpoints of the run that saves, and :func:`latest` (``--resume latest``, a restart,
 ``tessera eval``/``generate``/``export-hf``/``checkpoint`` on a directory) takes the newest of
-one run, never another run's; ``trainer.check_run_dir`` refuses to start a run where another
+one run, never another run's; ``run_dir.check_run_dir`` refuses to start a run where another
 run's checkpoints are.
 
 Saving gathers nothing: each rank hands DCP views of its own tensors (parameters, TP shards,

@@ -26,7 +26,7 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from tessera.config import PRESETS, Config, ConfigError, load_file, make_config
+from tessera.config import INT64_MAX, PRESETS, Config, ConfigError, load_file, make_config
 from tessera.pipeline.schedules import SCHEDULES
 
 EXIT_BAD_INPUT = 2
@@ -199,6 +199,10 @@ def train(
         help="Output directory (metrics, sample, checkpoints), one run's; default: a new "
              "runs/<YYYYmmdd-HHMMSS>, linked from runs/latest.")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check everything (config, layout, data, resume checkpoint, memory "
+                          "per rank) and print the resolved config, the memory estimate and "
+                          "the warnings; start nothing.")] = False,
 ) -> None:
     """Train a model; launches --nproc ranks itself unless already under torchrun."""
     flags = {
@@ -220,16 +224,10 @@ def train(
                       collective_timeout_s=collective_timeout),
         "data": dict(path=data),
     }
-    from tessera.checkpoint import CheckpointError, verify
+    from tessera.checkpoint import CheckpointError
     from tessera.data.loader import DataError
-    from tessera.trainer import (
-        begin_out_dir,
-        check_data,
-        check_options,
-        check_run_dir,
-        run_start,
-        with_out_dir,
-    )
+    from tessera.preflight import check_run, report_lines
+    from tessera.run_dir import begin_out_dir
 
     under_launcher = "RANK" in os.environ
     try:
@@ -243,18 +241,17 @@ def train(
         world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
             nproc or cfg.parallel.world_size)
         check_max_restarts(max_restarts, under_launcher)
-        cfg.validate(world)
-        check_data(cfg)
-        check_options(cfg, "cuda" if torch_cuda_available() else "cpu")
         defaulted_out = not cfg.train.out_dir
-        cfg, new_out = with_out_dir(cfg)
-        origin = run_start(cfg)
-        check_run_dir(cfg, origin)
-        if origin.resume_from is not None:
-            verify(origin.resume_from, cfg, world)
+        # A rank this command launched skips the memory check: its launcher made it.
+        checked = check_run(cfg, world, "cuda" if torch_cuda_available() else "cpu",
+                            memory=RELAUNCHED not in os.environ)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
-    if new_out:  # every check passed: the new directory is made (once) and linked
+    if dry_run:
+        print("\n".join(report_lines(checked, "tessera train --dry-run")))
+        return
+    cfg, origin = checked.cfg, checked.start
+    if checked.new_out:  # every check passed: the new directory is made (once) and linked
         cfg = begin_out_dir(cfg)
     if not under_launcher or (os.environ["RANK"] == "0" and RELAUNCHED not in os.environ):
         for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
@@ -298,8 +295,8 @@ def torch_cuda_available() -> bool:
 def check_max_restarts(max_restarts: int | None, under_launcher: bool) -> None:
     if max_restarts is None:
         return
-    if max_restarts < 0:
-        raise ConfigError("--max-restarts", max_restarts, "must be >= 0")
+    if not 0 <= max_restarts <= INT64_MAX:
+        raise ConfigError("--max-restarts", max_restarts, f"must be >= 0 and <= {INT64_MAX}")
     if under_launcher:
         raise ConfigError("--max-restarts", max_restarts, "is the launcher's: under torchrun, "
                           "give it to torchrun (torchrun --max-restarts N -m tessera.train ...)")
@@ -400,13 +397,33 @@ def schedule_cmd(
 
 
 @app.command("config")
-def show_config(preset: Preset = None, config: ConfigFile = None, set_: Sets = None) -> None:
-    """Print the resolved configuration as YAML."""
+def show_config(
+    preset: Preset = None, config: ConfigFile = None, set_: Sets = None,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Also check the config as `train --dry-run` does, for dp*tp*pp*cp "
+                        "ranks: layout, data (if data.path exists), resume checkpoint, memory "
+                        "per rank; print the memory estimate and the warnings.")] = False,
+) -> None:
+    """Print the resolved configuration as YAML (exit 2 with one line if --check fails)."""
     try:
         cfg = resolve_config(preset, config, set_, {})
     except ConfigError as e:
         raise fail(str(e)) from None
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    if not check:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return
+    from tessera.checkpoint import CheckpointError
+    from tessera.data.loader import DataError
+    from tessera.preflight import check_run, report_lines
+
+    try:  # as train does, with the data checked only where it exists
+        cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config,
+                                                                                 set_)
+        checked = check_run(cfg, cfg.parallel.world_size,
+                            "cuda" if torch_cuda_available() else "cpu", data=False)
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise fail(str(e)) from None
+    print("\n".join(report_lines(checked, "tessera config --check")))
 
 
 EVAL_TOKENS = 65536

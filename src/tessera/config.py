@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,13 +22,41 @@ from typing import Any
 
 import yaml
 
+INT64_MAX = 2**63 - 1
+"""The largest integer any field takes: torch, numpy and the collectives hold sizes and seeds
+as 64-bit integers (a larger one fails deep inside them, e.g. "Overflow when unpacking long
+long")."""
+SHOWN_CHARS = 200
+"""A value longer than this is cut in an error message, which stays one readable line."""
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message shows it: its repr, an integer beyond 2^100 (31 digits) by its
+    digit count (Python refuses to print one of more than 4300), long text cut."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        try:
+            digits = str(len(str(abs(value))))
+        except ValueError:  # beyond sys.get_int_max_str_digits()
+            digits = f"more than {sys.get_int_max_str_digits()}"
+        return f"<integer of {digits} digits>"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+class Verbatim(str):
+    """A value an error message shows as it is, without quotes (a description of a value that
+    cannot be shown itself)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
 
 class ConfigError(ValueError):
     """A configuration value breaks a rule. The message is one line meant for the user."""
 
     def __init__(self, field_name: str, value: Any, rule: str):
         self.field_name, self.value, self.rule = field_name, value, rule
-        super().__init__(f"{field_name}={value!r}: {rule}")
+        super().__init__(f"{field_name}={shown(value)}: {rule}")
 
 
 def _require(ok: bool, field_name: str, value: Any, rule: str) -> None:
@@ -40,6 +69,8 @@ def _positive(section: str, obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         _require(isinstance(value, int) and value >= 1, f"{section}.{name}", value,
                  "must be a positive integer")
+        _require(value <= INT64_MAX, f"{section}.{name}", value,
+                 f"must be at most {INT64_MAX} (a 64-bit integer)")
 
 
 @dataclass(kw_only=True)
@@ -304,6 +335,12 @@ class DataConfig:
         _require(bool(self.path), "data.path", self.path, "must not be empty")
 
 
+MAX_TIMEOUT_S = 10**6
+"""train.collective_timeout_s's maximum, 11.6 days, far beyond any collective's wait: torch
+takes timeouts as ``datetime.timedelta``, which overflows past 999,999,999 days (8.6e13 s),
+and its TCPStore already fails to connect at 8e13 s (1e9 s works)."""
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """The optimizer, the schedule of learning rates and what gets logged."""
@@ -427,8 +464,9 @@ class TrainConfig:
         _require(self.eval_interval >= 0, "train.eval_interval", self.eval_interval,
                  "must be >= 0")
         _require(self.log_interval >= 1, "train.log_interval", self.log_interval, "must be >= 1")
-        _require(1 <= self.collective_timeout_s < math.inf, "train.collective_timeout_s",
-                 self.collective_timeout_s, "must be a finite number of seconds >= 1")
+        _require(1 <= self.collective_timeout_s <= MAX_TIMEOUT_S, "train.collective_timeout_s",
+                 self.collective_timeout_s,
+                 f"must be a finite number of seconds >= 1 and <= {MAX_TIMEOUT_S:,}")
         _require(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens,
                  "must be >= 0")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",
@@ -456,6 +494,13 @@ class Config:
         m, p, d = self.model, self.parallel, self.data
         _require(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len,
                  f"must be <= model.max_seq_len={m.max_seq_len}")
+        # Before the layout rules: the schedule's size alone, without generating it.
+        pairs = self.train.grad_accum * p.pp * p.virtual_stages
+        _require(pairs <= MAX_PIPELINE_PAIRS, "train.grad_accum", self.train.grad_accum,
+                 f"grad_accum*pp*virtual_stages={pairs:,} (micro-batch, chunk) pairs exceed "
+                 f"{MAX_PIPELINE_PAIRS:,}: each rank's schedule would hold and check a forward "
+                 "and a backward action for each, every step; use a larger "
+                 "train.micro_batch_size instead")
         from tessera.layout import check_layout  # the layout rules, shared with the planner
 
         check_layout(self)
@@ -471,9 +516,10 @@ class Config:
         return self
 
     def warnings(self) -> list[str]:
-        """Legal but probably unintended settings, one line each, for the user to read."""
+        """Legal but probably unintended settings, one line each, for the user to read: the
+        ones below and :meth:`ignored`, options set that do nothing in this layout."""
         p, t = self.parallel, self.train
-        out = []
+        out = self.ignored()
         if p.pp > 1 and t.grad_accum < p.pp:
             # p stages and m micro-batches idle (p-1)/(m+p-1) of a step (GPipe, Huang et al.
             # 2019; 1F1B keeps it, Narayanan et al. 2021); v chunks per rank divide it by v.
@@ -486,8 +532,91 @@ class Config:
                        f"learning rate never reaches train.lr={t.lr:g}")
         return out
 
+    def ignored(self) -> list[str]:
+        """One line per option set away from its default that this layout never reads (a
+        field that differs from its default stands for one the user set)."""
+        m, p, t = self.model, self.parallel, self.train
+        changed = {f"{section}.{f.name}" for section, obj in (("model", m), ("parallel", p),
+                                                              ("train", t))
+                   for f in fields(obj) if f.default is not dataclasses.MISSING
+                   and getattr(obj, f.name) != f.default}
+        out = []
+
+        def unused(names: list[str], why: str) -> None:
+            named = [n for n in names if n in changed]
+            if named:
+                values = ", ".join(f"{n}={shown(_get(self, n))}" for n in named)
+                out.append(f"{values}: no effect, {why}")
+
+        if not m.moe_experts:
+            unused([f"model.{f.name}" for f in fields(m) if f.name.startswith("moe_")
+                    and f.name != "moe_experts"], "the model is dense (model.moe_experts=0)")
+        elif m.moe_every > m.n_layers:
+            out.append(f"model.moe_every={m.moe_every} > model.n_layers={m.n_layers}: no block "
+                       "is a mixture of experts")
+        if m.rope_scaling_factor is None:
+            unused(["model.rope_low_freq_factor", "model.rope_high_freq_factor",
+                    "model.rope_original_max_seq_len"],
+                   "RoPE is not scaled (model.rope_scaling_factor is null)")
+        if p.cp == 1:
+            unused(["parallel.cp_method", "parallel.cp_ulysses"],
+                   "no context parallelism (parallel.cp=1)")
+        elif p.cp_method != "hybrid":
+            unused(["parallel.cp_ulysses"], f"only cp_method='hybrid' reads it, not "
+                                            f"{p.cp_method!r}")
+        if p.tp == 1:
+            unused(["parallel.sequence_parallel"], "no tensor parallelism (parallel.tp=1)")
+        if p.ep == 1:
+            unused(["parallel.ep_alltoall"], "no expert parallelism (parallel.ep=1)")
+        if p.dp_mode != "ps-async":
+            unused(["parallel.max_staleness"], f"only dp_mode='ps-async' reads it, not "
+                                               f"{p.dp_mode!r}")
+        if p.pp == 1 and p.virtual_stages == 1:
+            unused(["parallel.schedule", "parallel.microbatch_group", "parallel.stage_layout"],
+                   "one pipeline stage (parallel.pp=1, virtual_stages=1) runs its micro-batches "
+                   "one after the other")
+        elif p.pp == 1 and not (p.zero_stage == 3 and self._breadth_first()):
+            unused(["parallel.virtual_stages"], "one pipeline rank (parallel.pp=1) runs its "
+                   "chunks one after the other, as one (only breadth-first ZeRO-3 gathers by "
+                   "chunk)")
+        if p.dp * p.cp == 1:
+            unused(["parallel.zero_stage", "parallel.bucket_mb", "parallel.allreduce_algorithm"],
+                   "one data-parallel rank (parallel.dp*cp=1) has nothing to shard or reduce")
+        elif p.dp_mode != "allreduce" or p.zero_stage > 0 or t.precision == "bf16":
+            user = (f"dp_mode={p.dp_mode!r}" if p.dp_mode != "allreduce" else
+                    f"ZeRO (zero_stage={p.zero_stage}, precision={t.precision})")
+            unused(["parallel.bucket_mb", "parallel.allreduce_algorithm"],
+                   f"only the all-reduce data parallelism (DDP) reads it, not {user}")
+        if not t.checkpoint_interval:
+            unused(["train.keep_checkpoints", "train.async_checkpoint"],
+                   "no checkpoints are saved (train.checkpoint_interval=0)")
+            if not t.resume:
+                unused(["train.checkpoint_dir"], "no checkpoints are saved or resumed "
+                                                 "(train.checkpoint_interval=0, no train.resume)")
+        if not t.sample_tokens:
+            unused(["train.sample_prompt"], "no sample is generated (train.sample_tokens=0)")
+        return out
+
+    def _breadth_first(self) -> bool:
+        from tessera.pipeline.schedules import is_breadth_first
+
+        return is_breadth_first(self.parallel.schedule)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+MAX_PIPELINE_PAIRS = 2**16
+"""Most (micro-batch, chunk) pairs, grad_accum*pp*virtual_stages, a step may run. Each is a
+forward and a backward action that every rank's schedule generates, validates and keeps:
+building 2^17 pairs takes 8-11 s and ~200 MB in one process (1f1b at pp 2, interleaved at pp
+8, v 4), 2^16 about half, and ten million never finishes. A run wanting more micro-batches of
+the same global batch gets the same step with fewer, larger ones."""
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,6 +718,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     _require(bool(sep) and bool(dot) and bool(name), "--set", text,
              "must look like section.field=value, e.g. train.lr=1e-3")
     value = value.strip()
+    if _INTEGER.fullmatch(value) and len(value) > sys.get_int_max_str_digits():
+        # int() refuses it (and float() would read it as infinity): no field takes one.
+        raise ConfigError(key.strip(), Verbatim(f"<integer of {len(value.lstrip('+-'))} digits>"),
+                          f"must fit in a 64-bit integer (|value| <= {INT64_MAX})")
     for convert in (int, float):
         try:
             return section, name, convert(value)
@@ -596,13 +729,49 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             continue
     try:
         return section, name, yaml.safe_load(value) if value else ""
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError) as e:
+        # ValueError: PyYAML's int() of a number beyond Python's digit limit, inside a list
         raise ConfigError("--set", text, "the value cannot be read as a number, true/false, "
                           f"null or a string ({str(e).splitlines()[0]})") from None
 
 
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+
+
+MAX_STEPS = 10**9
+"""train.steps: a thousand times the longest published runs (~10^6 optimizer steps); more can
+only run for years, its cosine schedule flat at the peak for all of the first ones."""
+
+# Sizes above which a run can only fail or hang, each with why (int fields have INT64_MAX).
+LIMITS: dict[str, tuple[int, str]] = {
+    "train.steps": (MAX_STEPS, "more steps than any run can take (the cosine learning rate "
+                               "would stay flat)"),
+    "train.sample_tokens": (10**6, "the end-of-run sample is generated one token at a time"),
+    "model.n_layers": (4096, "thirty times the deepest published transformers (~126 blocks)"),
+    "model.d_model": (2**20, "sixty times the widest published transformers (16384)"),
+    "model.ffn_hidden": (2**22, "each block allocates d_model x ffn_hidden weights"),
+    "model.moe_ffn_hidden": (2**22, "each expert allocates d_model x moe_ffn_hidden weights"),
+    "model.vocab_size": (2**32, "token ids are stored as at most 32-bit integers"),
+    "model.max_seq_len": (2**24, "the RoPE tables hold max_seq_len x head_dim values"),
+    "model.moe_experts": (2**16, "each expert is a module of its own"),
+    # The batch sampler seeds each step with seed * 1,000,003 + step in 64 bits (data.loader).
+    "data.seed": (2**43, "the batch sampler's per-step seed must fit in 64 bits"),
+}
+
+
+def _bounded(name: str, value: int) -> int:
+    """An integer field's value within int64 and the field's LIMITS."""
+    _require(-INT64_MAX - 1 <= value <= INT64_MAX, name, value,
+             f"must fit in a 64-bit integer (|value| <= {INT64_MAX})")
+    limit = LIMITS.get(name)
+    if limit is not None:
+        _require(abs(value) <= limit[0], name, value, f"must be at most {limit[0]:,}: {limit[1]}")
+    return value
+
+
 def _coerce(name: str, annotation: str, value: Any) -> Any:
-    """Check a value read from a file or --set against the field's annotation."""
+    """Check a value read from a file or --set against the field's annotation (and an integer
+    against int64 and the field's LIMITS)."""
     kinds = [k.strip() for k in annotation.split("|")]
     if value is None and "None" in kinds:
         return None
@@ -610,11 +779,13 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
         _require(isinstance(value, bool), name, value, "must be true or false")
         return value
     if "int" in kinds and isinstance(value, int) and not isinstance(value, bool):
-        return value
+        return _bounded(name, value)
     if "float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
         # No field means anything by infinity or NaN (TOML's inf/nan, YAML's .inf/.nan,
         # --set x=1e400): a NaN would also slip through every range check (nan >= 0 is False,
-        # but so is nan < 0).
+        # but so is nan < 0). An integer beyond a float's range is as infinite.
+        _require(not isinstance(value, int) or abs(value) <= sys.float_info.max, name, value,
+                 "must be finite")
         _require(math.isfinite(value), name, value, "must be finite")
         return float(value)
     if "str" in kinds and isinstance(value, str):
@@ -655,6 +826,13 @@ def load_file(path: str | Path) -> dict[str, Any]:
                else load_yaml(text))
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError("--config", str(path), f"cannot be parsed: {e}".splitlines()[0]) from e
+    except ValueError as e:
+        # Both parsers call int(), which refuses over 4300 digits; PyYAML builds dates too.
+        limit = sys.get_int_max_str_digits()
+        raise ConfigError("--config", str(path), f"holds an integer of more than {limit} digits;"
+                          f" every field must fit in a 64-bit integer (|value| <= {INT64_MAX})"
+                          if f"({limit} digits)" in str(e)
+                          else f"cannot be parsed: {e}".splitlines()[0]) from e
     _require(isinstance(raw, dict), "--config", str(path), "must hold a table of sections")
     return raw
 

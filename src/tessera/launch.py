@@ -8,7 +8,7 @@ same code either way.
 With ``max_restarts`` > 0 the launcher's agent restarts every rank when one fails (it exits
 non-zero, is killed, or the watchdog of another rank names it silent); the restarted ranks see
 ``TORCHELASTIC_RESTART_COUNT`` > 0 and resume from the newest complete checkpoint
-(``trainer.resume_path``).
+(``run_dir.run_start``).
 """
 
 from __future__ import annotations

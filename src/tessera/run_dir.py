@@ -2,7 +2,7 @@
 
 **Run id.** Every checkpoint's manifest names the run that wrote it (``run_id``), so that
 pruning, ``--resume latest`` and an automatic restart never take another run's checkpoint
-(``tessera.checkpoint``, ``trainer.run_start``). A run gets its id once, and every rank must
+(``tessera.checkpoint``, ``run_start``). A run gets its id once, and every rank must
 hold the same one before any collective:
 
 - a run that resumes a checkpoint keeps that checkpoint's id (every rank reads the same
@@ -30,12 +30,18 @@ with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+
+from tessera import checkpoint
+from tessera.config import Config, ConfigError
 
 RUNS = Path("runs")
 LATEST = RUNS / "latest"
@@ -124,3 +130,99 @@ def point_latest(out: Path) -> str | None:
 def out_dir_override(out: Path) -> list[str]:
     """The launched ranks' arguments that fix their output directory (last, so it wins)."""
     return ["--set", f"train.out_dir={json.dumps(str(out))}"]
+
+
+def restart_count() -> int:
+    """How many times the elastic launcher restarted this job (--max-restarts); 0 at first."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def with_out_dir(cfg: Config) -> tuple[Config, bool]:
+    """`cfg` with its output directory chosen where train.out_dir is empty
+    (:func:`default_out_dir`), and whether that directory is a new one, to be made with
+    :func:`begin_out_dir` once every check passed. ConfigError where the ranks of an outside
+    launcher could not agree on one."""
+    if cfg.train.out_dir:
+        return cfg, False
+    try:
+        out, new = default_out_dir(cfg.train.resume, "RANK" in os.environ)
+    except ValueError as e:
+        raise ConfigError("train.out_dir", "", str(e)) from None
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out))), new
+
+
+def begin_out_dir(cfg: Config) -> Config:
+    """Make the new output directory :func:`with_out_dir` chose (the next free name if it was
+    taken meanwhile; under a launcher, rank 0 makes it) and point runs/latest at it."""
+    out = Path(cfg.train.out_dir)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if "RANK" not in os.environ:
+        out = claim(out)
+    elif rank0:
+        out.mkdir(parents=True, exist_ok=True)
+    if rank0 and (warning := point_latest(out)):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out)))
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Where a run starts and which run it is (``tessera.run_dir``)."""
+
+    resume_from: Path | None
+    """The checkpoint it continues from; None: a fresh start."""
+    run_id: str
+    """Its run id, written in every checkpoint it saves."""
+    others: list[Path]
+    """Other runs' checkpoints under its checkpoint directory: refused (:func:`check_run_dir`),
+    or deleted when it starts with train.overwrite."""
+
+
+def run_start(cfg: Config) -> RunStart:
+    """The checkpoint train.resume names ('latest': the newest of the run the checkpoint
+    directory belongs to; None if there is none) and the run id: that checkpoint's, else the
+    environment's (``run_dir.env_run_id``), else a new one. A restarted job continues from its
+    own run's newest checkpoint under checkpoint_dir, if any, whatever train.resume says (a
+    restart the environment gives no run id takes the directory's run for its own).
+
+    Another run's checkpoints there (``checkpoint.other_runs``): for a new run (neither resumed
+    nor restarted) every checkpoint, else those of another run id, and those written before run
+    ids unless the run resumes. Reads manifests only; the same answer on every rank."""
+    root = cfg.train.checkpoint_root
+    named = None
+    if cfg.train.resume == "latest":
+        named = checkpoint.latest(root)
+    elif cfg.train.resume:
+        named = Path(cfg.train.resume)
+    restarted = restart_count() > 0
+    run_id = (checkpoint.run_id_of(named) if named is not None else None) or env_run_id()
+    resume_from = named
+    if restarted:
+        own = checkpoint.latest(root, run_id)
+        if own is not None:
+            resume_from, run_id = own, run_id or checkpoint.run_id_of(own)
+    run_id = run_id or new_run_id()
+    fresh = named is None and not restarted
+    others = checkpoint.other_runs(root, None if fresh else run_id, resume_from is not None)
+    return RunStart(resume_from, run_id, others)
+
+
+def resume_path(cfg: Config) -> Path | None:
+    """The checkpoint this run continues from (:func:`run_start`), or None."""
+    return run_start(cfg).resume_from
+
+
+def check_run_dir(cfg: Config, start: RunStart) -> None:
+    """Refuse to start where another run's checkpoints are, unless train.overwrite
+    (ConfigError, before any collective)."""
+    if not start.others or cfg.train.overwrite:
+        return
+    field, value, elsewhere = (
+        ("train.checkpoint_dir", cfg.train.checkpoint_dir, "a new train.checkpoint_dir")
+        if cfg.train.checkpoint_dir else ("train.out_dir", cfg.train.out_dir, "a new --out"))
+    runs = sorted({checkpoint.run_id_of(p) or "from before run ids" for p in start.others})
+    names = [p.name for p in start.others]
+    shown = ", ".join(names if len(names) <= 3 else [names[0], "...", names[-1]])
+    raise ConfigError(field, value, f"holds another run's checkpoints ({shown}; run "
+                      f"{', '.join(runs)}): continue that run with --resume latest, delete them "
+                      f"with --overwrite, or train into {elsewhere}")

@@ -7,7 +7,6 @@ step, so this file never mentions a process group except to start one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -35,17 +34,16 @@ from tessera.metrics import (
     JsonlLogger,
     MemorySnapshot,
     device_peak_tflops,
-    memory_snapshot_refusal,
     mfu,
     peak_memory_bytes,
-    tensorboard_missing,
 )
 from tessera.model import Transformer, flops_per_token
 from tessera.moe import reduce_stats, summarize_load, update_router_bias
 from tessera.optim import lr_lambda
 from tessera.parallelize import parallelize
+from tessera.preflight import check_run
 from tessera.report import gather_memory, summary_lines
-from tessera.run_dir import claim, default_out_dir, env_run_id, new_run_id, point_latest
+from tessera.run_dir import begin_out_dir, restart_count
 from tessera.step import Executor
 from tessera.topology import Topology
 from tessera.watchdog import Watchdog
@@ -88,35 +86,6 @@ def init_distributed(backend: str, device: torch.device | None = None,
                                 **bind)
 
 
-def check_data(cfg: Config) -> TokenDataset:
-    """Open and verify the prepared data; the vocabulary must fit the model's."""
-    dataset = TokenDataset(cfg.data.path)
-    if dataset.vocab_size > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
-                          f"must be >= the data's vocabulary {dataset.vocab_size} "
-                          f"({cfg.data.path})")
-    # The validation windows (val_windows): ceil(val_tokens / seq_len) of them, a multiple of
-    # dp, each seq_len + 1 tokens long.
-    seq, dp = cfg.data.seq_len, cfg.parallel.dp
-    windows = math.ceil(cfg.data.val_tokens / seq)
-    windows += (-windows) % dp
-    if windows * seq + 1 > len(dataset.val):
-        raise ConfigError("data.val_tokens", cfg.data.val_tokens,
-                          f"the val split of {cfg.data.path} holds {len(dataset.val)} tokens, "
-                          f"fewer than the validation windows need ({windows * seq + 1}); lower "
-                          "it or prepare with a larger --val-percent")
-    return dataset
-
-
-def check_options(cfg: Config, device_type: str) -> None:
-    """The observability options this machine can serve (ConfigError otherwise), checked
-    before any collective runs."""
-    if cfg.train.tensorboard and (why := tensorboard_missing()):
-        raise ConfigError("train.tensorboard", True, why)
-    if cfg.train.memory_snapshot and (why := memory_snapshot_refusal(torch.device(device_type))):
-        raise ConfigError("train.memory_snapshot", True, why)
-
-
 @dataclass
 class RunResult:
     """What a finished run reports (rank 0 holds the full picture)."""
@@ -136,102 +105,6 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def restart_count() -> int:
-    """How many times the elastic launcher restarted this job (--max-restarts); 0 at first."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def with_out_dir(cfg: Config) -> tuple[Config, bool]:
-    """`cfg` with its output directory chosen where train.out_dir is empty
-    (``run_dir.default_out_dir``), and whether that directory is a new one, to be made with
-    :func:`begin_out_dir` once every check passed. ConfigError where the ranks of an outside
-    launcher could not agree on one."""
-    if cfg.train.out_dir:
-        return cfg, False
-    try:
-        out, new = default_out_dir(cfg.train.resume, "RANK" in os.environ)
-    except ValueError as e:
-        raise ConfigError("train.out_dir", "", str(e)) from None
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out))), new
-
-
-def begin_out_dir(cfg: Config) -> Config:
-    """Make the new output directory :func:`with_out_dir` chose (the next free name if it was
-    taken meanwhile; under a launcher, rank 0 makes it) and point runs/latest at it."""
-    out = Path(cfg.train.out_dir)
-    rank0 = os.environ.get("RANK", "0") == "0"
-    if "RANK" not in os.environ:
-        out = claim(out)
-    elif rank0:
-        out.mkdir(parents=True, exist_ok=True)
-    if rank0 and (warning := point_latest(out)):
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(out)))
-
-
-@dataclass(frozen=True)
-class RunStart:
-    """Where a run starts and which run it is (``tessera.run_dir``)."""
-
-    resume_from: Path | None
-    """The checkpoint it continues from; None: a fresh start."""
-    run_id: str
-    """Its run id, written in every checkpoint it saves."""
-    others: list[Path]
-    """Other runs' checkpoints under its checkpoint directory: refused (:func:`check_run_dir`),
-    or deleted when it starts with train.overwrite."""
-
-
-def run_start(cfg: Config) -> RunStart:
-    """The checkpoint train.resume names ('latest': the newest of the run the checkpoint
-    directory belongs to; None if there is none) and the run id: that checkpoint's, else the
-    environment's (``run_dir.env_run_id``), else a new one. A restarted job continues from its
-    own run's newest checkpoint under checkpoint_dir, if any, whatever train.resume says (a
-    restart the environment gives no run id takes the directory's run for its own).
-
-    Another run's checkpoints there (``checkpoint.other_runs``): for a new run (neither resumed
-    nor restarted) every checkpoint, else those of another run id, and those written before run
-    ids unless the run resumes. Reads manifests only; the same answer on every rank."""
-    root = cfg.train.checkpoint_root
-    named = None
-    if cfg.train.resume == "latest":
-        named = checkpoint.latest(root)
-    elif cfg.train.resume:
-        named = Path(cfg.train.resume)
-    restarted = restart_count() > 0
-    run_id = (checkpoint.run_id_of(named) if named is not None else None) or env_run_id()
-    resume_from = named
-    if restarted:
-        own = checkpoint.latest(root, run_id)
-        if own is not None:
-            resume_from, run_id = own, run_id or checkpoint.run_id_of(own)
-    run_id = run_id or new_run_id()
-    fresh = named is None and not restarted
-    others = checkpoint.other_runs(root, None if fresh else run_id, resume_from is not None)
-    return RunStart(resume_from, run_id, others)
-
-
-def resume_path(cfg: Config) -> Path | None:
-    """The checkpoint this run continues from (:func:`run_start`), or None."""
-    return run_start(cfg).resume_from
-
-
-def check_run_dir(cfg: Config, start: RunStart) -> None:
-    """Refuse to start where another run's checkpoints are, unless train.overwrite
-    (ConfigError, before any collective)."""
-    if not start.others or cfg.train.overwrite:
-        return
-    field, value, elsewhere = (
-        ("train.checkpoint_dir", cfg.train.checkpoint_dir, "a new train.checkpoint_dir")
-        if cfg.train.checkpoint_dir else ("train.out_dir", cfg.train.out_dir, "a new --out"))
-    runs = sorted({checkpoint.run_id_of(p) or "from before run ids" for p in start.others})
-    names = [p.name for p in start.others]
-    shown = ", ".join(names if len(names) <= 3 else [names[0], "...", names[-1]])
-    raise ConfigError(field, value, f"holds another run's checkpoints ({shown}; run "
-                      f"{', '.join(runs)}): continue that run with --resume latest, delete them "
-                      f"with --overwrite, or train into {elsewhere}")
 
 
 class StepProfiler:
@@ -275,17 +148,12 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     """Run training on this rank. Every rank calls this with the same config."""
     device, backend = pick_device()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    # Every rule is checked, and the data opened, before the first collective.
-    cfg.validate(world)
-    dataset = check_data(cfg)
-    check_options(cfg, device.type)
-    cfg, new_out = with_out_dir(cfg)
-    origin = run_start(cfg)
-    check_run_dir(cfg, origin)
+    # Every rule is checked, and the data opened, before the first collective (the launching
+    # command already checked memory against this machine).
+    checked = check_run(cfg, world, device.type, memory=False)
+    cfg, dataset, origin = checked.cfg, checked.dataset, checked.start
     resume_from = origin.resume_from
-    if resume_from is not None:
-        checkpoint.verify(resume_from, cfg, world)
-    if new_out:
+    if checked.new_out:
         cfg = begin_out_dir(cfg)
 
     if device.type == "cpu" and cfg.train.keep_host_memory:

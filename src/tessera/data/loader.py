@@ -230,4 +230,6 @@ def val_windows(split: TokenSplit, seq_len: int, n_tokens: int, batch_size: int,
                         "for validation (data.val_tokens)")
     mine = range(dp_rank, n_windows, dp_size)
     rows = torch.from_numpy(np.stack([split.window(i * seq_len, seq_len + 1) for i in mine]))
+    # At most all windows in one batch (torch takes a split size only up to int64).
+    batch_size = max(1, min(batch_size, len(mine)))
     return [cp_shard((b[:, :-1], b[:, 1:]), cp_rank, cp_size) for b in rows.split(batch_size)]

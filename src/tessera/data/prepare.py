@@ -96,6 +96,27 @@ def collect_files(sources: list[str]) -> list[tuple[str, Path]]:
     return found
 
 
+def check_sources_hold_text(sources: list[str], text_field: str = "text") -> None:
+    """Raise ValueError naming the first source that holds no text: an empty text file, a
+    .jsonl, .parquet or Hugging Face dataset without a non-empty `text_field`, a directory of
+    only such files. Reads each source only up to its first text."""
+    for src in sources:
+        if src == "stdlib":
+            continue
+        files = collect_files([src])
+        if not any(_holds_text(path, text_field) for _, path in files):
+            what = ("no file with text" if Path(src).is_dir() and not is_hf_dataset(Path(src))
+                    else f"no non-empty {text_field!r}" if files[0][1].suffix in RECORD_SUFFIXES
+                    or is_hf_dataset(Path(src)) else "no text")
+            raise ValueError(f"{src}: empty source ({what}); nothing to tokenize")
+
+
+def _holds_text(path: Path, text_field: str) -> bool:
+    if path.suffix in RECORD_SUFFIXES or path.is_dir():
+        return any(text for text in documents(path, text_field))
+    return path.stat().st_size > 0
+
+
 def is_hf_dataset(path: Path) -> bool:
     """A directory `datasets.Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk`
     (dataset_dict.json) wrote."""
@@ -341,6 +362,7 @@ def prepare(sources: list[str], out_dir: str | Path, tokenizer: Tokenizer,
     dtype = token_dtype(tokenizer.vocab_size)
     eot = getattr(tokenizer, "eot_id", None)
     separator = np.asarray([eot] if eot is not None else tokenizer.encode(EOT_TEXT), dtype=dtype)
+    check_sources_hold_text(sources, text_field)  # before anything is written
     tasks = tokenization_tasks(collect_files(sources), text_field, chunk_chars)
     out.mkdir(parents=True, exist_ok=True)
     stream, n_tokens = out / STREAM, 0

@@ -86,6 +86,8 @@ def parse_stage_layout(text: str, field: str = "parallel.stage_layout") -> tuple
         if n < 1 or k < 1:
             raise ConfigError(field, text, "every chunk needs at least one block (N >= 1, "
                               "k >= 1 in N*k)")
+        if len(sizes) + k > MAX_EXPANDED:
+            raise ConfigError(field, text, f"gives more than {MAX_EXPANDED:,} chunks")
         sizes += [n] * k
     return tuple(sizes)
 
