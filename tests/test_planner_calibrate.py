@@ -961,13 +961,13 @@ class CollectiveClock:
         self.now += seconds
 
 
-def _collective_on_fake_clock(late_s: float, cores: int) -> float:
-    """timed_collective's all-reduce of 4 KiB on a CollectiveClock (1 ms a call) with rank 1
-    arriving `late_s` after rank 0, the ranks sharing `cores` cores."""
+def _collective_on_fake_clock(late_s: list[float], cores: int) -> float:
+    """timed_collective's all-reduce of 4 KiB on a CollectiveClock (1 ms a call) with rank r
+    arriving `late_s[r]` after the start, the ranks sharing `cores` cores."""
     from tessera.planner.calibrate import timed_collective
 
     clock = CollectiveClock(1e-3)
-    late = late_s if dist.get_rank() == 1 else 0.0
+    late = late_s[dist.get_rank()]
     return timed_collective("all_reduce", 4096, 5, lambda: clock.work(late), cores,
                             clock=clock)
 
@@ -978,13 +978,18 @@ def test_time_shared_ranks_time_a_collective_without_their_turns_on_a_fake_clock
     # core each, a rank's call holds its wait for the late rank (rank 0: 50 ms late + 1 ms,
     # rank 1: 1 ms); with 2 ranks on 1 core the late rank's turn left no core idle, so the
     # call costs its own 1 ms from the last arrival, the same on both ranks (timed from its
-    # own start, rank 0 would read 51 ms).
+    # own start, rank 0 would read 51 ms). 4 ranks on 2 cores arriving at 0, 10, 20 and 23
+    # ms: 1 ms from the last arrival plus the core-time the last two arrivals left idle
+    # (sync_idle_seconds: 3 ms of one core over 2), 2.5 ms on every rank.
     from tessera.testing import run_ranks
 
-    own = run_ranks(_collective_on_fake_clock, 2, args=(0.05, 2), timeout=120)
+    own = run_ranks(_collective_on_fake_clock, 2, args=([0.0, 0.05], 2), timeout=120)
     assert own == pytest.approx([0.051, 0.001], rel=1e-9)
-    shared = run_ranks(_collective_on_fake_clock, 2, args=(0.05, 1), timeout=120)
+    shared = run_ranks(_collective_on_fake_clock, 2, args=([0.0, 0.05], 1), timeout=120)
     assert shared == pytest.approx([0.001, 0.001], rel=1e-9)
+    four = run_ranks(_collective_on_fake_clock, 4, args=([0.0, 0.01, 0.02, 0.023], 2),
+                     timeout=120)
+    assert four == pytest.approx([0.0025] * 4, rel=1e-9)
 
 
 def test_calibrate_writes_its_measurements_into_the_hardware_file(tmp_path, monkeypatch):
