@@ -8,7 +8,7 @@ DATA   ?= data/stdlib
 # 4 ranks; the global batch (32 sequences of 128 bytes) is the demo preset's.
 DEMO_LAYOUT ?= --nproc 4 --dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --micro-batch-size 8
 
-.PHONY: setup demo test test-fast test-kernels lint format bench clean
+.PHONY: setup demo test test-fast test-timing test-kernels lint format bench clean
 
 setup: $(STAMP)
 
@@ -23,16 +23,26 @@ demo: $(STAMP)
 	$(VENV)/bin/tessera data prepare --source stdlib --out $(DATA) --if-missing
 	$(VENV)/bin/tessera train --preset demo $(DEMO_LAYOUT) --data $(DATA) --out runs/demo
 
+# Every test but those marked `timing`: no assertion of `make test` reads a stopwatch, so it
+# passes on a busy machine (benchmarks/busy_suite.sh runs it beside busy loops).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not timing"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not timing"
+
+# The tests whose assertions are windows of measured seconds (calibrate's measurements on
+# the real clock, the 1T search's CPU seconds): each has a counterpart in `make test` that
+# checks the same logic on a fake clock or a count. A busy machine moves them; .ci/run
+# reports their failures without failing.
+test-timing: $(STAMP)
+	$(PY) -m pytest -q -m timing
 
 # The multi-process tests again under another CPU kernel set than this machine's: their
-# tolerances must not hold on one set of kernels only. Not the timing tests: their windows are
-# in seconds, which a kernel set only moves. ATEN_CPU_CAPABILITY=default on an AVX2
-# or AVX-512 machine, avx2 where the native set is default; KERNELS=... picks one.
+# tolerances must not hold on one set of kernels only. Not the timing tests (make
+# test-timing): their windows are in seconds, which a kernel set only moves; their
+# fake-clock counterparts run here. ATEN_CPU_CAPABILITY=default on an AVX2 or AVX-512
+# machine, avx2 where the native set is default; KERNELS=... picks one.
 CAPABILITY := import torch; print(torch.backends.cpu.get_cpu_capability().lower())
 test-kernels: $(STAMP)
 	@native=$$($(PY) -c "$(CAPABILITY)"); kernels="$(KERNELS)"; \

@@ -81,15 +81,18 @@ def test_watchdog_names_the_silent_rank():
     dog0.start(), dog2.start()
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.5:  # beats for longer than the limit: no alarm
+        last_beat = time.monotonic()  # before the beat: the watchdog cannot see it earlier
         rank1.store.add("beat/1", 1)
         time.sleep(0.05)
     assert lost0 == [] and lost2 == []
-    silent = time.monotonic()
-    while not (lost0 and lost2) and time.monotonic() - silent < 10:
+    while not (lost0 and lost2) and time.monotonic() - last_beat < 30:  # a deadlock guard
         time.sleep(0.01)
-    assert 0.9 <= time.monotonic() - silent < 5  # the last beat was one sleep before
-    assert re.fullmatch(r"rank 1 stopped answering \(no heartbeat for 1\.\d s, seen by rank 0; "
-                        r"collective timeout 2 s\)", lost0[0]), lost0
+    # Not before the limit of silence after the last beat, on this clock and in the
+    # watchdog's message; a busy machine only makes it later, so no upper window.
+    assert time.monotonic() - last_beat > 1.0
+    assert re.fullmatch(r"rank 1 stopped answering \(no heartbeat for \d+\.\d s, seen by "
+                        r"rank 0; collective timeout 2 s\)", lost0[0]), lost0
+    assert float(re.search(r"for (\d+\.\d) s", lost0[0])[1]) >= 1.0
     assert lost2 == lost0
 
 
@@ -229,11 +232,6 @@ def test_stopped_rank_is_named_within_the_collective_timeout_on_loopback(tiny_da
         while not any(ln.startswith(named) for _, ln in job.stderr):
             assert time.monotonic() - t_stop < timeout + 30, job.report()
             time.sleep(0.05)
-        t_named = next(t for t, ln in job.stderr if ln.startswith(named))
-        # Named after half the timeout of silence (its last beat may be an interval, 0.8 s,
-        # before the SIGSTOP), before a collective blocked on the stopped rank times out
-        # (gloo's message would not name it); slack for a loaded machine.
-        assert timeout / 2 - 1 <= t_named - t_stop < timeout + 2, job.report()
         # The launcher then sees the other rank exit and stops the group: SIGTERM, which a
         # stopped process holds until the launcher's 30 s grace ends in SIGKILL; we send it now.
         os.kill(stopped, signal.SIGKILL)
@@ -247,6 +245,10 @@ def test_stopped_rank_is_named_within_the_collective_timeout_on_loopback(tiny_da
                r"[^;]+")
     assert re.fullmatch(rf"error: rank {stopped_rank} stopped answering \({silence}; "
                         rf"collective timeout {timeout} s\)", errors[0]), job.report()
+    # Named after half the timeout of silence on the watchdog's clock; before a collective
+    # blocked on the stopped rank timed out, which would have ended the job with gloo's
+    # message, naming no rank. No window on this clock: a busy machine only makes it later.
+    assert float(re.search(r" for (\d+\.\d) s", errors[0])[1]) >= timeout / 2, errors[0]
     assert errors[-1].startswith("error: 2 of 2 ranks failed ("), errors
     assert not any("Traceback" in ln for _, ln in job.stderr), job.report()
 

@@ -1,10 +1,15 @@
 """`tessera plan calibrate`: measures this machine (two gloo ranks for α and β) and writes a
 hardware file the planner then reads. The accuracy of its predictions is checked by
-benchmarks/bench_planner_local.py (timings do not belong in tests)."""
+benchmarks/bench_planner_local.py (timings do not belong in tests).
+
+The tests marked `timing` read injected work back off the real clock, in windows of
+milliseconds a busy machine moves; `make test` leaves them out (`make test-timing` runs them).
+Each has a counterpart at the end of this file that checks the same logic on a fake clock."""
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import pytest
@@ -485,10 +490,12 @@ def test_wrapped_step_extra_cancels_what_building_first_costs():
         assert s - b == pytest.approx(0.0, abs=5e-3)
 
 
-def _zero_steps_calibrate_runs(micro_batch: int) -> tuple[list[int], float, float]:
-    """calibrate._compute_rates at `micro_batch` with every measurement faked but the ZeRO-3
-    steps' bookkeeping: the micro-batches zero_step_passes ran, and the zero_passes and
-    zero_waits it returned (passes = the micro-batch, waits = a thousandth of it)."""
+def _zero_steps_calibrate_runs(cases: list[tuple[int, int]]
+                               ) -> list[tuple[list[int], float, float]]:
+    """Per case (micro-batch, cores), calibrate._compute_rates at that micro-batch on a
+    machine of that many cores with every measurement faked but the ZeRO-3 steps'
+    bookkeeping: the micro-batches zero_step_passes ran, and the zero_passes and zero_waits
+    it returned (passes = the micro-batch, waits = a thousandth of it)."""
     import tessera.planner.calibrate as calibrate
 
     ran = []
@@ -504,29 +511,30 @@ def _zero_steps_calibrate_runs(micro_batch: int) -> tuple[list[int], float, floa
                         ("zero_unit_costs", (0.0, 0.0)), ("ddp_hook_costs", (0.0, 0.0))]:
         setattr(calibrate, name, lambda *args, _v=value, **kwargs: _v)
     calibrate.zero_step_passes = zero_step_passes
-    rates = calibrate._compute_rates(load_model("demo"), 128, micro_batch)
-    return ran, rates["zero_passes"], rates["zero_waits"]
+    out = []
+    for micro_batch, cores in cases:
+        rates = calibrate._compute_rates(load_model("demo"), 128, micro_batch, cores=cores)
+        out.append((ran[:], rates["zero_passes"], rates["zero_waits"]))
+        ran.clear()
+    return out
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timing
 def test_the_share_is_read_off_zero3_steps_at_micro_batch_2():
     # At micro-batch 16 the planner's waits fall to their floor by a share of 0.1, so the
     # floor's own error read as the share (0.05-0.08 against 0.17 at micro-batch 2 in the same
     # runs). Calibrate reads the share off ZeRO-3 steps at micro-batch 2 (SHARE_MICRO_BATCH);
     # ZeRO-3's work (zero_passes) stays the calibrated micro-batch's. At micro-batch 2 itself
-    # one set of steps serves both. Over 2 ranks on this machine's cores (CI has 2).
-    import os
-
+    # one set of steps serves both. Over 2 ranks: on 2 cores, and on 1, where the ranks
+    # time-share it and the share is not read at all (dp_overlap is 0: nothing hides).
     from tessera.planner.calibrate import SHARE_MICRO_BATCH
     from tessera.testing import run_ranks
 
     assert SHARE_MICRO_BATCH == 2
-    if (os.cpu_count() or 1) >= 2:
-        for ran, passes, waits in run_ranks(_zero_steps_calibrate_runs, 2, args=(16,)):
-            assert (ran, passes, waits) == ([16, 2], 16.0, 2 / 1000)
-    for ran, passes, waits in run_ranks(_zero_steps_calibrate_runs, 2, args=(2,)):
-        assert (ran, passes, waits) == ([2], 2.0, 2 / 1000)
+    cases = [(16, 2), (2, 2), (16, 1)]
+    for rank in run_ranks(_zero_steps_calibrate_runs, 2, args=(cases,)):
+        assert rank == [([16, 2], 16.0, 2 / 1000), ([2], 2.0, 2 / 1000),
+                        ([16], 16.0, 16 / 1000)]
 
 
 def _measured_without_ranks(monkeypatch, gather_efficiency: float):
@@ -651,3 +659,379 @@ def test_zero_step_passes_hold_the_work_beside_the_waits_but_not_the_waits():
         assert -3e-3 <= w - b <= 8e-3
         # and the waits it measured, from which calibrate sets dp_overlap, hold the 20 ms
         assert 17e-3 <= w_waits - b_waits <= 30e-3
+
+
+# -- The measurements' logic on a fake clock ------------------------------------------------------
+# The tests marked `timing` above inject work as seconds of CPU burnt or slept and read it back
+# in windows of milliseconds, which a busy machine moves (`make test-timing` runs them; `make
+# test` leaves them out). Each has a counterpart below that checks the same logic on a fake
+# clock: the code under test reads the clock it is handed, the injected work advances that
+# clock by exactly its seconds, and the real work (the steps, the collectives) advances it by
+# nothing, so every reading is exact and a bug is off by the whole injected amount.
+
+
+class FakeClock:
+    """Seconds that move only when work moves them: `work` (compute), `wait` (a blocking wait
+    on a collective's handle) and `sync` (a scalar all-reduce), the last two also tallied as
+    what the executor reports (``last_comm_wait_s``, ``last_sync_s``)."""
+
+    def __init__(self) -> None:
+        self.now = self.waited = self.synced = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+        self.waited += seconds
+
+    def sync(self, seconds: float) -> None:
+        self.now += seconds
+        self.synced += seconds
+
+
+def _executor_on(clock: FakeClock, first_built_work: float = 0.0):
+    """An Executor class (calibrate's `executor=`) that reports the step's waits and scalar
+    syncs as `clock` saw them (the real collectives took none of its time; their
+    perf_counter seconds are dropped), and whose models built first of each pair (the
+    first, third, ... built) do `first_built_work` seconds more work every step."""
+    from tessera.step import Executor
+
+    class OnFakeClock(Executor):
+        built = 0
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.first = OnFakeClock.built % 2 == 0
+            OnFakeClock.built += 1
+
+        def forward_backward(self, micro_batches):
+            clock.waited = clock.synced = 0.0
+            if self.first:
+                clock.work(first_built_work)
+            loss = super().forward_backward(micro_batches)
+            self.last_comm_wait_s, self.last_sync_s = clock.waited, clock.synced
+            return loss
+
+        def grad_norm(self):
+            norm = super().grad_norm()
+            self.last_sync_s = clock.synced
+            return norm
+
+    return OnFakeClock
+
+
+def _inject_on(clock: FakeClock, wrapper: type, plan: dict) -> None:
+    """Put `plan["seconds"]` of work on `clock` where `plan["where"]` says, in `wrapper`
+    (DataParallel or ZeroModel) over several ranks (the model at dp 1 beside it is untouched):
+    "hook" before each gradient's DataParallel hook, "after" after the gradient sync's waits
+    ("after-rank0": on rank 0 alone), "wait" a wait inside the gradient sync, "sync" before
+    each scalar all-reduce over several ranks of the step."""
+    from tessera import step
+
+    finish, all_reduce_sum = wrapper.finish_gradient_sync, step.all_reduce_sum
+
+    def finish_then(self):
+        finish(self)
+        if self.world == 1:
+            return
+        where, seconds = plan["where"], plan["seconds"]
+        if where == "after" or (where == "after-rank0" and dist.get_rank() == 0):
+            clock.work(seconds)
+        elif where == "wait":
+            clock.wait(seconds)
+
+    def sync_after(values, group, device):
+        if plan["where"] == "sync" and group is not None and dist.get_world_size(group) > 1:
+            clock.sync(plan["seconds"])
+        return all_reduce_sum(values, group, device)
+
+    wrapper.finish_gradient_sync = finish_then
+    step.all_reduce_sum = sync_after
+    if hasattr(wrapper, "_on_grad_ready"):
+        hook = wrapper._on_grad_ready
+
+        def work_then_hook(self, p):
+            if plan["where"] == "hook":
+                clock.work(plan["seconds"])
+            hook(self, p)
+
+        wrapper._on_grad_ready = work_then_hook
+
+
+BANDWIDTH = 1e12
+"""Bytes/s the fake-clock tests hand calibrate: a pass over the tiny model's bytes is ~0.5 µs."""
+
+
+def _ddp_on_fake_clock(cases: list[tuple[str, float, int | None]]
+                       ) -> tuple[list[float], list[float], int, int]:
+    """Per case (where, seconds, cores): the passes of calibrate.ddp_copy_passes on the tiny
+    model (2 builds, 3 pairs each, on a fake clock) with `seconds` of work at `where`
+    (_inject_on), `cores` the CPU count it sees. Then the per-pair extras of
+    wrapped_step_extra with 20 ms more work on every step of each pair's first-built model;
+    the tensor count and the gradient bytes."""
+    import tessera.planner.calibrate as calibrate
+    from tessera.parallel.ddp import DataParallel
+
+    clock, plan = FakeClock(), {"where": "", "seconds": 0.0}
+    _inject_on(clock, DataParallel, plan)
+    spec = load_model("tiny")
+    params = _tiny_wrapped_params()
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    read = []
+    for where, injected, cores in cases:
+        plan.update(where=where, seconds=injected)
+        passes = calibrate.ddp_copy_passes(spec, 32, 2, BANDWIDTH, 0.0, builds=2, pairs=3,
+                                           clock=clock, executor=_executor_on(clock),
+                                           cores=cores)
+        read.append(passes)
+    plan.update(where="", seconds=0.0)
+    extra, _, _ = calibrate.wrapped_step_extra(spec, 32, 2, 0, True, 2, 3, clock=clock,
+                                               executor=_executor_on(clock, 20e-3), cores=2)
+    return read, extra, len(params), grad_bytes
+
+
+DDP_CASES = [("hook", 2e-3, 2), ("after", 20e-3, 2), ("wait", 20e-3, 2),
+             ("after-rank0", 40e-3, 2), ("sync", 20e-3, 2), ("after-rank0", 40e-3, 1)]
+
+
+@pytest.fixture(scope="module")
+def ddp_on_fake_clock() -> list:
+    """_ddp_on_fake_clock over DDP_CASES, per rank: one launch for the DDP tests below."""
+    from tessera.testing import run_ranks
+
+    return run_ranks(_ddp_on_fake_clock, 2, args=(DDP_CASES,), timeout=180)
+
+
+def _ddp_reads(ddp_on_fake_clock: list, where: str, seconds: float, cores: int
+               ) -> list[tuple[float, float]]:
+    """Per rank, (ddp_copy_passes's passes for the case, the passes of an extra of `seconds`
+    per step): over the gradient bytes at BANDWIDTH, less the division's 2 passes, which
+    ``cost.ddp_bucket_time`` prices, at least 0."""
+    case = DDP_CASES.index((where, seconds, cores))
+    return [(read[case], max(0.0, seconds * BANDWIDTH / grad_bytes - 2))
+            for read, _, _, grad_bytes in ddp_on_fake_clock]
+
+
+@pytest.mark.multiprocess
+def test_ddp_copy_passes_counts_hook_work_on_its_clock(ddp_on_fake_clock):
+    # test_ddp_copy_passes_holds_hook_work_its_own_timer_never_sees on a fake clock: 2 ms of
+    # work before every gradient's hook, on the clock calibrate reads and outside the
+    # hooks' own timer (DataParallel.hook_seconds, which never sees it), shows in full. A
+    # missed hook reads 0, a hook counted twice 2×.
+    for (read, _), (_, _, tensors, grad_bytes) in zip(
+            _ddp_reads(ddp_on_fake_clock, "hook", 2e-3, 2), ddp_on_fake_clock, strict=True):
+        assert read == pytest.approx(2e-3 * tensors * BANDWIDTH / grad_bytes - 2, rel=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_ddp_copy_passes_counts_the_work_after_the_wait_but_not_the_wait(ddp_on_fake_clock):
+    # test_ddp_copy_passes_holds_the_work_after_the_wait_but_not_the_wait on a fake clock:
+    # 20 ms of work after the gradient sync's wait shows in full, 20 ms spent waiting on a
+    # bucket (reported as a wait) not at all.
+    for after, twenty_ms in _ddp_reads(ddp_on_fake_clock, "after", 20e-3, 2):
+        assert twenty_ms > 1000 and after == pytest.approx(twenty_ms, rel=1e-9)
+    for waited, _ in _ddp_reads(ddp_on_fake_clock, "wait", 20e-3, 2):
+        assert waited == 0.0
+
+
+@pytest.mark.multiprocess
+def test_ddp_copy_passes_takes_the_slowest_rank_and_leaves_the_scalar_syncs_out(
+        ddp_on_fake_clock):
+    # test_ddp_copy_passes_prices_the_slowest_rank_and_leaves_the_scalar_syncs_out on a fake
+    # clock: 40 ms more work on rank 0 alone costs every rank's reading 40 ms (the max over
+    # the ranks, pair by pair; a mean would read 20), and 20 ms of scalar all-reduce (the
+    # step's last_sync_s) nothing. Where the ranks time-share the cores (2 ranks on 1), the
+    # ranks' CPU is what the cores do: the mean over the ranks, 20 ms.
+    for one_rank, forty_ms in _ddp_reads(ddp_on_fake_clock, "after-rank0", 40e-3, 2):
+        assert one_rank == pytest.approx(forty_ms, rel=1e-9)
+    for synced, _ in _ddp_reads(ddp_on_fake_clock, "sync", 20e-3, 2):
+        assert synced == 0.0
+    for (shared, _), (_, _, _, grad_bytes) in zip(
+            _ddp_reads(ddp_on_fake_clock, "after-rank0", 40e-3, 1), ddp_on_fake_clock,
+            strict=True):
+        assert shared == pytest.approx(20e-3 * BANDWIDTH / grad_bytes - 2, rel=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_wrapped_step_extra_cancels_being_built_first_on_a_fake_clock(ddp_on_fake_clock):
+    # test_wrapped_step_extra_cancels_what_building_first_costs on a fake clock: 20 ms more
+    # work on every step of each pair's first-built model reads 20 ms low in the builds
+    # where dp 1 is built first and 20 ms high in those where the wrapped model is, as many
+    # pairs of each, so the mean is what it was: 0. Always dp 1 first would read -20 ms,
+    # always wrapped first +20 ms.
+    for _, extra, _, _ in ddp_on_fake_clock:
+        assert sorted(extra) == pytest.approx([-20e-3] * 3 + [20e-3] * 3, rel=1e-9)
+        assert statistics.fmean(extra) == pytest.approx(0.0, abs=1e-12)
+
+
+def _zero_on_fake_clock(cases: list[tuple[str, float]]) -> list[tuple[float, float]]:
+    """Per case (where, seconds): calibrate.zero_step_passes on the tiny model (2 builds, 3
+    pairs each, on a fake clock, each rank a core) with `seconds` of work at `where`
+    (_inject_on, in ZeroModel), as (seconds: passes × parameter bytes / bandwidth, waits)."""
+    import tessera.planner.calibrate as calibrate
+    from tessera.parallel.zero import ZeroModel
+
+    clock, plan = FakeClock(), {"where": "", "seconds": 0.0}
+    _inject_on(clock, ZeroModel, plan)
+    weight_bytes = sum(p.numel() * p.element_size() for p in _tiny_wrapped_params())
+    out = []
+    for where, injected in cases:
+        plan.update(where=where, seconds=injected)
+        passes, waits = calibrate.zero_step_passes(
+            load_model("tiny"), 32, 2, BANDWIDTH, 0.0, builds=2, pairs=3, clock=clock,
+            executor=_executor_on(clock), cores=2)
+        out.append((passes * weight_bytes / BANDWIDTH, waits))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_zero_step_passes_count_the_work_beside_the_waits_but_not_the_waits():
+    # test_zero_step_passes_hold_the_work_beside_the_waits_but_not_the_waits on a fake clock:
+    # 20 ms more work in the step shows in full in the passes and not in the waits; 20 ms
+    # more spent waiting on a reduction shows in the waits (from which calibrate sets
+    # dp_overlap) and not in the passes. Nothing injected reads nothing.
+    from tessera.testing import run_ranks
+
+    cases = [("", 0.0), ("after", 20e-3), ("wait", 20e-3)]
+    for base, after, waited in run_ranks(_zero_on_fake_clock, 2, args=(cases,), timeout=180):
+        assert base == pytest.approx((0.0, 0.0), abs=1e-12)
+        assert after == pytest.approx((20e-3, 0.0), rel=1e-9, abs=1e-12)
+        assert waited == pytest.approx((0.0, 20e-3), rel=1e-9, abs=1e-12)
+
+
+def _jitter_on_fake_clock(extra_s: float, base_s: float, together_s: float
+                          ) -> tuple[float, float]:
+    """calibrate.jitter on a fake clock, each block `base_s` of work, `extra_s` more on rank
+    1, and `together_s` more on every rank every other block (a slow stretch for all)."""
+    import itertools
+
+    import tessera.planner.calibrate as calibrate
+
+    clock, slow = FakeClock(), dist.get_rank() == 1
+    stretches = itertools.cycle([0.0, together_s])
+    return calibrate.jitter(
+        load_model("tiny"), 32, 1, repeats=3, clock=clock,
+        step=lambda: clock.work(base_s + (extra_s if slow else 0.0) + next(stretches)))
+
+
+@pytest.mark.multiprocess
+def test_jitter_is_the_spread_between_ranks_on_a_fake_clock():
+    # test_jitter_is_the_spread_between_ranks_not_over_time on a fake clock: a rank slower
+    # by `extra` a block finishes k·extra apart after k blocks: σ = (k·extra/2) / E[max of 2
+    # normals] at T = k·(base + extra/2), a line with no fixed part and the rate below, the
+    # same on both ranks. Ranks slow together, every other block 3× as long, are what no
+    # collective waits for: σ 0 at every length (a spread over time would not be).
+    from tessera.planner.cost import expected_max_normal
+    from tessera.testing import run_ranks
+
+    base, extra = 0.02, 0.02
+    skewed, together = (run_ranks(_jitter_on_fake_clock, 2, args=args, timeout=120)
+                        for args in ((extra, base, 0.0), (0.0, base, 2 * base)))
+    assert skewed[0] == skewed[1] and together[0] == together[1]
+    fixed, rate = skewed[0]
+    assert rate == pytest.approx((extra / 2) / expected_max_normal(2) / (base + extra / 2),
+                                 rel=1e-9)
+    assert fixed == pytest.approx(0.0, abs=1e-12)
+    assert together[0] == (0.0, 0.0)
+
+
+class CollectiveClock:
+    """A fake clock for timed_collective's reads, in pairs around each call: each rank's own
+    seconds, moved by its compute (`work`); the second read of a pair, after the call, is
+    when the call ended for every rank: when the last one arrived, plus `cost`."""
+
+    def __init__(self, cost: float) -> None:
+        self.now, self.reads, self.cost = 0.0, 0, cost
+
+    def __call__(self) -> float:
+        import torch
+
+        self.reads += 1
+        if self.reads % 2 == 0:
+            last = torch.tensor([self.now], dtype=torch.float64)
+            dist.all_reduce(last, op=dist.ReduceOp.MAX)
+            self.now = float(last) + self.cost
+        return self.now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _collective_on_fake_clock(late_s: list[float], cores: int) -> float:
+    """timed_collective's all-reduce of 4 KiB on a CollectiveClock (1 ms a call) with rank r
+    arriving `late_s[r]` after the start, the ranks sharing `cores` cores."""
+    from tessera.planner.calibrate import timed_collective
+
+    clock = CollectiveClock(1e-3)
+    late = late_s[dist.get_rank()]
+    return timed_collective("all_reduce", 4096, 5, lambda: clock.work(late), cores,
+                            clock=clock)
+
+
+@pytest.mark.multiprocess
+def test_time_shared_ranks_time_a_collective_without_their_turns_on_a_fake_clock():
+    # test_time_shared_ranks_time_a_collective_without_their_turns on a fake clock: with a
+    # core each, a rank's call holds its wait for the late rank (rank 0: 50 ms late + 1 ms,
+    # rank 1: 1 ms); with 2 ranks on 1 core the late rank's turn left no core idle, so the
+    # call costs its own 1 ms from the last arrival, the same on both ranks (timed from its
+    # own start, rank 0 would read 51 ms). 4 ranks on 2 cores arriving at 0, 10, 20 and 23
+    # ms: 1 ms from the last arrival plus the core-time the last two arrivals left idle
+    # (sync_idle_seconds: 3 ms of one core over 2), 2.5 ms on every rank.
+    from tessera.testing import run_ranks
+
+    own = run_ranks(_collective_on_fake_clock, 2, args=([0.0, 0.05], 2), timeout=120)
+    assert own == pytest.approx([0.051, 0.001], rel=1e-9)
+    shared = run_ranks(_collective_on_fake_clock, 2, args=([0.0, 0.05], 1), timeout=120)
+    assert shared == pytest.approx([0.001, 0.001], rel=1e-9)
+    four = run_ranks(_collective_on_fake_clock, 4, args=([0.0, 0.01, 0.02, 0.023], 2),
+                     timeout=120)
+    assert four == pytest.approx([0.0025] * 4, rel=1e-9)
+
+
+def test_calibrate_writes_its_measurements_into_the_hardware_file(tmp_path, monkeypatch):
+    """test_calibrate_writes_a_usable_hardware_file without measuring: `tessera plan
+    calibrate` with calibrate.measure's results given (each a value of its own) writes each
+    into its field of the file, in the file's units, and the planner prices layouts with it."""
+    import tessera.planner.calibrate as calibrate
+
+    rates = dict(mm=2e9, mm_large=3e9, mm_tail=4e-6, attn=5e9, bw=6e9, passes=7.0,
+                 overhead=8e-6, optimizer=9e-6, jitter_fixed=1e-4, jitter_rate=0.011,
+                 p2p_alpha=1.2e-5, p2p_beta=1 / 1.3e9, alpha=1.4e-5, beta=1 / 1.5e9,
+                 gather_efficiency=0.16, zero_unit=1.7e-5, zero_passes=18.0, zero_waits=0.0,
+                 ddp_tensor=1.9e-5, ddp_passes=21.0)
+    monkeypatch.setattr(calibrate, "measure", lambda *args, **kwargs: rates)
+    monkeypatch.setattr(calibrate, "machine_shape", lambda device: (2, 3e9, 64))
+    out = tmp_path / "local.toml"
+    r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "tiny", "--micro-batch", "4",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    hw = load_hardware(str(out))
+    got = dict(peak_tflops=hw.peak_tflops, matmul_tail_us=hw.matmul_tail_us,
+               attention_tflops=hw.attention_tflops, memory_bw_gbs=hw.memory_bw_gbs,
+               elementwise_passes=hw.elementwise_passes, op_overhead_us=hw.op_overhead_us,
+               optimizer_tensor_us=hw.optimizer_tensor_us, jitter_fixed_us=hw.jitter_fixed_us,
+               jitter_rate=hw.jitter_rate, p2p_alpha_us=hw.p2p_alpha_us, p2p_gbs=hw.p2p_gbs,
+               intra_node_alpha_us=hw.intra_node_alpha_us, intra_node_gbs=hw.intra_node_gbs,
+               inter_node_gbs=hw.inter_node_gbs, gather_efficiency=hw.gather_efficiency,
+               zero_unit_us=hw.zero_unit_us, zero_unit_passes=hw.zero_unit_passes,
+               ddp_tensor_us=hw.ddp_tensor_us, ddp_copy_passes=hw.ddp_copy_passes,
+               memory_gb=hw.memory_gb, cores=hw.cores, gpus_per_node=hw.gpus_per_node)
+    assert got == pytest.approx(dict(
+        peak_tflops=3e-3, matmul_tail_us=4.0, attention_tflops=5e-3, memory_bw_gbs=6.0,
+        elementwise_passes=7.0, op_overhead_us=8.0, optimizer_tensor_us=9.0,
+        jitter_fixed_us=100.0, jitter_rate=0.011, p2p_alpha_us=12.0, p2p_gbs=1.3,
+        intra_node_alpha_us=14.0, intra_node_gbs=1.5, inter_node_gbs=1.5,
+        gather_efficiency=0.16, zero_unit_us=17.0, zero_unit_passes=18.0, ddp_tensor_us=19.0,
+        ddp_copy_passes=21.0, memory_gb=3.0, cores=2, gpus_per_node=64), rel=1e-6)
+    # no ZeRO-3 waits measured: the share beside plain compute, a core per rank
+    assert hw.matmul_efficiency == 1.0 and hw.dp_overlap == collective_overlap(2, 2)
+    assert hw.calibrated_micro_batch == 4
+    w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,
+                 precision="fp32")
+    for layout in (Layout(dp=2, micro_batch=8), Layout(tp=2, micro_batch=8),
+                   Layout(pp=2, micro_batch=4)):
+        assert estimate(w, layout).step_time > 0

@@ -270,16 +270,18 @@ JITTER_BLOCKS = (1, 4)
 """The stretches calibrate times the ranks' spread over, in blocks of forward + backward."""
 
 
-def side_by_side(step: Callable[[], None], times: int) -> tuple[float, float]:
+def side_by_side(step: Callable[[], None], times: int,
+                 clock: Callable[[], float] = _wall_clock) -> tuple[float, float]:
     """Every rank of the default group runs `step` `times` times from a barrier: (the
-    slowest rank's wall seconds minus the ranks' mean, the mean), the same on every rank."""
+    slowest rank's seconds on `clock` (wall time) minus the ranks' mean, the mean), the same
+    on every rank."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = _wall_clock()
+    start = clock()
     for _ in range(times):
         step()
-    mine = torch.tensor([_wall_clock() - start], dtype=torch.float64)
+    mine = torch.tensor([clock() - start], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     seconds = [float(t) for t in every]
@@ -287,14 +289,17 @@ def side_by_side(step: Callable[[], None], times: int) -> tuple[float, float]:
     return max(seconds) - mean, mean
 
 
-def jitter(spec: ModelSpec, seq: int, micro_batch: int,
-           repeats: int = 48) -> tuple[float, float]:
+def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 48, *,
+           step: Callable[[], None] | None = None,
+           clock: Callable[[], float] = _wall_clock) -> tuple[float, float]:
     """(a seconds, r per second): σ = a + r·T of a stretch of T seconds of compute as the
     ranks of the default group run it side by side (module docstring). Per stretch of
     JITTER_BLOCKS blocks, interleaved: the median over repeats of the slowest rank's wall
     time minus the ranks' mean, over E[max of N standard normals] (Blom, as
     ``straggler_time``), at T the median time; the line through the two (neither part
-    negative). Every rank returns the same values; zeros on one rank."""
+    negative). Every rank returns the same values; zeros on one rank. `step` (default: one
+    block's forward + backward, :func:`_block_step`) and `clock` (default: wall time) are
+    what the tests replace with work on a fake clock."""
     import torch.distributed as dist
 
     from tessera.planner.cost import expected_max_normal
@@ -302,13 +307,13 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int,
     n = dist.get_world_size()
     if n <= 1:
         return 0.0, 0.0
-    step = _block_step(spec, seq, micro_batch)
+    step = step or _block_step(spec, seq, micro_batch)
     step()  # warm-up
     skews: dict[int, list[float]] = {k: [] for k in JITTER_BLOCKS}
     times: dict[int, list[float]] = {k: [] for k in JITTER_BLOCKS}
     for _ in range(repeats):
         for k in JITTER_BLOCKS:
-            skew, mean = side_by_side(step, k)
+            skew, mean = side_by_side(step, k, clock)
             skews[k].append(skew)
             times[k].append(mean)
     (t1, s1), (t2, s2) = ((statistics.median(times[k]),
@@ -508,7 +513,10 @@ alternated with another every step runs both ~40% slower (benchmarks/dp_cost.py)
 
 
 def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: int,
-                       full_step: bool, builds: int, pairs: int
+                       full_step: bool, builds: int, pairs: int, *,
+                       clock: Callable[[], float] | None = None,
+                       executor: Callable[..., object] | None = None,
+                       cores: int | None = None
                        ) -> tuple[list[float], list[float], torch.nn.Module]:
     """Per pair of steps, the seconds that data parallelism over the default group (tessera's
     DataParallel at `zero_stage` 0, ZeroModel above) adds to a training step of a model of
@@ -541,7 +549,12 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     The same list on every rank. Also returns, per pair, the wrapped step's waits averaged
     over the ranks (wall seconds; what the planner's exposed collectives and straggler
     stand for), and the model at dp 1 built from the same shapes (its parameters and units).
-    Every rank of the default group must call it."""
+    Every rank of the default group must call it.
+
+    Injection points, for tests that put their work on a fake clock: `clock` replaces the
+    step's clock above, `executor` the ``Executor`` class (called with the parallel model;
+    it reports ``last_comm_wait_s`` and ``last_sync_s`` on that clock), `cores` this
+    machine's CPU count (``os.cpu_count()``), which decides whether the ranks time-share."""
     import torch.distributed as dist
 
     from tessera.config import Config, DataConfig, ParallelConfig, TrainConfig
@@ -567,14 +580,15 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq + 1),
                            generator=torch.Generator().manual_seed(1000 + dist.get_rank()))
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    shared = ranks_time_share(os.cpu_count() or 1, world)
-    clock = time.thread_time if shared else _wall_clock
+    shared = ranks_time_share(cores or os.cpu_count() or 1, world)
+    clock = clock or (time.thread_time if shared else _wall_clock)
+    make_executor = executor or Executor
 
     def build(dp: int, seed: int):
         cfg = config(dp)
         torch.manual_seed(seed)
         model = parallelize(cfg, topo if dp > 1 else Topology.solo(), torch.device("cpu"))
-        return Executor(model), model.optimizer(cfg.train), cfg.train.grad_clip
+        return make_executor(model), model.optimizer(cfg.train), cfg.train.grad_clip
 
     waits: list[float] = []
 
@@ -627,7 +641,7 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
 
 def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
                     per_tensor: float, builds: int = WRAPPED_BUILDS,
-                    pairs: int = WRAPPED_PAIRS) -> float:
+                    pairs: int = WRAPPED_PAIRS, **steps) -> float:
     """Passes over the gradient bytes, at `bandwidth` bytes/s, of what tessera's DataParallel
     adds to a training step besides its waits on the all-reduce, its fixed `per_tensor`
     seconds per parameter tensor (``ddp_tensor_us``, measured from outside on tiny layers)
@@ -644,8 +658,9 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
     alone inside ``no_sync()``, which this replaced: it left out the launch, the all-reduce
     in flight and the work after the wait, and priced DDP at dp 2 at 0.66-0.91 of its
     measured cost (docs/planner.md, What DDP at dp 2 misses). Every rank of the default
-    group must call it."""
-    extra, _, plain = wrapped_step_extra(spec, seq, micro_batch, 0, True, builds, pairs)
+    group must call it. `steps`: :func:`wrapped_step_extra`'s injection points (tests)."""
+    extra, _, plain = wrapped_step_extra(spec, seq, micro_batch, 0, True, builds, pairs,
+                                         **steps)
     params = [p for p in plain.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     rest = statistics.median(extra) - len(params) * per_tensor
@@ -654,7 +669,7 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
 
 def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: float,
                      per_unit: float, builds: int = WRAPPED_BUILDS,
-                     pairs: int = WRAPPED_PAIRS) -> tuple[float, float]:
+                     pairs: int = WRAPPED_PAIRS, **steps) -> tuple[float, float]:
     """Passes over the parameter bytes, at `bandwidth` bytes/s, of what tessera's ZeRO-3 adds
     to a micro-batch's forward and backward besides its waits on its gathers and
     reductions and its fixed `per_unit` seconds per unit (``zero_unit_us``, from tiny
@@ -674,10 +689,12 @@ def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: flo
     (13-21 ms; docs/planner.md, What ZeRO-3 at dp 2 misses). Also returns the steps' waits
     (seconds per micro-batch, the ranks' mean, the median over the pairs), from which
     :func:`in_step_overlap` reads ``dp_overlap``. Every rank of the default group must call
-    it (the steps gather and reduce)."""
+    it (the steps gather and reduce). `steps`: :func:`wrapped_step_extra`'s injection points
+    (tests)."""
     from tessera.parallel.zero import transformer_units
 
-    extra, waits, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs)
+    extra, waits, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs,
+                                             **steps)
     units = len(transformer_units(plain))
     weight_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     rest = statistics.median(extra) - units * per_unit
@@ -714,7 +731,8 @@ def sync_idle_seconds(arrivals: list[float], cores: int) -> float:
 
 
 def timed_collective(op: str, nbytes: int, repeats: int,
-                     before: Callable[[], object] | None = None, cores: int = 0) -> float:
+                     before: Callable[[], object] | None = None, cores: int = 0,
+                     clock: Callable[[], float] = _wall_clock) -> float:
     """Median wall seconds of gloo's `op` ('all_reduce', 'all_gather', 'reduce_scatter') whose
     full (unsharded) tensor has `nbytes`, each call right after `before` (compute).
 
@@ -724,7 +742,8 @@ def timed_collective(op: str, nbytes: int, repeats: int,
     arrives early leaves its core to a late one, so that wait is mostly someone's compute:
     there each call costs the ranks' mean time from the last arrival to their return, plus
     the cores its arrivals left idle (:func:`sync_idle_seconds`), read across the ranks on
-    the clock the machine's processes share. Every rank returns the same value then."""
+    the clock the machine's processes share. Every rank returns the same value then.
+    `clock`: wall time (the clock the tests replace with a fake one)."""
     import torch.distributed as dist
 
     from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
@@ -741,9 +760,9 @@ def timed_collective(op: str, nbytes: int, repeats: int,
         dist.barrier()
         if before is not None:
             before()
-        start = _wall_clock()
+        start = clock()
         run()
-        end = _wall_clock()
+        end = clock()
         if not shared:
             samples.append(end - start)
             continue
@@ -757,8 +776,10 @@ def timed_collective(op: str, nbytes: int, repeats: int,
     return statistics.median(samples[3:])
 
 
-def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, float]:
-    """This process's compute measurements (see the module docstring), one thread."""
+def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int,
+                   cores: int | None = None) -> dict[str, float]:
+    """This process's compute measurements (see the module docstring), one thread; `cores`:
+    this machine's CPU count (``os.cpu_count()``; tests pass another)."""
     import torch.distributed as dist
 
     threads = torch.get_num_threads()
@@ -779,7 +800,7 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int) -> dict[str, flo
         if dist.get_world_size() > 1 and not _on_gpu():
             zero_passes, zero_waits = zero_step_passes(spec, seq, micro_batch, bw, zero_unit)
             share_batch = min(micro_batch, SHARE_MICRO_BATCH)
-            cores = os.cpu_count() or 1
+            cores = cores or os.cpu_count() or 1
             if share_batch != micro_batch and not ranks_time_share(cores, dist.get_world_size()):
                 _, zero_waits = zero_step_passes(spec, seq, share_batch, bw, zero_unit)
         ddp_tensor, ddp_passes = ddp_hook_costs(spec, seq, micro_batch, bw)
