@@ -29,10 +29,10 @@ from tessera.pipeline.schedule import (
     add_sharding_actions,
     lower_comms,
     parse,
-    validate,
 )
 from tessera.pipeline.schedules import build_schedule
 from tessera.pipeline.simulator import StageCosts, peak_unsharded, simulate, unshard_counts
+from tessera.pipeline.validator import validate
 from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
 from tessera.topology import Topology
 

@@ -9,6 +9,7 @@ import torch
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.model import build_model
+from tessera.pipeline import validator
 from tessera.pipeline.partition import Chunk, balance, partition
 from tessera.pipeline.schedule import (
     Action,
@@ -18,10 +19,11 @@ from tessera.pipeline.schedule import (
     add_sharding_actions,
     lower_comms,
     parse,
-    validate,
 )
 from tessera.pipeline.schedules import SCHEDULES, ScheduleSpec, build_schedule, register
 from tessera.pipeline.simulator import StageCosts, peak_inflight, prepare, simulate
+from tessera.pipeline.timeline import text_grid
+from tessera.pipeline.validator import validate
 
 VIRTUAL = {"interleaved": (1, 2, 3), "interleaved-lean": (1, 2, 3), "bfs": (1, 2, 3)}
 INTERLEAVED = ("interleaved", "interleaved-lean")
@@ -236,6 +238,30 @@ def test_validator_catches_structural_errors():
                        "rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"))
 
 
+
+def test_validator_simulates_each_schedule_once(monkeypatch):
+    """build_schedule checks a schedule and its lowered form; checking a copy, or the lowered
+    form (what the runtime runs), simulates nothing again. A schedule that failed, or one
+    changed since it passed, is checked again."""
+    simulated: list[Schedule] = []
+    blocking = validator._simulate_blocking
+    monkeypatch.setattr(validator, "_PASSED", {})
+    monkeypatch.setattr(validator, "_simulate_blocking",
+                        lambda s: simulated.append(s) or blocking(s))
+    s = build_schedule("gpipe", 2, 2)
+    assert [x.is_lowered for x in simulated] == [False, True]
+    validate(build_schedule("gpipe", 2, 2))
+    validate(lower_comms(s))
+    assert len(simulated) == 2
+    deadlocked = "rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1F0 1B0 1B1"
+    for _ in range(2):
+        with pytest.raises(ScheduleError, match="deadlocks"):
+            validate(parse(deadlocked))
+    assert len(simulated) == 4
+    s.actions[0].reverse()
+    with pytest.raises(ScheduleError, match="before its forward"):
+        validate(s)
+
 def test_bad_arguments_are_one_line_errors():
     with pytest.raises(ConfigError, match=r"microbatches=3: interleaved 1F1B needs .* pp=2"):
         build_schedule("interleaved", 2, 3, 2)
@@ -290,7 +316,7 @@ def test_config_accepts_exactly_the_registered_schedules():
 
 
 def test_text_grid_shows_bubbles():
-    grid = build_schedule("gpipe", 2, 2).grid()
+    grid = text_grid(build_schedule("gpipe", 2, 2))
     assert grid.splitlines() == ["rank 0 | F0 F1 .  .  B0 B1",
                                  "rank 1 | .  F0 F1 B0 B1 ."]
     assert isinstance(build_schedule("interleaved", 2, 2, 2), Schedule)

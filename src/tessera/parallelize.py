@@ -85,9 +85,10 @@ from tessera.parallel.zero_state import (
     unflatten,
 )
 from tessera.pipeline.partition import Chunk, partition
-from tessera.pipeline.schedule import Schedule, add_sharding_actions, validate
+from tessera.pipeline.schedule import Schedule, add_sharding_actions
 from tessera.pipeline.schedules import build_schedule, is_breadth_first
 from tessera.pipeline.split import parse_stage_layout
+from tessera.pipeline.validator import validate
 from tessera.topology import Topology
 
 
@@ -512,7 +513,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
     all-to-alls of every algorithm are also counted in ``ParallelModel.ep.stats``)."""
     check_layout(cfg)
     if schedule is None:
-        schedule = validate(training_schedule(cfg))
+        schedule = training_schedule(cfg)  # validated by build_schedule
     else:
         validate(schedule)
         if schedule.n_ranks != topo.pp:

@@ -20,10 +20,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessera.config import ConfigError
-from tessera.pipeline.schedule import Kind, Schedule, add_sharding_actions, parse, validate
+from tessera.pipeline.schedule import Kind, Schedule, add_sharding_actions, parse
 from tessera.pipeline.schedules import build_schedule, closed_form_bubble, is_breadth_first
 from tessera.pipeline.simulator import StageCosts, peak_unsharded, simulate, unshard_counts
-from tessera.pipeline.timeline import write_chrome_trace, write_png
+from tessera.pipeline.timeline import text_grid, write_chrome_trace, write_png
+from tessera.pipeline.validator import validate
 
 
 def load_schedule(name: str, pp: int, microbatches: int, virtual: int,
@@ -54,7 +55,7 @@ def describe(schedule: Schedule, backward_ratio: float = 2.0, dp_reduce: float =
                        unshard=gather / v)
     result = simulate(schedule, costs)
     lines = [f"schedule {schedule.name}: pp={p} virtual={v} microbatches={m} "
-             f"chunks={schedule.n_chunks}", "", schedule.grid(),
+             f"chunks={schedule.n_chunks}", "", text_grid(schedule),
              "(grid: one column per unit of time, forward = backward = 1; '.' is a bubble)", ""]
     closed = closed_form_bubble(schedule.name, p, m, v, group) if schedule.name in _registered() \
         else None

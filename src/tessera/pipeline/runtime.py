@@ -6,7 +6,7 @@ The runtime walks the lowered schedule (``schedule.lower_comms``) of its pipelin
   receives of the next run (posted ahead, so their transfers overlap the compute in between);
   the run's receives are waited for at once (the next compute needs them), the sends only at
   the end of the step, so a rank never blocks on a send: exactly the semantics
-  ``schedule.validate`` proves deadlock-free (posting a receive early never blocks);
+  ``validator.validate`` proves deadlock-free (posting a receive early never blocks);
 - ``F(c, m)``: the chunk's input is the micro-batch's tokens (chunk 0), the received
   activation, or the output of chunk c-1 when it lives on this rank; the input is detached and
   marked as requiring grad, so each chunk's backward is its own autograd graph. The last chunk
@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.pipeline.schedule import Action, Kind, Schedule, batches, lower_comms, validate
+from tessera.pipeline.schedule import Action, Kind, Schedule, batches, lower_comms
 from tessera.pipeline.simulator import TimelineEvent
+from tessera.pipeline.validator import validate
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

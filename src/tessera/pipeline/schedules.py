@@ -44,7 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from tessera.config import ConfigError
-from tessera.pipeline.schedule import Action, B, F, Schedule, validate
+from tessera.pipeline.schedule import Action, B, F, Schedule
+from tessera.pipeline.validator import validate
 
 Orders = list[list[Action]]
 
@@ -147,20 +148,13 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
 def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
                    group: int = 0) -> Schedule:
     """The validated compute-only schedule `name` for pp ranks, m micro-batches, v chunks/rank
-    (and micro-batch groups of `group` where the schedule takes one; 0: its default).
+    (and micro-batch groups of `group` where the schedule takes one; 0: its default): a new
+    object per call (``validator.validate`` remembers what passed, so asking again costs no
+    simulation).
 
     Bad arguments raise ConfigError with a one-line 'field=value: rule' message."""
     check_schedule(name, pp, microbatches, virtual, group)
-    cached = _validated(SCHEDULES[name], pp, microbatches, virtual, group)
-    return Schedule(cached.name, [list(acts) for acts in cached.actions], cached.n_chunks,
-                    cached.n_microbatches, cached.chunk_rank)
-
-
-@functools.lru_cache(maxsize=256)
-def _validated(spec: ScheduleSpec, pp: int, microbatches: int, virtual: int,
-               group: int) -> Schedule:
-    """Generate and validate once per arguments (the planner asks for many); callers get
-    copies, so the cached lists are never mutated."""
+    spec = SCHEDULES[name]
     schedule = Schedule(spec.name, spec.orders(pp, microbatches, virtual, group), pp * virtual,
                         microbatches, tuple(c % pp for c in range(pp * virtual)))
     return validate(schedule)

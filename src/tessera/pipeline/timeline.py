@@ -1,13 +1,16 @@
-"""Pictures of a schedule: a PNG timeline like the lecture figures, and a Chrome/Perfetto trace.
+"""Pictures of a schedule: a text grid, a PNG timeline like the lecture figures, and a
+Chrome/Perfetto trace.
 
-Both take a list of ``TimelineEvent``s, so the simulator's timeline and a training run's
-measured one (``PipelineEngine.write_timeline``) are drawn by the same code. In the PNG each
-device is a row; forward and backward boxes are coloured by micro-batch (forward light,
-backward dark) and numbered with it; with several chunks per device the chunk shows as a
-hatch and in the number (``3`` on chunk 0, ``3'`` on chunk 1, ...); gaps are bubbles. Data-
-parallel communication is drawn in a thin lane under each device: gradient reductions ('dp',
-ZeRO-3's 'reduce') as grey boxes in its lower half, ZeRO-3 parameter all-gathers ('unshard')
-as blue boxes in its upper half, each labelled with its chunk.
+:func:`text_grid` draws the simulator's timeline of a schedule under unit (or given) costs as
+text, one row per rank. The PNG and the trace take a list of ``TimelineEvent``s, so the
+simulator's timeline and a training run's measured one (``PipelineEngine.write_timeline``) are
+drawn by the same code. In the PNG each device is a row; forward and backward boxes are
+coloured by micro-batch (forward light, backward dark) and numbered with it; with several
+chunks per device the chunk shows as a hatch and in the number (``3`` on chunk 0, ``3'`` on
+chunk 1, ...); gaps are bubbles. Data-parallel communication is drawn in a thin lane under
+each device: gradient reductions ('dp', ZeRO-3's 'reduce') as grey boxes in its lower half,
+ZeRO-3 parameter all-gathers ('unshard') as blue boxes in its upper half, each labelled with
+its chunk.
 """
 
 from __future__ import annotations
@@ -16,12 +19,37 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera.pipeline.simulator import TimelineEvent
+from tessera.pipeline.schedule import Schedule
+from tessera.pipeline.simulator import StageCosts, TimelineEvent, simulate
 
 HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")
 COMM = ("dp", "reduce", "unshard")
 """Event kinds drawn in the communication lane."""
 GATHER_COLOR = (0.45, 0.65, 0.9)
+
+
+def text_grid(schedule: Schedule, costs: StageCosts | None = None,
+              cell: int | None = None) -> str:
+    """Text grid, ranks × time: each compute action in the time slots the simulator gives it
+    (unit forward and backward costs unless `costs` is given); '.' marks a bubble. `cell`: the
+    width of a slot (default: the widest label)."""
+    result = simulate(schedule, costs or StageCosts(forward=1.0, backward=1.0))
+    times = sorted({e.start for e in result.timeline} | {e.end for e in result.timeline})
+    unit = min((b - a for a, b in zip(times, times[1:], strict=False) if b - a > 1e-12),
+               default=1.0)
+    n_slots = round(result.makespan / unit)
+    show_chunk = schedule.n_chunks > schedule.n_ranks
+    cells: list[list[str]] = [["."] * n_slots for _ in range(schedule.n_ranks)]
+    for e in result.timeline:
+        if e.kind not in ("F", "B"):
+            continue
+        label = f"{e.chunk}{e.kind}{e.microbatch}" if show_chunk else f"{e.kind}{e.microbatch}"
+        for slot in range(round(e.start / unit), round(e.end / unit)):
+            cells[e.rank][slot] = label
+    width = cell or max(len(c) for row in cells for c in row)
+    rows = [f"rank {r} | " + " ".join(c.ljust(width) for c in row).rstrip()
+            for r, row in enumerate(cells)]
+    return "\n".join(rows)
 
 
 def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str = "",

@@ -190,11 +190,6 @@ def zero_max_params(memory_bytes: float, zero_stage: int, n_d: int, k: int = 12)
     return memory_bytes / zero_model_state_bytes(1.0, zero_stage, n_d, k)
 
 
-def bubble_fraction_closed_form(p: int, m: int, v: int = 1) -> float:
-    """Narayanan et al. 2021 §2.2: idle over ideal time, (p−1)/m; interleaved (p−1)/(v·m)."""
-    return (p - 1) / (v * m)
-
-
 # ---------------------------------------------------------------------------------------------
 # The problem and a layout
 
