@@ -230,8 +230,11 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
         start = checkpoint.restore(resume_from, cfg, executor, optimizer, scheduler, loader)
 
     out = Path(cfg.train.out_dir)
-    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None, append=start > 0,
-                         tensorboard=out / "tensorboard" if cfg.train.tensorboard else None)
+    # A resumed run continues the log after a restart marker (metrics.read_metrics).
+    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None,
+                         resumed_from=start if resume_from is not None else None,
+                         tensorboard=out / "tensorboard" if cfg.train.tensorboard else None,
+                         restart=restart_count(), checkpoint=resume_from)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
