@@ -141,6 +141,7 @@ def test_peer_loss_is_told_from_other_errors():
 
 @pytest.mark.parametrize("restart, interval, then", [
     ("0", 5, "the launcher restarts it from the newest checkpoint (restart 1 of 2)"),
+    ("1", 0, "the launcher restarts it from where this run began (restart 2 of 2)"),
     ("2", 5, "the launcher's summary names the rank that failed; --resume latest goes on from "
              "the newest checkpoint"),
     ("2", 0, "the launcher's summary names the rank that failed; with no checkpoints "

@@ -427,8 +427,10 @@ def lost_peer_line(cfg: Config, rank: int, stage: str, reason: str) -> str:
     the launcher's restart, or how to continue by hand."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if restart_count() < restarts:
-        then = (f"the launcher restarts it from the newest checkpoint (restart "
-                f"{restart_count() + 1} of {restarts})")
+        where = ("the newest checkpoint" if cfg.train.checkpoint_interval else
+                 "where this run began")
+        then = (f"the launcher restarts it from {where} (restart {restart_count() + 1} of "
+                f"{restarts})")
     elif cfg.train.checkpoint_interval:
         then = ("the launcher's summary names the rank that failed; --resume latest goes on "
                 "from the newest checkpoint")
