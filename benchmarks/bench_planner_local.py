@@ -193,6 +193,8 @@ def wait_for_quiet(limit_s: float, threshold: float = 0.9) -> float:
 def measure(case: Case, steps: int, data: str) -> list[dict]:
     """Per-step records of one `tessera train` run (all ranks' steps end together; rank 0's
     metrics.jsonl: step_s, comm_wait_s, compute_s), without the first two steps."""
+    from tessera.metrics import read_metrics
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -206,8 +208,7 @@ def measure(case: Case, steps: int, data: str) -> list[dict]:
                               stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{case.name}: tessera train failed:\n{proc.stderr[-2000:]}")
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        return [r for r in map(json.loads, lines) if "step_s" in r][2:]
+        return [r for r in read_metrics(out / "metrics.jsonl") if "step_s" in r][2:]
 
 
 def predict_cost(case: Case, hw_path: str) -> float:

@@ -348,7 +348,6 @@ def make_corpus(directory: Path) -> str:
     """A small prepared byte-level corpus (~60 KB), as the tests' tiny_data."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import SAMPLE_TEXT
-
     from tessera.data.prepare import prepare
     from tessera.data.tokenizer import ByteTokenizer
 

@@ -22,6 +22,7 @@ from cli_errors import cli_error
 from tessera.checkpoint import CheckpointError, latest, load_model, step_dir
 from tessera.cli import app
 from tessera.config import make_config
+from tessera.metrics import read_metrics
 from tessera.testing import run_ranks
 
 STEPS, EVERY = 6, 3
@@ -39,7 +40,7 @@ def _cfg(data: str, out: str, parallel: dict | None = None, **train) -> object:
 
 
 def _records(out: Path) -> dict[int, tuple[float, float]]:
-    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / "metrics.jsonl")
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
 
 

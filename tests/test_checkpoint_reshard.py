@@ -47,6 +47,7 @@ from tessera.checkpoint import (
     step_dir,
 )
 from tessera.config import Config, make_config
+from tessera.metrics import read_metrics
 from tessera.testing import assert_curves_close, run_ranks
 
 STEPS, SAVED = 8, 4
@@ -183,7 +184,7 @@ def _job(data: str, root: str, trains: list[str], resumes: list[tuple[str, str]]
 
 
 def _records(out: Path) -> dict[int, tuple[float, float]]:
-    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / "metrics.jsonl")
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
 
 

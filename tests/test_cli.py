@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from cli_errors import cli_error
 from tessera.cli import app
+from tessera.metrics import read_metrics
 
 runner = CliRunner()
 
@@ -162,7 +163,8 @@ def test_launched_training_run(tiny_data, tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "world=2" in proc.stdout and "dp=2" in proc.stdout
-    assert (tmp_path / "train" / "metrics.jsonl").read_text().count("\n") == 5  # step 0 + 4
+    assert [r["step"] for r in read_metrics(tmp_path / "train" / "metrics.jsonl")] == [
+        0, 1, 2, 3, 4]
     assert not (tmp_path / "--no-progress").exists()
 
 
@@ -210,7 +212,7 @@ def test_profile_steps_write_a_trace(tiny_data, tmp_path):
     assert result.exit_code == 0, result.output
     trace = json.loads((out / "profile" / "rank-00000.trace.json").read_text())
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / "metrics.jsonl")
     assert [r.get("profiled", False) for r in rows if r["step"] > 0] == [False, True, True]
     assert "train.profile_steps='2:9': needs 1 <= A <= B <= train.steps=3" in cli_error(
         ["train", "--preset", "tiny", "--data", tiny_data, "--steps", "3", "--profile-steps",

@@ -18,6 +18,7 @@ from tessera.checkpoint import load_model
 from tessera.config import make_config
 from tessera.data.loader import TokenDataset
 from tessera.evaluate import evaluate
+from tessera.metrics import read_metrics
 from tessera.model import Transformer
 from tessera.testing import assert_close_summed, assert_curves_close
 from tessera.trainer import run
@@ -51,7 +52,7 @@ def test_cp_refuses_what_it_does_not_compose_with(tiny_data):
 
 
 def _losses(out: Path) -> list[float]:
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / "metrics.jsonl")
     return [r["loss"] for r in rows if r["step"] > 0]
 
 

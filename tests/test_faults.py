@@ -3,10 +3,11 @@
 The launched tests run `tessera train --nproc 2` in a subprocess (tiny model, 2 ranks) and do
 the fault from outside with a real signal on a rank's real pid, found as the launcher's child
 whose environment says RANK=r: SIGSTOP (the others must stop within the collective timeout,
-naming the rank), SIGKILL under --max-restarts 1 (the restarted job resumes from the newest
-checkpoint and ends with the same final loss as a run never interrupted: tolerance 0, since the
-same layout resumes bit for bit, tests/test_checkpoint.py), and SIGKILL while a checkpoint is
-being written (the previous checkpoint stays whole and the restart resumes from it).
+naming the rank), SIGKILL under --max-restarts 1 (the surviving rank says in one line that it
+lost a peer; the restarted job resumes from the newest checkpoint, marks the restart in
+metrics.jsonl, and ends with the same final loss as a run never interrupted: tolerance 0, since
+the same layout resumes bit for bit, tests/test_checkpoint.py), and SIGKILL while a checkpoint
+is being written (the previous checkpoint stays whole and the restart resumes from it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from cli_errors import cli_error
 from tessera.checkpoint import latest
 from tessera.config import make_config
+from tessera.metrics import read_log, read_metrics
 from tessera.testing import run_ranks
 from tessera.watchdog import Watchdog
 
@@ -109,6 +111,74 @@ def test_watchdog_lets_a_finished_rank_go():
     dog0.stop()
 
 
+# What torch 2.13's gloo raises in a rank whose peer was killed (kill -9) before or during
+# all_reduce, barrier, send/recv, all_gather (a RuntimeError); and torch's store client.
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+               "Connection closed by peer [127.0.0.1]:37250. This is typically caused by a "
+               "remote worker crashing. Check the logs of the remote worker before reporting an "
+               "error. GLHF! \N{UMBRELLA ON GROUND}")
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+              "error [127.0.0.1]:47814: Connection reset by peer. This is typically caused by a "
+              "remote worker hanging or bugs in the application.")
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:"
+                "78] Timed out waiting 3000ms for recv operation to complete")
+
+
+def test_peer_loss_is_told_from_other_errors():
+    from tessera.watchdog import peer_loss_reason
+
+    assert peer_loss_reason(RuntimeError(GLOO_CLOSED)) == (
+        "Connection closed by peer [127.0.0.1]:37250")
+    assert peer_loss_reason(RuntimeError(GLOO_RESET)) == (
+        "Read error [127.0.0.1]:47814: Connection reset by peer")
+    assert peer_loss_reason(dist.DistBackendError(GLOO_CLOSED)) is not None
+    assert peer_loss_reason(dist.DistNetworkError(
+        "Failed to recv, got 0 bytes. Connection was likely closed.")) == (
+        "Failed to recv, got 0 bytes")
+    # A late rank or a desync (timeout), a bug, an error of another kind: not a lost peer.
+    for error in (RuntimeError(GLOO_TIMEOUT),
+                  RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"),
+                  ValueError("Connection closed by peer"), KeyError("step")):
+        assert peer_loss_reason(error) is None, error
+
+
+@pytest.mark.parametrize("restart, interval, then", [
+    ("0", 5, "the launcher restarts it from the newest checkpoint (restart 1 of 2)"),
+    ("1", 0, "the launcher restarts it from where this run began (restart 2 of 2)"),
+    ("2", 5, "the launcher's summary names the rank that failed; --resume latest goes on from "
+             "the newest checkpoint"),
+    ("2", 0, "the launcher's summary names the rank that failed; with no checkpoints "
+             "(--checkpoint-interval) a new run starts over")])
+def test_a_lost_peer_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch, restart, interval,
+                                                                then):
+    """trainer.run turns a collective's lost-peer error into PeerLostError with the line the
+    CLI prints (the step from train's position, what happens next); any other error passes
+    through unchanged."""
+    from tessera import trainer
+
+    def failing(error: BaseException, stage: str):
+        def train(cfg, progress=True, position=None):
+            position.stage = stage
+            raise error
+        return train
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("RANK", "3")
+    cfg = make_config("tiny", overrides=[f"train.checkpoint_interval={interval}"])
+    monkeypatch.setattr(trainer, "train", failing(RuntimeError(GLOO_CLOSED), "step 7"))
+    with pytest.raises(trainer.PeerLostError) as lost:
+        trainer.run(cfg)
+    assert str(lost.value) == ("rank 3 lost a peer during step 7 (Connection closed by peer "
+                               f"[127.0.0.1]:37250): the job stops; {then}")
+    assert lost.value.__suppress_context__  # raised `from None`: no chained traceback
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)")
+    monkeypatch.setattr(trainer, "train", failing(bug, "step 7"))
+    with pytest.raises(RuntimeError) as raised:
+        trainer.run(cfg)
+    assert raised.value is bug
+
+
 def test_fault_flags_are_checked(tiny_data):
     line = cli_error(["train", "--data", tiny_data, *TINY, "--collective-timeout", "0"])
     assert "train.collective_timeout_s=0.0: must be a finite number of seconds >= 1" in line
@@ -147,8 +217,7 @@ class Job:
         """Until metrics.jsonl (written by rank 0 after each step) shows `step`."""
         metrics, t0 = self.out / "metrics.jsonl", time.monotonic()
         while time.monotonic() - t0 < timeout:
-            if metrics.exists() and any(json.loads(ln).get("step", -1) >= step for ln in
-                                        metrics.read_text().splitlines() if ln.endswith("}")):
+            if metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics)):
                 return
             assert self.proc.poll() is None, self.report()
             time.sleep(0.02)
@@ -206,8 +275,34 @@ def _listening(pids: list[int]) -> list[tuple[int, str]]:
 
 def _losses(out: Path) -> dict[int, float]:
     """Step -> loss from metrics.jsonl; a resumed run appends, and its records win."""
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+
+
+SLOW_AGENT = ("PET_MONITOR_INTERVAL", "1")
+"""The launcher's agent looks at its ranks every second (torchrun's --monitor-interval; 0.1 s
+by default): the surviving rank, whose next collective fails at once, then says so before the
+agent's SIGTERM ends it, on a loaded machine too."""
+
+
+def _check_restart(job: Job, resumed_from: Path, at: int) -> None:
+    """After rank 1 was killed under --max-restarts 1: rank 0 said in one line that it lost its
+    peer (gloo's traceback left out), and metrics.jsonl marks the restart before the steps
+    from `at` + 1 on, logged again."""
+    lost = [ln for _, ln in job.stderr if "lost a peer" in ln]
+    assert len(lost) == 1 and re.fullmatch(
+        r"error: rank 0 lost a peer during step (\d+) \((Connection closed by peer|Read error)"
+        r" [^()]*\): the job stops; the launcher restarts it from the newest checkpoint "
+        r"\(restart 1 of 1\)", lost[0]), job.report()
+    assert at < int(lost[0].split("during step ")[1].split()[0]), lost
+    assert not any("Traceback" in ln for _, ln in job.stderr), job.report()
+    lines = (job.out / "metrics.jsonl").read_text().splitlines()
+    markers = [i for i, ln in enumerate(lines) if '"event"' in ln]
+    assert len(markers) == 1, lines
+    marker = json.loads(lines[markers[0]])
+    assert {k: v for k, v in marker.items() if k != "time"} == {
+        "event": "restart", "from_step": at, "restart": 1, "checkpoint": str(resumed_from)}
+    assert json.loads(lines[markers[0] + 1])["step"] == at + 1
+    assert read_log(job.out / "metrics.jsonl")[1] == [marker]
 
 
 @pytest.mark.slow
@@ -277,7 +372,8 @@ def uninterrupted(tiny_data, tmp_path_factory) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_path,
-                                                                 uninterrupted):
+                                                                 uninterrupted, monkeypatch):
+    monkeypatch.setenv(*SLOW_AGENT)
     steps, every = STEPS, EVERY
     job = Job(tiny_data, tmp_path / "run", "--max-restarts", "1", "--checkpoint-interval",
               str(every), steps=steps)
@@ -294,6 +390,7 @@ def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tiny_data, tmp_
     # The restart resumed from the newest complete checkpoint, not from the start.
     at = int(resumed[0].split(" at step ")[1].split()[0])
     assert every <= at < steps and at % every == 0, resumed
+    _check_restart(job, tmp_path / "run" / "checkpoints" / f"step-{at:07d}", at)
     got = _losses(tmp_path / "run")
     assert sorted(got) == list(range(1, steps + 1))
     assert got == uninterrupted  # every step's loss, the final one included: bit for bit
@@ -346,6 +443,7 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tiny_data, tmp_
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("TESSERA_TEST_STOP_SAVING", "step-0000010")
+    monkeypatch.setenv(*SLOW_AGENT)
     root = tmp_path / "run" / "checkpoints"
     job = Job(tiny_data, tmp_path / "run", "--max-restarts", "1", "--checkpoint-interval",
               str(EVERY), steps=STEPS)
@@ -366,6 +464,7 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tiny_data, tmp_
     resumed = [ln for ln in job.stdout if ln.startswith("resumed from ")]
     assert resumed == [f"resumed from {root / 'step-0000005'} at step 5 (restart 1)"], (
         job.report())
+    _check_restart(job, root / "step-0000005", 5)
     got = _losses(tmp_path / "run")
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got == uninterrupted

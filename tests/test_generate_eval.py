@@ -22,6 +22,7 @@ from tessera.data.prepare import prepare
 from tessera.data.tokenizer import ByteTokenizer
 from tessera.evaluate import evaluate, trained_validation
 from tessera.generate import filter_logits
+from tessera.metrics import read_metrics
 from tessera.model import Transformer
 from tessera.testing import assert_close_summed
 from tessera.weights import load_weights
@@ -189,7 +190,7 @@ def test_init_from_a_checkpoint_starts_where_it_ended(trained, tiny_data, tmp_pa
         "data.seq_len=16", "--set", "data.val_tokens=256", "--set", "train.sample_tokens=0",
         "--set", "train.micro_batch_size=8"])
     assert result.exit_code == 0, result.output
-    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    first = read_metrics(out / "metrics.jsonl")[0]
     assert first["step"] == 0
     # Same weights, windows, batching and kernels: the same arithmetic, so exactly equal.
     assert first["val_loss"] == summary["val_losses"][-1][1]
@@ -213,7 +214,7 @@ def test_init_from_under_tensor_parallelism(trained, tiny_data, tmp_path):
                            "data.val_tokens=256", "--set", "train.sample_tokens=0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    first = json.loads((tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()[0])
+    first = read_metrics(tmp_path / "tp" / "metrics.jsonl")[0]
     # tp splits the contractions over heads and the MLP's inner size across ranks and adds the
     # partial sums, and the loss is a mean over 256 targets of a softmax over 256 logits: the
     # summation bound over those terms, per layer for the contractions.

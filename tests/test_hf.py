@@ -17,6 +17,7 @@ from tessera.checkpoint import load_model
 from tessera.cli import app
 from tessera.config import ModelConfig, make_config
 from tessera.hf import from_hf_rows, hf_config, load_hf, model_config_from_hf, to_hf_rows
+from tessera.metrics import read_metrics
 from tessera.model import Transformer
 from tessera.testing import assert_close_summed
 
@@ -172,9 +173,7 @@ def test_imported_weights_first_step_loss_at_dp1_tp2_pp2(tmp_path, tiny_data):
     assert one.exit_code == 0, one.output
 
     def first(run: str) -> dict:
-        rows = [json.loads(ln) for ln in (tmp_path / run / "metrics.jsonl").read_text()
-                .splitlines()]
-        return next(r for r in rows if r["step"] == 1)
+        return next(r for r in read_metrics(tmp_path / run / "metrics.jsonl") if r["step"] == 1)
 
     cfg, _ = load_hf(tmp_path / "hf")
     seq = make_config("tiny").data.seq_len

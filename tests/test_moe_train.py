@@ -12,6 +12,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from cli_errors import cli_error
 from tessera.config import make_config
+from tessera.metrics import read_metrics
 from tessera.parallelize import parallelize
 from tessera.report import summary_lines
 from tessera.testing import run_ranks
@@ -57,8 +58,7 @@ def test_expert_load_in_metrics_and_summary(tiny_data, tmp_path):
                       train=dict(steps=4, micro_batch_size=2, grad_accum=2, eval_interval=0,
                                  sample_tokens=8, out_dir=str(tmp_path)))
     run_ranks(_train, 4, args=(cfg,))
-    rows = [json.loads(ln) for ln in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["step"] > 0]
+    rows = [r for r in read_metrics(Path(tmp_path) / "metrics.jsonl") if r["step"] > 0]
     assert len(rows) == 4
     tokens = 2 * 4 * 16  # global batch
     for r in rows:
@@ -89,7 +89,7 @@ def _routed_per_step(tiny_data: str, out: Path, recompute: str,
                                  sample_tokens=0, out_dir=str(out)))
     with set_checkpoint_early_stop(early_stop):
         result = run(cfg, progress=False)
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / "metrics.jsonl")
     return ([r["moe_tokens_per_expert"] for r in rows if r["step"] > 0],
             result.moe["moe_tokens_per_expert"])
 

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tessera.cli import app
+from tessera.metrics import read_metrics
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 LINE = "def add(a, b):\n    return a + b  # the sum of {i} and more\n"
@@ -60,7 +61,7 @@ def test_prepare_train_20_steps_and_generate(tmp_path, kind):
     _invoke(["data", "prepare", "--source", str(source), "--out", str(data)])
     _invoke(["train", "--preset", "tiny", "--data", str(data), "--steps", "20",
              "--checkpoint-interval", "20", "--out", str(run), *SMALL])
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 21))
     # 20 steps on repetitive text: well below the uniform ln 256 = 5.55 nats it starts near.
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 1.0

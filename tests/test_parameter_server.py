@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from dp_parity import (
 from tessera.collectives import CommStats, all_reduce
 from tessera.config import ConfigError, make_config
 from tessera.layout import check_layout
+from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy, param_count
 from tessera.optim import adamw
 from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
@@ -200,8 +200,7 @@ def _train_each_mode(cfgs) -> None:
 
 
 def _rows(out) -> list[dict]:
-    rows = [json.loads(ln) for ln in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["step"] > 0]
+    return [r for r in read_metrics(Path(out) / "metrics.jsonl") if r["step"] > 0]
 
 
 @pytest.mark.multiprocess

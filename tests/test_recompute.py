@@ -38,6 +38,7 @@ from dp_parity import (
 )
 from tessera.cli import app
 from tessera.config import ConfigError, make_config
+from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy
 from tessera.parallel.recompute import apply_recompute
 from tessera.testing import run_ranks
@@ -182,8 +183,7 @@ def test_cli_recompute_reaches_the_run_and_changes_no_loss(tiny_data, tmp_path):
             "--set", "data.val_tokens=256", "--set", "train.sample_tokens=0"])
         assert result.exit_code == 0, result.output
         assert json.loads((out / "config.json").read_text())["parallel"]["recompute"] == mode
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        curves[mode] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+        curves[mode] = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert len(curves["none"]) == 3 and curves["full"] == curves["none"]
     assert "parallel.recompute='most'" in cli_error(["train", "--preset", "tiny", "--data",
                                                      tiny_data, "--recompute", "most"])

@@ -15,6 +15,7 @@ import pytest
 
 from cli_errors import cli_error
 from tessera.config import make_config
+from tessera.metrics import read_metrics
 from tessera.testing import assert_close_summed, assert_curves_close
 from tessera.trainer import run
 
@@ -57,7 +58,7 @@ def test_tp_refuses_what_it_does_not_compose_with(tiny_data):
 
 
 def _losses(out: Path) -> list[float]:
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / "metrics.jsonl")
     return [r["loss"] for r in rows if r["step"] > 0]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tessera.config import make_config
+from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy
 from tessera.optim import lr_lambda
 from tessera.step import build_executor
@@ -26,8 +27,7 @@ def _cfg(data, out, **train):
 
 def _metrics(out) -> list[dict]:
     """Per-step records (the step-0 validation record left out)."""
-    rows = [json.loads(ln) for ln in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["step"] > 0]
+    return [r for r in read_metrics(Path(out) / "metrics.jsonl") if r["step"] > 0]
 
 
 def test_loss_decreases_and_metrics_logged(tiny_data, tmp_path):

@@ -17,6 +17,7 @@ from dp_parity import ADAM_ROUNDINGS, Shadow
 from tessera.cli import app
 from tessera.collectives.algorithms import all_gather_single
 from tessera.config import Config, make_config
+from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy
 from tessera.optim import lr_lambda
 from tessera.parallel.zero import ZeroModel
@@ -358,9 +359,8 @@ def _trainer_rank(data: str, out: str) -> dict[int, list[float]]:
             f"train.out_dir={out}/{stage}"])
         train(cfg, progress=False)
         if torch.distributed.get_rank() == 0:
-            rows = (Path(out) / str(stage) / "metrics.jsonl").read_text()
-            losses[stage] = [json.loads(r)["loss"] for r in rows.splitlines()
-                             if json.loads(r)["step"] > 0]
+            rows = read_metrics(Path(out) / str(stage) / "metrics.jsonl")
+            losses[stage] = [r["loss"] for r in rows if r["step"] > 0]
     return losses
 
 

@@ -279,12 +279,15 @@ def train(
                     os.environ[name] = value
         raise typer.Exit(code)
 
-    from tessera.trainer import run
+    from tessera.trainer import PeerLostError, run
 
     try:
         run(cfg, progress=not no_progress)
     except (ConfigError, DataError, CheckpointError) as e:
         raise fail(str(e)) from None
+    except PeerLostError as e:  # not bad input: exit 1, as a failed rank does
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(1) from None
 
 
 def torch_cuda_available() -> bool:

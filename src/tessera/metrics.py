@@ -1,4 +1,12 @@
-"""Per-step metrics: throughput, model FLOP/s and MFU, peak memory, and a JSONL log."""
+"""Per-step metrics: throughput, model FLOP/s and MFU, peak memory, and a JSONL log.
+
+A resumed run (``--resume``, or a restart by the elastic launcher) continues the log of the run
+it resumes: it first writes a marker ``{"event": "restart", "from_step": N, ...}`` and then
+records from step N + 1 on, so the steps run between the checkpoint at N and the failure appear
+twice in the file. ``read_metrics`` keeps, for each step, the record written last, after the
+newest marker whose ``from_step`` is below it: every reader of ``metrics.jsonl`` goes through
+it. TensorBoard gets the same rule from ``purge_step``.
+"""
 
 from __future__ import annotations
 
@@ -41,26 +49,76 @@ def mfu(flops_per_s: float, peak_tflops: float | None, n_devices: int) -> float 
 
 class JsonlLogger:
     """Appends one JSON object per line; only the writing rank opens the file. With
-    `tensorboard` (a directory) every number of a record also goes there as a scalar."""
+    `tensorboard` (a directory) every number of a record also goes there as a scalar.
 
-    def __init__(self, path: str | Path | None, append: bool = False,
-                 tensorboard: str | Path | None = None):
-        """A new file, or with `append` (a resumed run) the existing one continued."""
+    With `resumed_from` (the step a resumed run restored) the existing file is continued and
+    begins the continuation with a restart marker; TensorBoard drops its own records of the
+    steps after `resumed_from` (the resumed run writes them again)."""
+
+    def __init__(self, path: str | Path | None, resumed_from: int | None = None,
+                 tensorboard: str | Path | None = None, restart: int = 0,
+                 checkpoint: str | Path | None = None):
+        """A new file; or for a resumed run (`resumed_from`: its first step is that + 1;
+        `restart`: the launcher's restart count, 0 for a resume by hand; `checkpoint`: the one
+        it restored) the existing file, if any, continued, with a restart marker first."""
         self.path = Path(path) if path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not (append and self.path.exists()):
+            if resumed_from is None or not self.path.exists():
                 self.path.write_text("")
-        self.tensorboard = TensorBoardWriter(tensorboard) if self.path and tensorboard else None
+        self.tensorboard = (TensorBoardWriter(tensorboard, resumed_from)
+                            if self.path and tensorboard else None)
+        if self.path and resumed_from is not None:
+            marker: dict[str, Any] = {"event": "restart", "from_step": resumed_from,
+                                      "restart": restart}
+            if checkpoint is not None:
+                marker["checkpoint"] = str(checkpoint)
+            self._write(marker)
 
     def log(self, record: dict[str, Any]) -> None:
         """Append `record` with `time`, the wall clock in Unix seconds (UTC), when it is written:
         so runs can be lined up with each other and with system logs."""
+        self._write(record)
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
+
+    def _write(self, record: dict[str, Any]) -> None:
         if self.path:
             with self.path.open("a") as f:
                 f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
-        if self.tensorboard is not None:
-            self.tensorboard.log(record)
+
+
+def read_log(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A metrics.jsonl file as (step records, events): one record per step, in step order, the
+    one written last after the newest restart marker below its step (a marker with
+    ``from_step`` N drops every earlier record of a step after N: the resumed run went on from
+    the state at N); and the event records (restart markers), in file order. A last line cut
+    off mid-write (a reader racing the writer, or a killed one) is left out."""
+    steps: dict[int, dict[str, Any]] = {}
+    events: list[dict[str, Any]] = []
+    lines = Path(path).read_text().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # the unfinished last line, with no newline yet
+                continue
+            raise
+        if "event" in record:
+            events.append(record)
+            if record["event"] == "restart":
+                steps = {s: r for s, r in steps.items() if s <= record["from_step"]}
+        else:
+            steps[record["step"]] = record
+    return [steps[s] for s in sorted(steps)], events
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl file: one per step, in step order, each the latest
+    (see `read_log`); restart markers left out."""
+    return read_log(path)[0]
 
 
 def tensorboard_missing() -> str | None:
@@ -75,12 +133,15 @@ def tensorboard_missing() -> str | None:
 
 class TensorBoardWriter:
     """A record's numbers as TensorBoard scalars at its step ("loss", "val_loss", "lr", ...),
-    flushed at every record so a crashed run's curves survive."""
+    flushed at every record so a crashed run's curves survive. For a run resumed at step N,
+    TensorBoard hides the directory's records of steps after N (``purge_step`` N + 1: the
+    resumed run writes them again)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, resumed_from: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(directory))
+        purge = None if resumed_from is None else resumed_from + 1
+        self.writer = SummaryWriter(log_dir=str(directory), purge_step=purge)
 
     def log(self, record: dict[str, Any]) -> None:
         step = record.get("step")

@@ -46,7 +46,7 @@ from tessera.report import gather_memory, summary_lines
 from tessera.run_dir import begin_out_dir, restart_count
 from tessera.step import Executor
 from tessera.topology import Topology
-from tessera.watchdog import Watchdog
+from tessera.watchdog import Watchdog, peer_loss_reason
 
 
 def pick_device() -> tuple[torch.device, str]:
@@ -107,6 +107,14 @@ class RunResult:
         return dict(self.__dict__)
 
 
+@dataclass
+class Position:
+    """Where a rank's run is, for a message about a failure there: "start-up", "step 7" (the
+    step being run), "the end after step 40"."""
+
+    stage: str = "start-up"
+
+
 class StepProfiler:
     """torch.profiler around steps A..B (1-based, inclusive); one Chrome trace per rank."""
 
@@ -144,8 +152,10 @@ def evaluate(executor, cfg: Config, dataset: TokenDataset, topo: Topology) -> fl
     return loss_sum / count
 
 
-def train(cfg: Config, progress: bool = True) -> RunResult:
-    """Run training on this rank. Every rank calls this with the same config."""
+def train(cfg: Config, progress: bool = True, position: Position | None = None) -> RunResult:
+    """Run training on this rank. Every rank calls this with the same config; `position`, if
+    given, follows the step being run."""
+    position = position if position is not None else Position()
     device, backend = pick_device()
     world = int(os.environ.get("WORLD_SIZE", 1))
     # Every rule is checked, and the data opened, before the first collective (the launching
@@ -185,8 +195,11 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
               f"{cfg.train.checkpoint_root}", flush=True)
 
     out = Path(cfg.train.out_dir)
-    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None, append=start > 0,
-                         tensorboard=out / "tensorboard" if cfg.train.tensorboard else None)
+    # A resumed run continues the log after a restart marker (metrics.read_metrics).
+    logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None,
+                         resumed_from=start if resume_from is not None else None,
+                         tensorboard=out / "tensorboard" if cfg.train.tensorboard else None,
+                         restart=restart_count(), checkpoint=resume_from)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -224,6 +237,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
     bar = tqdm(range(start, cfg.train.steps), disable=not show_bar, unit="step",
                dynamic_ncols=True, initial=start, total=cfg.train.steps)
     for step in bar:
+        position.stage = f"step {step + 1}"
         # The last step also counts the activations saved for backward (the summary's memory).
         executor.runtime.measure_memory = step + 1 == cfg.train.steps
         profiler.before(step + 1)
@@ -287,6 +301,7 @@ def train(cfg: Config, progress: bool = True) -> RunResult:
             if rank0:
                 bar.write(f"step {step + 1:5d} | checkpoint {saved}"
                           + (" (writing in the background)" if saver else ""))
+    position.stage = f"the end after step {cfg.train.steps}"
     if saver is not None:
         saver.close()  # the last checkpoint is complete before the run reports
 
@@ -340,13 +355,46 @@ def sample_text(cfg: Config, state: dict[str, torch.Tensor], dataset: TokenDatas
     return tokenizer.decode(ids)
 
 
+class PeerLostError(RuntimeError):
+    """A collective of this rank failed because another rank's process went away; the message
+    is the one line to print (``lost_peer_line``)."""
+
+
 def run(cfg: Config, progress: bool = True) -> RunResult:
-    """train() with the process group torn down afterwards, errors on every rank kept short."""
+    """train() with the process group torn down afterwards, errors on every rank kept short:
+    a collective that fails because a peer died raises PeerLostError with one line to print
+    (the dead rank's own output, or the launcher, says why it died)."""
+    position = Position()
     try:
-        return train(cfg, progress)
+        return train(cfg, progress, position)
+    except RuntimeError as e:
+        reason = peer_loss_reason(e)
+        if reason is None:
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        raise PeerLostError(lost_peer_line(cfg, rank, position.stage, reason)) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-__all__ = ["train", "run", "RunResult", "DataError", "ConfigError", "CheckpointError"]
+def lost_peer_line(cfg: Config, rank: int, stage: str, reason: str) -> str:
+    """``rank R lost a peer during STAGE (REASON): the job stops; ...`` and what comes next:
+    the launcher's restart, or how to continue by hand."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restart_count() < restarts:
+        where = ("the newest checkpoint" if cfg.train.checkpoint_interval else
+                 "where this run began")
+        then = (f"the launcher restarts it from {where} (restart {restart_count() + 1} of "
+                f"{restarts})")
+    elif cfg.train.checkpoint_interval:
+        then = ("the launcher's summary names the rank that failed; --resume latest goes on "
+                "from the newest checkpoint")
+    else:
+        then = ("the launcher's summary names the rank that failed; with no checkpoints "
+                "(--checkpoint-interval) a new run starts over")
+    return f"rank {rank} lost a peer during {stage} ({reason}): the job stops; {then}"
+
+
+__all__ = ["train", "run", "RunResult", "DataError", "ConfigError", "CheckpointError",
+           "PeerLostError"]

@@ -28,6 +28,12 @@ O(world²) with everyone watching everyone); every rank still reads the verdict.
 (kill -9) is also seen at once by the launcher's agent, which stops and, with restarts left,
 restarts the whole group; a stopped one is seen only here (and by the collective timeout).
 
+A rank that dies is also seen by the ranks connected to it: their next collective fails at once
+with gloo's "Connection closed by peer" (or "Connection reset by peer", "Broken pipe").
+``peer_loss_reason`` tells that failure from any other, and ``trainer.run`` turns it into one
+line, ``error: rank 0 lost a peer during step 7 (...): the job stops; ...``, in place of the
+traceback through the step that happened to be waiting (a bug's traceback stays).
+
 Keys live under ``tessera/watchdog/<restart>/<generation>/``: the restart count of the elastic
 launcher, and how many runs this rank's process started before (the test harness runs several
 in one process group), so no run reads another's beats or verdict.
@@ -36,6 +42,7 @@ in one process group), so no run reads another's beats or verdict.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -168,3 +175,28 @@ class Watchdog:
 def _print_and_exit(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited")
+"""What a collective says when a process it talks to went away: gloo's transport (a closed or
+reset connection, a write to a closed one), torch's store client, NCCL's remote error."""
+
+
+def peer_loss_reason(error: BaseException) -> str | None:
+    """The first sentence of `error` (without gloo's source location) if it is a collective or
+    store operation failing because a peer process went away, else None: torch's network errors
+    (DistNetworkError) and the RuntimeErrors (DistBackendError among them) whose message says a
+    connection closed. A timeout is not one: a rank that is alive but late (or a desync bug)
+    keeps its traceback, and a silent rank is named by the Watchdog."""
+    import torch.distributed as dist
+
+    if not isinstance(error, RuntimeError):
+        return None
+    message = str(error)
+    if not (isinstance(error, dist.DistNetworkError) or any(p in message for p in PEER_GONE)):
+        return None
+    first = message.strip().splitlines()[0] if message.strip() else type(error).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # "[.../pair.cc:553] "
+    first = re.split(r"(?<=\S)\.(\s|$)", first)[0]  # the first sentence, ports kept
+    return first[:160]
