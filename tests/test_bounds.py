@@ -466,3 +466,40 @@ def test_dry_run_verifies_the_checkpoint_it_would_resume(tiny_data, tmp_path):
     line = cli_error(_train(tiny_data, tmp_path, "--resume", str(step), "--dry-run", *common))
     assert str(step) in line
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths the kernel refuses by their length (found by benchmarks/flag_fuzz.py: a 5,000-byte
+# train.checkpoint_dir was a traceback, ENAMETOOLONG from the first Path.is_dir())
+
+LONG_NAME = "x" * 256  # one component over NAME_MAX (255)
+
+
+@pytest.mark.parametrize("field", ["train.out_dir", "train.checkpoint_dir", "train.resume",
+                                   "train.init_from", "data.path"])
+def test_a_path_field_with_a_component_over_name_max_is_named(field, tiny_data, tmp_path,
+                                                               no_launch):
+    line = cli_error([*_train(tiny_data, tmp_path), "--set", f"{field}={tmp_path}/{LONG_NAME}",
+                      "--dry-run"])
+    assert line.startswith(f"error: {field}=") and "at most 255" in line
+
+
+def test_a_path_at_name_max_is_a_path_like_any_other(tmp_path):
+    # The bound is NAME_MAX itself, not one below: 255 bytes is a legal name.
+    cfg = make_config("tiny", overrides=[f"train.out_dir={tmp_path}/{'x' * 255}"])
+    assert cfg.train.out_dir.endswith("x" * 255)
+    with pytest.raises(ConfigError, match="at most 4096"):
+        make_config("tiny", overrides=["train.out_dir=" + "/".join(["y" * 200] * 21)])
+
+
+def test_a_too_long_path_to_any_command_is_one_line(tmp_path, capsys):
+    # The CLI's fallback for commands whose paths are not config fields.
+    from tessera.cli import main
+
+    for args in (["eval", "--checkpoint", f"{tmp_path}/{LONG_NAME}"],
+                 ["generate", "--checkpoint", f"{tmp_path}/{LONG_NAME}"],
+                 ["train", "--config", f"{tmp_path}/{LONG_NAME}.yaml"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err

@@ -18,6 +18,7 @@ Bad input (a config rule, a missing data path, an unknown preset) prints one lin
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import sys
 from typing import Annotated
@@ -26,7 +27,15 @@ import typer
 import yaml
 from typer.core import TyperGroup
 
-from tessera.config import INT64_MAX, PRESETS, Config, ConfigError, load_file, make_config
+from tessera.config import (
+    INT64_MAX,
+    PRESETS,
+    Config,
+    ConfigError,
+    load_file,
+    make_config,
+    shown,
+)
 from tessera.pipeline.schedules import SCHEDULES
 
 EXIT_BAD_INPUT = 2
@@ -41,6 +50,13 @@ class OneLineErrors(TyperGroup):
              **extra):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except OSError as e:
+            # A path the kernel refuses by its name (too long), given to any command: the
+            # user's input, not a bug. Every other OSError keeps its traceback.
+            if not standalone_mode or e.errno != errno.ENAMETOOLONG:
+                raise
+            print(f"error: {shown(str(e.filename))}: {e.strerror}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
         except typer.TyperException as e:
             if not standalone_mode:
                 raise

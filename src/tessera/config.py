@@ -73,6 +73,26 @@ def _positive(section: str, obj: Any, *names: str) -> None:
                  f"must be at most {INT64_MAX} (a 64-bit integer)")
 
 
+NAME_MAX, PATH_MAX = 255, 4096
+"""Linux's limits on one path component and a whole path, in bytes (POSIX's NAME_MAX and
+PATH_MAX): a longer path fails in the kernel (ENAMETOOLONG) wherever it is first used."""
+
+
+def check_path(field_name: str, value: str) -> None:
+    """A path the run will open or create: no NUL byte, no component over NAME_MAX bytes, at
+    most PATH_MAX bytes in all (ConfigError naming the field)."""
+    if not isinstance(value, str):
+        return  # the field's type check names it
+    if "\0" in value:
+        raise ConfigError(field_name, value, "must not contain a NUL byte")
+    encoded = value.encode("utf-8", "surrogateescape")
+    _require(len(encoded) <= PATH_MAX, field_name, value,
+             f"a path of {len(encoded)} bytes; this system takes at most {PATH_MAX}")
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    _require(longest <= NAME_MAX, field_name, value,
+             f"a path component of {longest} bytes; this system takes at most {NAME_MAX}")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """A Llama-style decoder-only transformer (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
@@ -333,6 +353,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         _positive("data", self, "seq_len", "val_tokens")
         _require(bool(self.path), "data.path", self.path, "must not be empty")
+        check_path("data.path", self.path)
 
 
 MAX_TIMEOUT_S = 10**6
@@ -447,6 +468,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "micro_batch_size", "grad_accum")
+        for name in ("out_dir", "checkpoint_dir", "resume", "init_from"):
+            check_path(f"train.{name}", getattr(self, name))
         _require(self.checkpoint_interval >= 0, "train.checkpoint_interval",
                  self.checkpoint_interval, "must be >= 0")
         _require(self.keep_checkpoints >= 0, "train.keep_checkpoints", self.keep_checkpoints,
@@ -813,6 +836,7 @@ def load_yaml(text: str) -> Any:
 
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or YAML config file into nested dicts (an optional top-level `preset` key)."""
+    check_path("--config", str(path))
     path = Path(path)
     _require(path.is_file(), "--config", str(path),
              "is a directory, not a file" if path.is_dir() else "file does not exist")
