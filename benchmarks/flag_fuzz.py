@@ -299,6 +299,12 @@ def dry_run(case: Case, data: str) -> dict:
     return judge(argv, proc.exitcode, stderr, hung, seconds, started)
 
 
+def shown(argv: list[str]) -> str:
+    """The command line as the record shows it: a long argument cut to 60 characters with its
+    length (a 5,000-character path would bury the rest)."""
+    return " ".join(a if len(a) <= 60 else f"{a[:40]}...<{len(a)} chars>" for a in argv)
+
+
 def judge(argv, code, stderr: str, hung: bool, seconds: float, started: bool = False) -> dict:
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error: ")]
@@ -315,8 +321,9 @@ def judge(argv, code, stderr: str, hung: bool, seconds: float, started: bool = F
         verdict = "bad-exit"
     if verdict in ("accepted", "refused") and started:
         verdict = "wrote-output"  # a dry run must not start the run
-    return {"argv": argv, "exit": code, "verdict": verdict, "seconds": round(seconds, 2),
-            "error": errors[0][:300] if errors else "", "stderr_tail": stderr[-800:]}
+    return {"argv": shown(argv), "exit": code, "verdict": verdict, "seconds": round(seconds, 2),
+            "error": errors[0][:300] if errors else "",
+            "stderr_tail": "\n".join(ln[:300] for ln in stderr[-3000:].splitlines()[-12:])}
 
 
 def launch(case: Case, data: str, python: str) -> dict:
@@ -386,7 +393,7 @@ def main() -> int:
     for i, case in enumerate(cases):
         results.append(dry_run(case, data))
         if results[-1]["verdict"] not in ("accepted", "refused"):
-            print(f"[{i}] {results[-1]['verdict']}: {' '.join(results[-1]['argv'])}\n"
+            print(f"[{i}] {results[-1]['verdict']}: {results[-1]['argv']}\n"
                   f"{results[-1]['stderr_tail']}", flush=True)
     dry_s = time.perf_counter() - t0
     verdicts = Counter(r["verdict"] for r in results)
@@ -407,7 +414,7 @@ def main() -> int:
             r = launch(case, data, python)
             launched.append(r)
             print(f"launch {i + 1}/{len(edge)}: {r['verdict']} in {r['seconds']:.0f} s: "
-                  f"{' '.join(r['argv'][8:])}", flush=True)
+                  f"{r['argv'].split(' --no-progress ')[-1]}", flush=True)
             if r["verdict"] not in ("trained", "refused"):
                 print(r["stderr_tail"], flush=True)
         report["launches"] = {"cases": len(edge), "steps": LAUNCH_STEPS,

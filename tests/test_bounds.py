@@ -262,6 +262,7 @@ def test_dry_run_refuses_in_one_line(tiny_data, tmp_path, no_launch):
 
 def test_dry_run_refuses_what_does_not_fit_in_memory(tiny_data, tmp_path, no_launch,
                                                      monkeypatch):
+    monkeypatch.setattr(tessera.preflight, "process_baseline", lambda: 0)
     monkeypatch.setattr(tessera.preflight, "machine_memory",
                         lambda device_type: (2**20, "a test's 1 MiB"))
     line = cli_error(_train(tiny_data, tmp_path, "--dry-run"))
@@ -275,6 +276,7 @@ def test_cpu_ranks_share_the_machine_and_gpu_ranks_have_their_own(monkeypatch):
     rows = [tessera.preflight.RankMemory(0, 1, 1, 2, 10, 0),
             tessera.preflight.RankMemory(1, 1, 1, 2, 20, 0)]
     monkeypatch.setattr(tessera.preflight, "memory_per_rank", lambda cfg: rows)
+    monkeypatch.setattr(tessera.preflight, "process_baseline", lambda: 0)
     monkeypatch.setattr(tessera.preflight, "machine_memory", lambda device: (10**6, "test"))
     cfg = make_config("tiny", overrides=["parallel.pp=2", "parallel.dp=2"])
     _, note = tessera.preflight.check_memory(cfg, 4, "cpu", 4)
@@ -283,6 +285,21 @@ def test_cpu_ranks_share_the_machine_and_gpu_ranks_have_their_own(monkeypatch):
     with pytest.raises(ConfigError, match="memory="):
         tessera.preflight.check_memory(cfg, 4, "cpu", 4)  # 76 bytes > 75
     tessera.preflight.check_memory(cfg, 4, "cpu", 2)  # half the ranks elsewhere: 38 bytes
+
+
+def test_each_cpu_rank_counts_its_own_process(monkeypatch):
+    # 64 ranks of a tiny model: the planner's bytes are nothing, the processes are not (each
+    # holds at least what this torch-importing process holds). Found by the flag fuzz's
+    # --nproc 64, which the planner's bytes alone let through on a 24 GiB machine.
+    baseline = tessera.preflight.process_baseline()
+    assert baseline > 50 * 2**20  # this process has imported torch
+    monkeypatch.setattr(tessera.preflight, "machine_memory",
+                        lambda device: (40 * baseline, "test"))
+    cfg = make_config("tiny", overrides=["parallel.dp=64"])
+    with pytest.raises(ConfigError, match="64 ranks together"):
+        tessera.preflight.check_memory(cfg, 64, "cpu", 64)
+    _, note = tessera.preflight.check_memory(cfg, 32, "cpu", 32)
+    assert "a process beside the model" in note
 
 
 def test_gpu_ranks_need_a_gpu_each_and_fit_the_smallest(monkeypatch):

@@ -155,19 +155,38 @@ def check_memory(cfg: Config, world: int, device_type: str, local_ranks: int
     if device_type == "cuda":
         need, what = max(m.total for m in memory), "the fullest rank"
     else:
-        need = sum(m.total for m in memory) * per_stage * local_ranks / world
-        what = f"{local_ranks} ranks together" if local_ranks > 1 else "the rank"
+        # Each CPU rank is a process that also holds Python, torch and gloo: at least what this
+        # process holds now, torch imported (~0.3 GiB here; 64 ranks of it fill 24 GiB before
+        # any tensor).
+        baseline = process_baseline()
+        need = (sum(m.total for m in memory) * per_stage * local_ranks / world
+                + baseline * local_ranks)
+        what = (f"{local_ranks} ranks together" if local_ranks > 1 else "the rank") + (
+            f" ({_size(baseline)} a process beside the model)" if baseline else "")
     if have is None:
         return memory, f"{what}: {_size(need)} (this machine's memory is unknown)"
     available, source = have
     if need > available:
         raise ConfigError("memory", Verbatim(_size(need)), f"the planner's "
                           f"estimate for {what} (parameters, gradients, optimizer state, "
-                          f"activations; --dry-run lists them) exceeds the {_size(available)} "
+                          f"activations, and on CPU each process's own; --dry-run lists them) "
+                          f"exceeds the {_size(available)} "
                           f"this machine has ({source}); lower train.micro_batch_size, or "
                           "train.grad_accum under a pipeline, or use parallel.recompute, ZeRO "
                           "or more ranks")
     return memory, f"{what}: {_size(need)} of {_size(available)} available ({source})"
+
+
+def process_baseline() -> int:
+    """Resident bytes of this process (VmRSS): a lower bound on what each CPU rank holds
+    before its model, since every rank imports what this process has; 0 where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _size(nbytes: float) -> str:
