@@ -133,9 +133,9 @@ measures as a "DP cost" is its own bias."""
 def workload_and_layout(case: Case, hw_path) -> tuple:
     """The planner's view of `case`: the demo preset in fp32 on case.nproc ranks (`hw_path`: a
     hardware file, or a Hardware)."""
-    from tessera.planner.cost import Layout, Workload
     from tessera.planner.hardware import Hardware, load_hardware
     from tessera.planner.models import load_model
+    from tessera.planner.workload import Layout, Workload
 
     layout = Layout(**{"micro_batch": case.micro_batch, **case.layout})
     hw = hw_path if isinstance(hw_path, Hardware) else load_hardware(hw_path)
@@ -148,13 +148,13 @@ def workload_and_layout(case: Case, hw_path) -> tuple:
 def supported(case: Case, hw_path: str) -> str | None:
     """Why this build cannot run `case`, or None: the planner's check, which for the demo
     preset is tessera's own (``tessera.layout.check_layout``)."""
-    from tessera.planner.cost import check_layout
+    from tessera.planner.rules import check_layout
 
     return check_layout(*workload_and_layout(case, hw_path))
 
 
 def predict(case: Case, hw_path: str) -> float:
-    from tessera.planner.search import estimate
+    from tessera.planner.estimate import estimate
 
     return estimate(*workload_and_layout(case, hw_path)).step_time
 
@@ -162,7 +162,7 @@ def predict(case: Case, hw_path: str) -> float:
 def predict_exposed_dp(case: Case, hw_path: str) -> float:
     """The planner's exposed data-parallel communication per step (its breakdown's
     dp_exposed: all-reduce buckets, ZeRO gathers and reduce-scatters compute did not hide)."""
-    from tessera.planner.search import estimate
+    from tessera.planner.estimate import estimate
 
     return estimate(*workload_and_layout(case, hw_path)).breakdown()["dp_exposed"]
 
@@ -281,7 +281,7 @@ def inrun_hardware(hw_path: str, case: Case):
     from dataclasses import replace
 
     from tessera.planner.calibrate import gather_efficiency, ring_beta
-    from tessera.planner.cost import expected_max_normal, jitter_sigma
+    from tessera.planner.comm import expected_max_normal, jitter_sigma
     from tessera.planner.hardware import Link, load_hardware
 
     hw, r, n = load_hardware(hw_path), case.paired, case.nproc

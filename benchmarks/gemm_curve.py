@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from tessera.planner.cost import block_gemm_shapes
+from tessera.planner.compute import block_gemm_shapes
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import KORTHIKANTI_RUNS, ModelSpec, from_model_config, llama3
 

@@ -21,18 +21,11 @@ import torch
 from tessera.config import DP_MODES, Config, ConfigError, make_config
 from tessera.pipeline.schedules import SCHEDULES
 from tessera.planner import engine
-from tessera.planner.cost import RECOMPUTE, Layout, Workload
+from tessera.planner.estimate import PlanError, estimate, memory_by_rank
 from tessera.planner.hardware import load_hardware
-from tessera.planner.models import load_model
-from tessera.planner.search import (
-    PlanError,
-    SearchSpace,
-    divisors,
-    enumerate_layouts,
-    estimate,
-    memory_by_rank,
-    search,
-)
+from tessera.planner.models import expressible, load_model
+from tessera.planner.search import SearchSpace, divisors, enumerate_layouts, search
+from tessera.planner.workload import RECOMPUTE, Layout, Workload
 from tessera.testing import run_ranks
 
 HW = load_hardware("A100-80GB")
@@ -121,7 +114,7 @@ def test_catalog_models_keep_the_planners_rules():
                    seq_len=2048)
     llama = Workload(model=load_model("llama3-8b"), hardware=HW, gpus=16, global_batch=64,
                      seq_len=2048)
-    assert not engine.expressible(gpt.model) and engine.expressible(llama.model)
+    assert not expressible(gpt.model) and expressible(llama.model)
     estimate(gpt, Layout(dp=4, tp=2, cp=2))
     estimate(llama, Layout(dp=4, tp=2, cp=2))
     estimate(llama, Layout(dp=2, tp=2, cp=4, sequence_parallel=True))
@@ -245,7 +238,7 @@ def test_planner_prices_the_context_parallel_bytes_tessera_sends(method):
     α = 0 the seconds times the bandwidth are those bytes. And a cp_method survives the
     planner → tessera config → planner round trip."""
     from tessera.parallel.context_parallel import bytes_per_layer
-    from tessera.planner.cost import context_parallel_times
+    from tessera.planner.comm import context_parallel_times
     from tessera.planner.hardware import Link
 
     spec = load_model("llama3-8b")

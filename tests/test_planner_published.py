@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tessera.pipeline.simulator import StageCosts
-from tessera.planner.cost import (
-    Layout,
-    Workload,
+from tessera.planner.estimate import estimate
+from tessera.planner.formulas import (
     hardware_flops_per_step,
     layer_activation_bytes,
     megatron_hardware_flops,
@@ -24,7 +23,7 @@ from tessera.planner.cost import (
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import MEGATRON_WEAK_SCALING, gpt, load_model
 from tessera.planner.pipeline import closed_form_bubble, time_pipeline
-from tessera.planner.search import estimate
+from tessera.planner.workload import Layout, Workload
 
 
 def test_zero_paper_7_5b_model_state():

@@ -27,17 +27,17 @@ from typer.testing import CliRunner
 
 from tessera.cli import app
 from tessera.pipeline.split import first_last_fewer
-from tessera.planner.cost import (
-    Layout,
-    Workload,
-    exposed_behind,
+from tessera.planner.comm import exposed_behind
+from tessera.planner.estimate import estimate, memory_by_rank
+from tessera.planner.formulas import (
     megatron_model_flops,
     model_flops_per_step,
     zero_model_state_bytes,
 )
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import KORTHIKANTI_RUNS, gpt, load_model
-from tessera.planner.search import SearchSpace, estimate, memory_by_rank, search
+from tessera.planner.search import SearchSpace, search
+from tessera.planner.workload import Layout, Workload
 
 H100 = load_hardware("H100")
 A100 = load_hardware("A100-80GB")
@@ -194,7 +194,7 @@ def test_iteration_time_error_does_not_grow_with_model_size():
         errors.append(error)
         sizes.append(math.log10(spec.param_count))
     # The mechanism: a GEMM's fixed tail weighs more on the narrow shards of the small model.
-    from tessera.planner.cost import block_matmul_times
+    from tessera.planner.compute import block_matmul_times
 
     def rate(h: int) -> float:
         spec = gpt("x", h, 1, h // 128)
@@ -413,7 +413,7 @@ def test_tessera_data_parallel_hook_uses_its_calibrated_cost():
     beyond the copy's traffic), the bucket work is that per tensor plus the copy's and the
     division's four passes over the gradient bytes, instead of OPS_PER_TENSOR_BUCKET
     kernels per tensor."""
-    from tessera.planner.cost import ddp_bucket_time
+    from tessera.planner.comm import ddp_bucket_time
 
     hw = _local_cpu(op_overhead_us=4.0, ddp_tensor_us=50.0)
     assert ddp_bucket_time(hw, 8e6, 40) == pytest.approx(40 * 50e-6 + 4 * 8e6 / hw.memory_bw,
@@ -462,7 +462,7 @@ def test_time_shared_ranks_pay_data_parallel_waits_once():
     gradient hooks inside the backward and the division after the all-reduce), for ZeRO-3
     its work around each unit's collectives, every micro-batch (every rank's own thread,
     all ranks at once)."""
-    from tessera.planner.cost import ddp_bucket_time
+    from tessera.planner.comm import ddp_bucket_time
 
     hw = _local_cpu(zero_unit_us=500.0, zero_unit_passes=20.0)
     for zero in (0, 3):
@@ -503,7 +503,8 @@ def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
     The per-tensor cost is the calibrated optimizer_tensor_us where there is one, else 12
     kernels at op_overhead_us. ZeRO-1 steps half the parameters at dp 2 but still norms every
     gradient; fused kernels (Megatron-LM's multi-tensor norm) only read the gradient."""
-    from tessera.planner.cost import OPS_PER_TENSOR_ADAMW, layout_costs
+    from tessera.planner.cost import layout_costs
+    from tessera.planner.state import OPS_PER_TENSOR_ADAMW
 
     for calibrated in (0.0, 50.0):
         hw = _local_cpu(op_overhead_us=4.0, optimizer_tensor_us=calibrated)
@@ -545,12 +546,8 @@ def test_tessera_data_parallel_pays_its_bucket_copies():
     all-reduce of its buckets plus that."""
     import math
 
-    from tessera.planner.cost import (
-        OPS_PER_TENSOR_BUCKET,
-        allreduce_time,
-        group_link,
-        layout_costs,
-    )
+    from tessera.planner.comm import OPS_PER_TENSOR_BUCKET, allreduce_time, group_link
+    from tessera.planner.cost import layout_costs
 
     hw = _local_cpu(op_overhead_us=4.0, jitter=0.0)
     w, L = _demo(hw, 2, dp=2)

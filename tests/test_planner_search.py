@@ -14,25 +14,14 @@ from typer.testing import CliRunner
 from tessera.cli import app
 from tessera.config import ConfigError
 from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
-from tessera.planner.cost import (
-    GB,
-    Layout,
-    Workload,
-    allreduce_time,
-    block_costs,
-    straggler_time,
-)
+from tessera.planner.comm import allreduce_time, straggler_time
+from tessera.planner.compute import block_costs
+from tessera.planner.estimate import PlanError, _per_chunk, chunk_lower_bound, estimate
 from tessera.planner.hardware import Hardware, load_hardware, save_hardware
 from tessera.planner.models import load_model
 from tessera.planner.pipeline import build, inflight, lower_bound, time_pipeline
-from tessera.planner.search import (
-    PlanError,
-    SearchSpace,
-    _per_chunk,
-    chunk_lower_bound,
-    estimate,
-    search,
-)
+from tessera.planner.search import SearchSpace, search
+from tessera.planner.workload import GB, Layout, Workload
 
 A100 = load_hardware("A100-80GB")
 
@@ -243,16 +232,18 @@ _TIMED_1T_SEARCH = """
 import json, sys, time
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
-from tessera.planner.cost import Workload
+from tessera.planner.workload import Workload
 from tessera.planner.search import search
-from tessera.planner import cost, engine, pipeline, search as search_module
+from tessera.planner import compute, cost, engine, models, pipeline, search as search_module
+from tessera.planner import estimate as estimate_module
 from tessera.pipeline import schedule
 
 w = Workload(model=load_model("megatron-1t"), hardware=load_hardware("A100-80GB"), gpus=3072,
              global_batch=3072, seq_len=2048)
 runs = []
 for _ in range(5):
-    for module in (cost, engine, pipeline, schedule, search_module):  # every memo, emptied
+    for module in (compute, cost, engine, models, pipeline, schedule, estimate_module,
+                   search_module):  # every memo, emptied
         for memo in vars(module).values():
             if hasattr(memo, "cache_clear"):
                 memo.cache_clear()

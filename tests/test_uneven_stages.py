@@ -18,16 +18,11 @@ from cli_errors import cli_error
 from tessera.config import ConfigError, make_config
 from tessera.model import build_model, cross_entropy
 from tessera.pipeline.split import first_last_fewer, parse_stage_layout
-from tessera.planner.cost import (
-    Layout,
-    Workload,
-    check_layout,
-    chunk_sizes,
-    stage_layout_text,
-)
+from tessera.planner.estimate import PlanError, estimate
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
-from tessera.planner.search import PlanError, estimate
+from tessera.planner.rules import check_layout, chunk_sizes
+from tessera.planner.workload import Layout, Workload, stage_layout_text
 from tessera.step import build_executor
 from tessera.testing import assert_close_summed, run_ranks
 from tessera.topology import Topology

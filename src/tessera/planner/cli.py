@@ -82,7 +82,7 @@ def parse_layout(text: str, gpus: int, layers: int):
     'first-last-fewer'). dp defaults to what the GPUs leave, the
     schedule to interleaved when v > 1, else 1f1b."""
     from tessera.pipeline.split import first_last_fewer, parse_stage_layout
-    from tessera.planner.cost import Layout
+    from tessera.planner.workload import Layout
 
     fields: dict[str, object] = {}
     last = None
@@ -186,14 +186,15 @@ def plan(
     """Rank the layouts of --model on --gpus x --hardware by predicted step time."""
     if ctx.invoked_subcommand is not None:
         return
-    from tessera.planner.cost import Workload
+    from tessera.planner.estimate import PlanError, estimate
     from tessera.planner.hardware import load_hardware
     from tessera.planner.models import load_model
     from tessera.planner.moe import active_spec, ep_table, moe_for_model
     from tessera.planner.report import describe_workload, table, to_json
     from tessera.planner.report import explain as explain_plan
     from tessera.planner.report import plot as plot_plan
-    from tessera.planner.search import Plan, PlanError, SearchSpace, estimate, search
+    from tessera.planner.search import Plan, SearchSpace, search
+    from tessera.planner.workload import Workload
 
     try:
         for name, value in (("--model", model), ("--gpus", gpus),

@@ -35,8 +35,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import ModelConfig
-from tessera.planner.cost import Layout, Workload, allgather_time, allreduce_time, group_link
+from tessera.planner.comm import allgather_time, allreduce_time, group_link
 from tessera.planner.models import ModelSpec
+from tessera.planner.workload import Layout, Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,11 +161,11 @@ def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout],
     """Every (layout, ep) with ep dividing dp and E, priced as the active model's estimate
     plus the MoE terms; fitting layouts first, then by predicted step time. `estimate(w, L)`
     returns an object with ``step_time`` and ``memory.total`` (default: the planner's
-    ``search.estimate``); layouts it refuses (PlanError, ConfigError) are skipped."""
+    ``estimate.estimate``); layouts it refuses (PlanError, ConfigError) are skipped."""
     if estimate is None:
-        from tessera.planner.search import estimate
+        from tessera.planner.estimate import estimate
     from tessera.config import ConfigError
-    from tessera.planner.search import PlanError
+    from tessera.planner.estimate import PlanError
 
     active = dataclasses.replace(w, model=active_spec(w.model, moe))
     plans = []

@@ -6,8 +6,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tessera.planner.cost import GB
-from tessera.planner.search import Estimate, Plan, gather_waits_exposed, pipeline_comm_exposed
+from tessera.planner.estimate import Estimate, gather_waits_exposed, pipeline_comm_exposed
+from tessera.planner.search import Plan
+from tessera.planner.workload import GB, stage_layout_text
 
 AXES = (("dp", "data parallel"), ("tp", "tensor parallel"), ("pp", "pipeline parallel"),
         ("cp", "context parallel"), ("virtual", "virtual stages"),
@@ -133,8 +134,6 @@ def explain(plan: Plan) -> str:
                  f"{100 * best.mfu_causal:.1f}% counting the causal half (Llama 3)")
     lines.append(f"  model state: {RECIPES[w.precision]}")
     if best.layout.stage_layout:
-        from tessera.planner.cost import stage_layout_text
-
         lines.append(f"  stages: {stage_layout_text(best.layout.stage_layout)} blocks per "
                      "chunk")
     runner = runner_up(plan)
