@@ -68,7 +68,7 @@ class Case:
     flags: dict[str, object]
     """Extra `tessera train` flags (besides --nproc)."""
     layout: dict[str, object]
-    """tessera.planner.cost.Layout fields."""
+    """tessera.planner.workload.Layout fields."""
     micro_batch: int = 16
     microbatches: int = 1
     measured: list[float] = field(default_factory=list)
@@ -83,7 +83,7 @@ CASES = [
     Case("dp=2", 2, {"dp": 2}, dict(dp=2)),
     Case("dp=2, m=2, b=8", 2, {"dp": 2, "microbatches": 2, "micro-batch-size": 8},
          dict(dp=2, micro_batch=8), micro_batch=8, microbatches=2),
-    Case("dp=2, zero=1", 2, {"dp": 2, "zero-stage": 1}, dict(dp=2, zero=1)),
+    Case("dp=2, zero=1", 2, {"dp": 2, "zero-stage": 1}, dict(dp=2, zero_stage=1)),
     Case("tp=2", 2, {"tp": 2, "dp": 1}, dict(tp=2)),
     Case("tp=2, sp", 2, {"tp": 2, "dp": 1, "sequence-parallel": None},
          dict(tp=2, sequence_parallel=True)),
@@ -103,20 +103,20 @@ CASES = [
          dict(dp=2, pp=2, schedule="1f1b", micro_batch=4), micro_batch=4, microbatches=4),
     # Data-parallel traffic and its overlap (issue 12): DDP's buckets and ZeRO-3's per-block
     # gathers and reduce-scatters at dp 2 and 4; target ±15% (OVERLAP_TARGET).
-    Case("dp=2, zero=3", 2, {"dp": 2, "zero-stage": 3}, dict(dp=2, zero=3)),
+    Case("dp=2, zero=3", 2, {"dp": 2, "zero-stage": 3}, dict(dp=2, zero_stage=3)),
     Case("dp=4 (4 ranks)", 4, {"dp": 4}, dict(dp=4)),
-    Case("dp=4, zero=3 (4 ranks)", 4, {"dp": 4, "zero-stage": 3}, dict(dp=4, zero=3)),
+    Case("dp=4, zero=3 (4 ranks)", 4, {"dp": 4, "zero-stage": 3}, dict(dp=4, zero_stage=3)),
 ]
 # The same four at micro-batch 2: compute per step shrinks 8x, so the collectives are a
 # large share of the step (and ZeRO-3's gathers no longer hide behind one block's compute).
 CASES += [
     Case("dp=2, b=2", 2, {"dp": 2, "micro-batch-size": 2}, dict(dp=2), micro_batch=2),
     Case("dp=2, zero=3, b=2", 2, {"dp": 2, "zero-stage": 3, "micro-batch-size": 2},
-         dict(dp=2, zero=3), micro_batch=2),
+         dict(dp=2, zero_stage=3), micro_batch=2),
     Case("dp=4, b=2 (4 ranks)", 4, {"dp": 4, "micro-batch-size": 2}, dict(dp=4),
          micro_batch=2),
     Case("dp=4, zero=3, b=2 (4)", 4, {"dp": 4, "zero-stage": 3, "micro-batch-size": 2},
-         dict(dp=4, zero=3), micro_batch=2),
+         dict(dp=4, zero_stage=3), micro_batch=2),
 ]
 OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks)",
                 "dp=2, b=2", "dp=2, zero=3, b=2", "dp=4, b=2 (4 ranks)",
@@ -305,7 +305,7 @@ def inrun_hardware(hw_path: str, case: Case):
 
 
 def time_shared(case: Case, hw) -> bool:
-    """Whether the row's ranks take turns on fewer cores (the planner's ``cost.time_shared``)."""
+    """Whether the row's ranks take turns on fewer cores (the planner's ``comm.time_shared``)."""
     from tessera.planner.hardware import ranks_time_share
 
     return ranks_time_share(hw.cores, case.nproc)

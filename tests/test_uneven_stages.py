@@ -71,7 +71,7 @@ def test_planner_expresses_llama3_405b_on_16_stages():
     whose layers pp does not divide is refused with the rule and the way out named."""
     w = Workload(model=load_model("llama3-405b"), hardware=load_hardware("H100"), gpus=8192,
                  global_batch=2048, seq_len=8192, kernels="fused")
-    L = Layout(dp=64, tp=8, pp=16, sequence_parallel=True, zero=1,
+    L = Layout(dp=64, tp=8, pp=16, sequence_parallel=True, zero_stage=1,
                stage_layout=first_last_fewer(126, 16))
     assert check_layout(w, L) is None
     est = estimate(w, L, simulate=False)

@@ -98,8 +98,8 @@ def planner_workload(cfg: Config, world: int, hardware):
     from tessera.planner.workload import Layout, Workload
 
     p, t = cfg.parallel, cfg.train
-    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
-                    micro_batch=t.micro_batch_size, zero=p.zero_stage,
+    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
+                    micro_batch=t.micro_batch_size, zero_stage=p.zero_stage,
                     recompute=p.recompute, schedule=p.schedule,
                     sequence_parallel=p.sequence_parallel)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)

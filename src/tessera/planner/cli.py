@@ -57,13 +57,14 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual",
-               "virtual": "virtual", "mb": "micro_batch", "b": "micro_batch",
-               "micro_batch": "micro_batch", "zero": "zero", "recompute": "recompute",
+LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual_stages",
+               "virtual": "virtual_stages", "mb": "micro_batch", "b": "micro_batch",
+               "micro_batch": "micro_batch", "zero": "zero_stage", "recompute": "recompute",
                "schedule": "schedule", "sp": "sequence_parallel", "cp_method": "cp_method",
                "dp_mode": "dp_mode", "stages": "stage_layout", "stage_layout": "stage_layout",
                "g": "microbatch_group", "microbatch_group": "microbatch_group"}
-INT_KEYS = ("dp", "tp", "pp", "cp", "virtual", "micro_batch", "zero", "microbatch_group")
+INT_KEYS = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch", "zero_stage",
+            "microbatch_group")
 
 
 def _continues_stages(token: str) -> bool:
@@ -115,7 +116,7 @@ def parse_layout(text: str, gpus: int, layers: int):
             raise ConfigError("--layout", text, f"tp*pp*cp={t * p * c} must divide --gpus "
                               f"{gpus} (or give dp=)")
         fields["dp"] = gpus // (t * p * c)
-    v = int(fields.get("virtual", 1))  # type: ignore[call-overload]
+    v = int(fields.get("virtual_stages", 1))  # type: ignore[call-overload]
     fields.setdefault("schedule", "interleaved" if v > 1 else "1f1b")
     if stages:
         fields["stage_layout"] = (first_last_fewer(layers, p * v)

@@ -186,7 +186,7 @@ def scalar_sync_times(w: Workload, L: Layout) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0
     dpcp, t, p = L.dp * L.cp, L.tp, L.pp
     dp_link = group_link(hw, t * L.cp * L.dp, stride=t * L.cp)
-    dp = allreduce_time(8, dpcp, dp_link) * (2 if L.zero >= 1 else 1)
+    dp = allreduce_time(8, dpcp, dp_link) * (2 if L.zero_stage >= 1 else 1)
     tp = allreduce_time(8, t, group_link(hw, t))
     pp = 2 * allreduce_time(8, p, group_link(hw, t * L.cp * L.dp * p, stride=t * L.cp * L.dp))
     return dp, tp, pp

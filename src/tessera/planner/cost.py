@@ -93,10 +93,10 @@ class LayoutCosts:
 def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = chunk_costs(
-        w, L.tp, L.cp, L.pp, L.dp, L.virtual, L.micro_batch, L.recompute,
-        L.sequence_parallel, L.zero, L.dp_mode, L.cp_method, chunk_sizes(w, L),
+        w, L.tp, L.cp, L.pp, L.dp, L.virtual_stages, L.micro_batch, L.recompute,
+        L.sequence_parallel, L.zero_stage, L.dp_mode, L.cp_method, chunk_sizes(w, L),
         zero3_by_actions(L))
-    n_chunks = L.pp * L.virtual
+    n_chunks = L.pp * L.virtual_stages
     wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if chunks.uniform_middle else range(L.pp)
     ranks: dict[int, RankState] = {}
     by_chunks: dict[tuple[int, ...], RankState] = {}  # ranks holding the same chunks
@@ -298,7 +298,7 @@ def zero3_by_actions(L: Layout) -> bool:
     """ZeRO-3 under a breadth-first schedule is timed from the schedule's sharding actions
     (``schedule.add_sharding_actions``, simulated); elsewhere each micro-batch gathers and
     reduces unit by unit (depth-first runs are single actions: per micro-batch)."""
-    return L.zero >= 3 and L.schedule == "bfs" and L.pp * L.virtual > 1 and (
+    return L.zero_stage >= 3 and L.schedule == "bfs" and L.pp * L.virtual_stages > 1 and (
         L.dp_mode == "allreduce")
 
 

@@ -167,9 +167,9 @@ class Estimate:
     def row(self, tokens: float | None = None) -> dict:
         L = self.layout
         out = {
-            "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "virtual": L.virtual,
+            "dp": L.dp, "tp": L.tp, "pp": L.pp, "cp": L.cp, "virtual": L.virtual_stages,
             "microbatch_group": L.microbatch_group,
-            "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero,
+            "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero_stage,
             "recompute": L.recompute, "schedule": L.schedule,
             "sequence_parallel": L.sequence_parallel, "dp_mode": L.dp_mode,
             "stage_layout": list(L.stage_layout) if L.stage_layout else None,
@@ -186,7 +186,7 @@ class Estimate:
 
 def _busiest_rank_chunks(est: Estimate) -> list[int]:
     L = est.layout
-    per_rank = [list(range(r, L.pp * L.virtual, L.pp)) for r in range(L.pp)]
+    per_rank = [list(range(r, L.pp * L.virtual_stages, L.pp)) for r in range(L.pp)]
     return max(per_rank, key=lambda cs: sum(est.costs.chunks[c].forward +
                                             est.costs.chunks[c].backward for c in cs))
 
@@ -206,7 +206,7 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True,
         raise PlanError(f"layout {L.describe()}: {why}")
     costs = layout_costs(w, L) if costs is None else costs
     m = L.microbatches(w.global_batch)
-    held = (inflight(L.schedule, L.pp, m, L.virtual, L.microbatch_group) if _pipelined(L)
+    held = (inflight(L.schedule, L.pp, m, L.virtual_stages, L.microbatch_group) if _pipelined(L)
             else (1,))
     memory = _memory(w, L, costs, held, m)
     est = Estimate(workload=w, layout=L, costs=costs, memory=memory, inflight=held,
@@ -228,7 +228,7 @@ def step_lower_bound(w: Workload, L: Layout, costs: LayoutCosts, m: int) -> floa
 def _pipelined(L: Layout) -> bool:
     """More than one chunk: the layout's schedule orders them (tessera runs pp = 1 with one
     chunk as F0 B0 F1 B1 ..., whatever the schedule's name)."""
-    return L.pp > 1 or L.virtual > 1
+    return L.pp > 1 or L.virtual_stages > 1
 
 
 def chunk_lower_bound(costs: LayoutCosts, p: int, m: int) -> float:
@@ -290,8 +290,8 @@ def run_simulation(est: Estimate, with_p2p: bool = True, with_gathers: bool = Tr
         dp_reduce=ds, dp_overlap=costs.dp_overlap,
         unshard=[ch.unshard if with_gathers else 0.0 for ch in costs.chunks])
     schedule = L.schedule if _pipelined(L) else "1f1b"
-    timing = time_pipeline(schedule, L.pp, est.m, L.virtual, sim_costs, sharded=_sharded(est),
-                           group=L.microbatch_group)
+    timing = time_pipeline(schedule, L.pp, est.m, L.virtual_stages, sim_costs,
+                           sharded=_sharded(est), group=L.microbatch_group)
     est.step_time = max(timing.step_time + costs.optimizer_time + costs.ps_time
                         + costs.sync_time,
                         shared_cpu_bound(est.workload, L, costs.chunks, costs.optimizer_time,
@@ -343,12 +343,12 @@ def _rank_memory(L: Layout, costs: LayoutCosts, state: RankState, r: int, count:
     of the (micro-batch, chunk) pairs held, each chunk weighing its own activations (the LM
     head's chunk, with its fp32 logits, is held at most a few times)."""
     chunks = costs.chunks[r::L.pp]
-    if L.virtual == 1:
+    if L.virtual_stages == 1:
         acts = count * chunks[0].act_bytes
     elif L.schedule == "bfs":
         acts = m * sum(c.act_bytes for c in chunks)
     else:
-        sets = chunk_inflight(L.schedule, L.pp, m, L.virtual, r, L.microbatch_group)
+        sets = chunk_inflight(L.schedule, L.pp, m, L.virtual_stages, r, L.microbatch_group)
         weights = [c.act_bytes for c in chunks]
         if min(weights) == max(weights):  # chunks alike (a middle rank): the most sets held
             acts = max(map(sum, sets)) * weights[0]

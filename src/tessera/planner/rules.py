@@ -16,7 +16,7 @@ def chunk_sizes(w: Workload, L: Layout) -> tuple[int, ...]:
     """Blocks per chunk: the layout's own stage layout, tessera's split, or l/(p·v) each."""
     if L.stage_layout:
         return L.stage_layout
-    n = L.pp * L.virtual
+    n = L.pp * L.virtual_stages
     if w.tessera_engine:  # tessera's split, with or without context parallelism
         return engine.blocks_per_chunk(w.model, n, w.seq_len)
     return (w.model.layers // n,) * n
@@ -34,7 +34,7 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     if w.global_batch % (L.dp * L.micro_batch):
         return f"dp*micro_batch={L.dp * L.micro_batch} must divide the global batch " \
                f"{w.global_batch}"
-    n_chunks = L.pp * L.virtual
+    n_chunks = L.pp * L.virtual_stages
     if L.stage_layout is not None:
         sizes = L.stage_layout
         if len(sizes) != n_chunks or min(sizes) < 1 or sum(sizes) != spec.layers:
@@ -45,11 +45,11 @@ def check_layout(w: Workload, L: Layout) -> str | None:
         return engine.refusal(w, L)
     if L.recompute not in RECOMPUTE:
         return f"recompute={L.recompute!r} must be one of {', '.join(RECOMPUTE)}"
-    if L.zero not in (0, 1, 2, 3):
-        return f"zero={L.zero} must be 0, 1, 2 or 3"
+    if L.zero_stage not in (0, 1, 2, 3):
+        return f"zero={L.zero_stage} must be 0, 1, 2 or 3"
     if L.dp_mode not in DP_MODES:
         return f"dp_mode={L.dp_mode!r} must be one of {', '.join(DP_MODES)}"
-    if L.dp_mode != "allreduce" and (L.tp, L.pp, L.cp, L.zero, w.precision, L.dp < 2) != (
+    if L.dp_mode != "allreduce" and (L.tp, L.pp, L.cp, L.zero_stage, w.precision, L.dp < 2) != (
             1, 1, 1, 0, "fp32", False):
         return f"dp_mode={L.dp_mode!r} needs tp=pp=cp=1, zero=0, fp32 and dp >= 2 (the " \
                "server holds whole fp32 replicas)"
@@ -77,17 +77,17 @@ def check_layout(w: Workload, L: Layout) -> str | None:
         example = stage_layout_text(_uneven(spec.layers, n_chunks))
         return (f"pp*virtual={n_chunks} must divide layers={spec.layers}, or give the blocks "
                 f"per chunk (stage_layout, e.g. {example})")
-    if L.pp == 1 and (L.virtual != 1 or L.schedule != "1f1b"):
+    if L.pp == 1 and (L.virtual_stages != 1 or L.schedule != "1f1b"):
         return "without pipeline parallelism the schedule is 1f1b with virtual=1"
     from tessera.pipeline.schedules import SCHEDULES, check_schedule
 
-    if L.virtual > 1 and not SCHEDULES[L.schedule].virtual:
-        return (f"virtual={L.virtual} needs schedule "
+    if L.virtual_stages > 1 and not SCHEDULES[L.schedule].virtual:
+        return (f"virtual={L.virtual_stages} needs schedule "
                 f"{', '.join(n for n, s in SCHEDULES.items() if s.virtual)}")
     m = L.microbatches(w.global_batch)
-    if L.pp > 1 or L.virtual > 1:  # the schedule's own rules (m, micro-batch groups)
+    if L.pp > 1 or L.virtual_stages > 1:  # the schedule's own rules (m, micro-batch groups)
         try:
-            check_schedule(L.schedule, L.pp, m, L.virtual, L.microbatch_group)
+            check_schedule(L.schedule, L.pp, m, L.virtual_stages, L.microbatch_group)
         except ConfigError as e:
             return str(e).replace("group=", "microbatch_group=", 1)
     if L.schedule == "naive" and m != 1:

@@ -48,9 +48,9 @@ class SearchSpace:
     cp_method: Sequence[str] = ("ring",)
     """Context-parallel attention methods tried where cp > 1 (ring, allgather, ulysses,
     hybrid)."""
-    virtual: Sequence[int] = (1, 2, 4, 8)
+    virtual_stages: Sequence[int] = (1, 2, 4, 8)
     micro_batch: Sequence[int] = (1, 2, 4, 8, 16)
-    zero: Sequence[int] = (0, 1, 2, 3)
+    zero_stage: Sequence[int] = (0, 1, 2, 3)
     recompute: Sequence[str] = RECOMPUTE
     schedule: Sequence[str] = SCHEDULE_CHOICES
     sequence_parallel: Sequence[bool] = (False, True)
@@ -96,11 +96,12 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace(),
                     for sched, v in schedules:
                         stages = None if tessera else _splits(spec.layers, pp * v)
                         for zero, rc, sp, mode, method in itertools.product(
-                                space.zero if tessera or dp * cp > 1 else (0,), space.recompute,
+                                space.zero_stage if tessera or dp * cp > 1 else (0,),
+                                space.recompute,
                                 space.sequence_parallel if tp > 1 else (False,),
                                 space.dp_mode, space.cp_method if cp > 1 else ("ring",)):
-                            L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=v, micro_batch=b,
-                                       zero=zero, recompute=rc, schedule=sched,
+                            L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual_stages=v, micro_batch=b,
+                                       zero_stage=zero, recompute=rc, schedule=sched,
                                        sequence_parallel=sp, dp_mode=mode, cp_method=method,
                                        stage_layout=stages or None)
                             why = check_layout(w, L)
@@ -112,7 +113,7 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace(),
 
 def _every_schedule(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
     """Every (schedule, v) of the space; one chunk (pp = v = 1) runs under "1f1b" only."""
-    for v in space.virtual:
+    for v in space.virtual_stages:
         for sched in space.schedule if pp > 1 or v > 1 else ("1f1b",):
             yield sched, v
 
@@ -135,7 +136,7 @@ def _schedules(pp: int, m: int, layers: int, space: SearchSpace) -> Iterator[tup
     for sched in space.schedule:
         spec = SCHEDULES[sched]
         if spec.virtual:
-            for v in space.virtual:
+            for v in space.virtual_stages:
                 if (_splits(layers, pp * v) is False or v < spec.min_virtual
                         or (spec.grouped and m % pp)):
                     continue

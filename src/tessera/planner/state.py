@@ -79,8 +79,8 @@ def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> R
     params = sum(ch.params for ch in mine)
     tensors = sum(ch.tensors for ch in mine)
     shard = L.dp * L.cp
-    stepped = params / (shard if L.zero >= 1 else 1)
-    normed = params / (shard if L.zero >= 2 else 1)  # the gradient elements this rank holds
+    stepped = params / (shard if L.zero_stage >= 1 else 1)
+    normed = params / (shard if L.zero_stage >= 2 else 1)  # the gradient elements this rank holds
     opt_time = optimizer_step_time(w.hardware, stepped, normed, tensors, w.bytes,
                                    w.tessera_engine)
     if w.tessera_engine and L.cp == 1:
@@ -88,15 +88,15 @@ def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> R
         largest = sorted(n for n, _ in engine.rank_units(w, L, rank))[-2:]
         return RankState(params=state["params"], grads=state["grads"],
                          optimizer=state["optimizer"],
-                         zero3_buffer=pb * sum(largest) if L.zero >= 3 else 0.0,
+                         zero3_buffer=pb * sum(largest) if L.zero_stage >= 3 else 0.0,
                          optimizer_time=opt_time)
     # Gathered at once: two blocks (pp = v = 1, gathered unit by unit), or with several
     # chunks two whole chunks (the sharding actions gather a chunk per run, one ahead).
-    gathered = (2 * w.model.layer_params / L.tp if L.pp * L.virtual == 1
+    gathered = (2 * w.model.layer_params / L.tp if L.pp * L.virtual_stages == 1
                 else sum(sorted(ch.params for ch in mine)[-2:]))
     return RankState(
-        params=pb * params / (shard if L.zero >= 3 else 1),
-        grads=gb * params / (shard if L.zero >= 2 else 1),
+        params=pb * params / (shard if L.zero_stage >= 3 else 1),
+        grads=gb * params / (shard if L.zero_stage >= 2 else 1),
         optimizer=ob * stepped,
-        zero3_buffer=pb * gathered if L.zero >= 3 else 0.0,
+        zero3_buffer=pb * gathered if L.zero_stage >= 3 else 0.0,
         optimizer_time=opt_time)

@@ -140,20 +140,26 @@ class Workload:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One way to split the work: degrees, micro-batching, ZeRO, recomputation, schedule."""
+    """One way to split the work: degrees, micro-batching, ZeRO, recomputation, schedule.
+
+    Its fields are ``tessera.config.ParallelConfig``'s, by the same names (PARALLEL_FIELDS),
+    plus the micro-batch size (``train.micro_batch_size``) and the stage layout as blocks per
+    chunk (``parallel.stage_layout`` is its text). Unlike a ParallelConfig it is frozen and
+    hashable (the planner caches by it) and may hold a layout tessera refuses
+    (``rules.check_layout`` says why); ``engine.to_config`` and ``engine.layout_of`` convert."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    virtual: int = 1
+    virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved and breadth-first schedules)."""
     microbatch_group: int = 0
     """Interleaved: micro-batches per chunk visit (Megatron-LM's
     microbatch_group_size_per_vp_stage, Llama 3's N); 0: pp."""
     micro_batch: int = 1
     """Sequences per micro-batch (b)."""
-    zero: int = 0
+    zero_stage: int = 0
     recompute: str = "none"
     schedule: str = "1f1b"
     sequence_parallel: bool = False
@@ -177,10 +183,11 @@ class Layout:
 
     def describe(self) -> str:
         text = f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
-        if self.pp > 1 or self.virtual > 1:
-            text += f" {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+        if self.pp > 1 or self.virtual_stages > 1:
+            text += f" {self.schedule}"
+            text += f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             text += f" g={self.microbatch_group}" if self.microbatch_group else ""
-        text += f" b={self.micro_batch} zero={self.zero} recompute={self.recompute}"
+        text += f" b={self.micro_batch} zero={self.zero_stage} recompute={self.recompute}"
         if self.sequence_parallel:
             text += " sp"
         if self.dp_mode != "allreduce":
@@ -192,17 +199,22 @@ class Layout:
         return text
 
     def key(self) -> tuple:
-        return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
-                self.recompute, self.schedule, self.sequence_parallel, self.dp_mode,
-                self.cp_method, self.stage_layout, self.microbatch_group)
+        return (self.dp, self.tp, self.pp, self.cp, self.virtual_stages, self.micro_batch,
+                self.zero_stage, self.recompute, self.schedule, self.sequence_parallel,
+                self.dp_mode, self.cp_method, self.stage_layout, self.microbatch_group)
 
     def key_without_schedule(self) -> tuple:
         """:meth:`key` less the schedule, which orders the chunks but does not change their
         costs (the search prices such layouts once; a plain tuple, since ``replace`` on a
         frozen dataclass costs ~20 µs and the search asks for ~20,000 keys)."""
-        return (self.dp, self.tp, self.pp, self.cp, self.virtual, self.micro_batch, self.zero,
-                self.recompute, self.sequence_parallel, self.dp_mode, self.cp_method,
-                self.stage_layout, self.microbatch_group)
+        return (self.dp, self.tp, self.pp, self.cp, self.virtual_stages, self.micro_batch,
+                self.zero_stage, self.recompute, self.sequence_parallel, self.dp_mode,
+                self.cp_method, self.stage_layout, self.microbatch_group)
+
+
+PARALLEL_FIELDS = tuple(f.name for f in fields(Layout)
+                        if f.name not in ("micro_batch", "stage_layout"))
+"""The Layout fields that ParallelConfig holds under the same name and meaning."""
 
 
 def stage_layout_text(sizes: tuple[int, ...]) -> str:
