@@ -155,14 +155,10 @@ def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
     every rank computes, and its division of the buckets right after the all-reduce that
     releases them all; ZeRO-3's work around each unit's collectives, which every rank does
     once the unit's gather or reduce-scatter releases them all): that is stretched like
-    compute. Measured here (dp_cost.py, the bench's sixteenth run): the hooks' own timer read
-    3.5 ms a step at dp 2 on 2 cores and 6.6 ms at dp 4 on the same cores. ZeRO-3's work,
-    calibrated as the ranks' mean thread CPU in whole steps (``calibrate.zero_step_passes``),
-    was left unstretched until the thirty-second run of the local-truth bench, which put its
-    4-rank rows at 0.78-0.89 at micro-batch 2 (docs/planner.md). Stretched in full it
-    over-prices them on a slower host (1.23 and 1.25 in the thirty-fifth run): how much of it
-    a time-shared step pays is open (docs/planner.md, How much of ZeRO-3's work time-shared
-    ranks pay)."""
+    compute, by ranks / cores. ZeRO-3's share of it (calibrated as the ranks' mean thread CPU
+    in whole steps, ``calibrate.zero_step_passes``) is stretched in full; how much of it a
+    time-shared step really pays differs by host (docs/planner.md, How the local model was
+    validated)."""
     hw = w.hardware
     if not time_shared(w):
         return 0.0

@@ -238,9 +238,8 @@ class IterationTimeRow:
 # arXiv:2205.05198), Table 3 (a, h, l, t, p, GPUs, global batch) and Table 5 (seconds per
 # iteration with sequence parallelism and selective recomputation), A100 80GB; Megatron-LM of
 # 2022 overlaps the backward's tensor-parallel collectives with the GEMMs
-# (Workload.tp_async_backward). Verification (2026-11-23, the `search` tool): the paper's
-# tables were not among the stored pages, so the seconds are NOT verified against the paper's
-# text. They are cross-checked against the MFU the Megatron-LM README states for the same
+# (Workload.tp_async_backward). The seconds are not checked against the paper's text; they
+# are cross-checked against the MFU the Megatron-LM README states for the same
 # configurations "measured using a data parallel size of one" (22B 41.5%, 175B 51.4%, 530B
 # 56.0%, 1T 56.3%; README section on scaling, which cites this paper): model FLOPs (Narayanan
 # et al. eq. 3 without recomputation) / (GPUs · 312 TFLOP/s · seconds) reproduces each within
