@@ -12,6 +12,12 @@ memory-bound kernels move every stored activation byte ``Workload.elementwise_pa
 on a catalog GPU running tessera's own unfused block, the 12 measured on an H200,
 ``Hardware.eager_elementwise_passes``) in forward and twice as much in backward, at the memory
 bandwidth; a fixed overhead per kernel (zero on GPUs in the catalog).
+
+Bytes kept for backward: for a model tessera's transformer expresses, what tessera's block
+saves (:func:`tessera.planner.engine.block_saved_bytes`: fp32 norm inputs, flash attention's
+log-sum-exp); else the closed-form count (:func:`tessera.planner.formulas.layer_activation_bytes`).
+The memory-traffic term keeps the closed-form count, the quantity ``calibrate`` fits
+``elementwise_passes`` against.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ outside the pipeline (parameter server, scalar reductions, ranks time-sharing CP
 The parts live in their own modules: the papers' formulas in :mod:`~tessera.planner.formulas`,
 communication in :mod:`~tessera.planner.comm`, a block's and a chunk's compute in
 :mod:`~tessera.planner.compute`, model state and the optimizer step in
-:mod:`~tessera.planner.state`; notation as in :mod:`~tessera.planner.workload`.
+:mod:`~tessera.planner.state`; notation as in :mod:`~tessera.planner.workload`. Here:
 
 - data parallelism: one all-reduce of the gradients per step (Li et al. 2020, PyTorch DDP),
   bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
@@ -19,10 +19,11 @@ communication in :mod:`~tessera.planner.comm`, a block's and a chunk's compute i
   gradient hooks and division, :func:`comm.ddp_bucket_time`; ZeRO-3's per-unit buffers and views,
   ``hardware.zero_unit_us`` and ``zero_unit_passes``, which on a calibrated CPU also hold
   what the collectives' thread takes from the compute's core) is exposed beside them;
-- the step: the pipeline simulator (``tessera.pipeline.simulator``) runs the chosen schedule
-  with per-chunk forward/backward times (compute + exposed TP and CP communication), the
-  point-to-point costs and each chunk's data-parallel reduction, and returns step time,
-  bubble and exposed DP time; the optimizer step (memory-bound) is added after.
+- the step (:mod:`~tessera.planner.estimate`): the pipeline simulator
+  (``tessera.pipeline.simulator``) runs the chosen schedule with per-chunk forward/backward
+  times (compute + exposed TP and CP communication), the point-to-point costs and each
+  chunk's data-parallel reduction, and returns step time, bubble and exposed DP time; the
+  optimizer step (memory-bound) is added after.
 """
 
 from __future__ import annotations

@@ -4,13 +4,10 @@ under ZeRO, and the seconds of its gradient norm and optimizer step.
 - the closed form (Rajbhandari et al. 2020, "ZeRO", §3.1 and §5) is
   :func:`tessera.planner.formulas.zero_model_state_bytes`: stage 1 shards the optimizer state
   over the data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters;
-- for a model tessera's own transformer expresses, the layout rules, the pipeline split and
-  both byte counts are tessera's (:mod:`tessera.planner.engine`): model state as
-  ``tessera.parallelize`` allocates it (ZeRO units padded to dp, vocabulary padded to t,
-  replicated norms and kv heads, a tied copy on the last stage, DDP's and AdamW's per-tensor
-  extras) and activations as tessera's block saves them (fp32 norm inputs, flash attention's
-  log-sum-exp). The compute-time model's memory-traffic term keeps the count above, the
-  quantity ``calibrate`` fits ``elementwise_passes`` against.
+- for a model tessera's own transformer expresses, the bytes ``tessera.parallelize``
+  allocates (:func:`tessera.planner.engine.model_state_bytes`: ZeRO units padded to dp,
+  vocabulary padded to t, replicated norms and kv heads, a tied copy on the last stage, DDP's
+  and AdamW's per-tensor extras).
 """
 
 from __future__ import annotations
