@@ -117,7 +117,7 @@ def passes_line(cfg, device: torch.device, kinds: dict[str, float]) -> str:
     GPUs take from this line): the planner's step at 1 pass minus its step at 0."""
     from dataclasses import replace
 
-    from tessera.planner.search import estimate
+    from tessera.planner.estimate import estimate
     from tessera.report import hardware_for, planner_workload
 
     name = hardware_for(device) or "H100"

@@ -68,7 +68,7 @@ class Case:
     flags: dict[str, object]
     """Extra `tessera train` flags (besides --nproc)."""
     layout: dict[str, object]
-    """tessera.planner.cost.Layout fields."""
+    """tessera.planner.workload.Layout fields."""
     micro_batch: int = 16
     microbatches: int = 1
     measured: list[float] = field(default_factory=list)
@@ -83,7 +83,7 @@ CASES = [
     Case("dp=2", 2, {"dp": 2}, dict(dp=2)),
     Case("dp=2, m=2, b=8", 2, {"dp": 2, "microbatches": 2, "micro-batch-size": 8},
          dict(dp=2, micro_batch=8), micro_batch=8, microbatches=2),
-    Case("dp=2, zero=1", 2, {"dp": 2, "zero-stage": 1}, dict(dp=2, zero=1)),
+    Case("dp=2, zero=1", 2, {"dp": 2, "zero-stage": 1}, dict(dp=2, zero_stage=1)),
     Case("tp=2", 2, {"tp": 2, "dp": 1}, dict(tp=2)),
     Case("tp=2, sp", 2, {"tp": 2, "dp": 1, "sequence-parallel": None},
          dict(tp=2, sequence_parallel=True)),
@@ -103,20 +103,20 @@ CASES = [
          dict(dp=2, pp=2, schedule="1f1b", micro_batch=4), micro_batch=4, microbatches=4),
     # Data-parallel traffic and its overlap (issue 12): DDP's buckets and ZeRO-3's per-block
     # gathers and reduce-scatters at dp 2 and 4; target ±15% (OVERLAP_TARGET).
-    Case("dp=2, zero=3", 2, {"dp": 2, "zero-stage": 3}, dict(dp=2, zero=3)),
+    Case("dp=2, zero=3", 2, {"dp": 2, "zero-stage": 3}, dict(dp=2, zero_stage=3)),
     Case("dp=4 (4 ranks)", 4, {"dp": 4}, dict(dp=4)),
-    Case("dp=4, zero=3 (4 ranks)", 4, {"dp": 4, "zero-stage": 3}, dict(dp=4, zero=3)),
+    Case("dp=4, zero=3 (4 ranks)", 4, {"dp": 4, "zero-stage": 3}, dict(dp=4, zero_stage=3)),
 ]
 # The same four at micro-batch 2: compute per step shrinks 8x, so the collectives are a
 # large share of the step (and ZeRO-3's gathers no longer hide behind one block's compute).
 CASES += [
     Case("dp=2, b=2", 2, {"dp": 2, "micro-batch-size": 2}, dict(dp=2), micro_batch=2),
     Case("dp=2, zero=3, b=2", 2, {"dp": 2, "zero-stage": 3, "micro-batch-size": 2},
-         dict(dp=2, zero=3), micro_batch=2),
+         dict(dp=2, zero_stage=3), micro_batch=2),
     Case("dp=4, b=2 (4 ranks)", 4, {"dp": 4, "micro-batch-size": 2}, dict(dp=4),
          micro_batch=2),
     Case("dp=4, zero=3, b=2 (4)", 4, {"dp": 4, "zero-stage": 3, "micro-batch-size": 2},
-         dict(dp=4, zero=3), micro_batch=2),
+         dict(dp=4, zero_stage=3), micro_batch=2),
 ]
 OVERLAP_ROWS = ("dp=2", "dp=2, zero=3", "dp=4 (4 ranks)", "dp=4, zero=3 (4 ranks)",
                 "dp=2, b=2", "dp=2, zero=3, b=2", "dp=4, b=2 (4 ranks)",
@@ -133,9 +133,9 @@ measures as a "DP cost" is its own bias."""
 def workload_and_layout(case: Case, hw_path) -> tuple:
     """The planner's view of `case`: the demo preset in fp32 on case.nproc ranks (`hw_path`: a
     hardware file, or a Hardware)."""
-    from tessera.planner.cost import Layout, Workload
     from tessera.planner.hardware import Hardware, load_hardware
     from tessera.planner.models import load_model
+    from tessera.planner.workload import Layout, Workload
 
     layout = Layout(**{"micro_batch": case.micro_batch, **case.layout})
     hw = hw_path if isinstance(hw_path, Hardware) else load_hardware(hw_path)
@@ -148,13 +148,13 @@ def workload_and_layout(case: Case, hw_path) -> tuple:
 def supported(case: Case, hw_path: str) -> str | None:
     """Why this build cannot run `case`, or None: the planner's check, which for the demo
     preset is tessera's own (``tessera.layout.check_layout``)."""
-    from tessera.planner.cost import check_layout
+    from tessera.planner.rules import check_layout
 
     return check_layout(*workload_and_layout(case, hw_path))
 
 
 def predict(case: Case, hw_path: str) -> float:
-    from tessera.planner.search import estimate
+    from tessera.planner.estimate import estimate
 
     return estimate(*workload_and_layout(case, hw_path)).step_time
 
@@ -162,7 +162,7 @@ def predict(case: Case, hw_path: str) -> float:
 def predict_exposed_dp(case: Case, hw_path: str) -> float:
     """The planner's exposed data-parallel communication per step (its breakdown's
     dp_exposed: all-reduce buckets, ZeRO gathers and reduce-scatters compute did not hide)."""
-    from tessera.planner.search import estimate
+    from tessera.planner.estimate import estimate
 
     return estimate(*workload_and_layout(case, hw_path)).breakdown()["dp_exposed"]
 
@@ -282,7 +282,7 @@ def inrun_hardware(hw_path: str, case: Case):
     from dataclasses import replace
 
     from tessera.planner.calibrate import gather_efficiency, ring_beta
-    from tessera.planner.cost import expected_max_normal, jitter_sigma
+    from tessera.planner.comm import expected_max_normal, jitter_sigma
     from tessera.planner.hardware import Link, load_hardware
 
     hw, r, n = load_hardware(hw_path), case.paired, case.nproc
@@ -306,7 +306,7 @@ def inrun_hardware(hw_path: str, case: Case):
 
 
 def time_shared(case: Case, hw) -> bool:
-    """Whether the row's ranks take turns on fewer cores (the planner's ``cost.time_shared``)."""
+    """Whether the row's ranks take turns on fewer cores (the planner's ``comm.time_shared``)."""
     from tessera.planner.hardware import ranks_time_share
 
     return ranks_time_share(hw.cores, case.nproc)

@@ -7,7 +7,7 @@ The planner prices a GEMM of F FLOPs at ``Hardware.gemm_time``: F / (peak · mat
 published A100 iteration times (tests/test_planner_scale.py), so on any other GPU it is an
 extrapolation, and even on an A100 its tail stands for more than a GEMM's ramp-up (whatever
 else a real run spends per GEMM). This script times, on this device, the GEMMs those runs are
-priced from — each weight GEMM of one block (``cost.block_gemm_shapes``) of the Korthikanti et
+priced from — each weight GEMM of one block (``compute.block_gemm_shapes``) of the Korthikanti et
 al. GPT runs (22B to 1T, tensor parallel 8, 2048 tokens per micro-batch), of Llama 3 405B
 (tensor parallel 8, 8192 tokens) and of ``bench_gpu_step.py``'s model — and a sweep of square
 GEMMs, and prints per GEMM: measured TFLOP/s and share of peak, the catalog curve's, and
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from tessera.planner.cost import block_gemm_shapes
+from tessera.planner.compute import block_gemm_shapes
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import KORTHIKANTI_RUNS, ModelSpec, from_model_config, llama3
 

@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 from tessera.cli import app
 from tessera.planner.calibrate import collective_overlap
-from tessera.planner.cost import Layout, Workload
 from tessera.planner.hardware import load_hardware, ranks_time_share
 from tessera.planner.models import load_model
 from tessera.planner.search import estimate
+from tessera.planner.workload import Layout, Workload
 
 
 @pytest.mark.multiprocess
@@ -177,7 +177,7 @@ def test_jitter_is_the_spread_between_ranks_not_over_time():
     apart after k blocks: σ grows with T at the rate (extra/2) / E / (base + extra/2), with
     no fixed part. A rank that is steadily slow is what a collective waits for; ranks slow
     together are not (0 skew: σ ~0 at every length)."""
-    from tessera.planner.cost import expected_max_normal
+    from tessera.planner.comm import expected_max_normal
     from tessera.testing import run_ranks
 
     base, extra = 0.02, 0.02
@@ -587,7 +587,7 @@ def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_w
         h = replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
         w = Workload(model=spec, hardware=h, gpus=2, global_batch=4, seq_len=128,
                      precision="fp32", scatter_gather=False)
-        ch = layout_costs(w, Layout(dp=2, zero=3, micro_batch=2)).chunks[0]
+        ch = layout_costs(w, Layout(dp=2, zero_stage=3, micro_batch=2)).chunks[0]
         return ch.zero_forward + ch.zero_backward
 
     assert waits_at(0.0) > waits_at(0.2) > waits_at(0.5)  # the share hides something here
@@ -925,7 +925,7 @@ def test_jitter_is_the_spread_between_ranks_on_a_fake_clock():
     # normals] at T = k·(base + extra/2), a line with no fixed part and the rate below, the
     # same on both ranks. Ranks slow together, every other block 3× as long, are what no
     # collective waits for: σ 0 at every length (a spread over time would not be).
-    from tessera.planner.cost import expected_max_normal
+    from tessera.planner.comm import expected_max_normal
     from tessera.testing import run_ranks
 
     base, extra = 0.02, 0.02

@@ -13,26 +13,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from tessera.config import DP_MODES, Config, ConfigError, make_config
+from tessera.config import DP_MODES, Config, ConfigError, ParallelConfig, make_config
 from tessera.pipeline.schedules import SCHEDULES
 from tessera.planner import engine
-from tessera.planner.cost import RECOMPUTE, Layout, Workload
+from tessera.planner.estimate import PlanError, estimate, memory_by_rank
 from tessera.planner.hardware import load_hardware
-from tessera.planner.models import load_model
-from tessera.planner.search import (
-    PlanError,
-    SearchSpace,
-    divisors,
-    enumerate_layouts,
-    estimate,
-    memory_by_rank,
-    search,
-)
+from tessera.planner.models import expressible, load_model
+from tessera.planner.search import SearchSpace, divisors, enumerate_layouts, search
+from tessera.planner.workload import PARALLEL_FIELDS, RECOMPUTE, Layout, Workload
 from tessera.testing import run_ranks
 
 HW = load_hardware("A100-80GB")
@@ -85,10 +79,11 @@ def planner_proposes(preset: str, precision: str) -> set[tuple]:
     spec = load_model(preset)
     w = Workload(model=spec, hardware=HW, gpus=WORLD, global_batch=BATCH,
                  seq_len=spec.max_seq_len, precision=precision)
-    space = SearchSpace(cp=None, virtual=VIRTUAL, micro_batch=divisors(BATCH),
+    space = SearchSpace(cp=None, virtual_stages=VIRTUAL, micro_batch=divisors(BATCH),
                         dp_mode=DP_MODES, tp_within_node=False)
-    return {(L.dp, L.tp, L.pp, L.cp, L.virtual, L.schedule, L.zero, L.sequence_parallel,
-             L.recompute, L.dp_mode, L.microbatches(BATCH)) for L in enumerate_layouts(w, space)}
+    return {(L.dp, L.tp, L.pp, L.cp, L.virtual_stages, L.schedule, L.zero_stage,
+             L.sequence_parallel, L.recompute, L.dp_mode, L.microbatches(BATCH))
+            for L in enumerate_layouts(w, space)}
 
 
 @pytest.mark.parametrize("preset, precision", [("tiny", "fp32"), ("demo", "bf16")])
@@ -121,7 +116,7 @@ def test_catalog_models_keep_the_planners_rules():
                    seq_len=2048)
     llama = Workload(model=load_model("llama3-8b"), hardware=HW, gpus=16, global_batch=64,
                      seq_len=2048)
-    assert not engine.expressible(gpt.model) and engine.expressible(llama.model)
+    assert not expressible(gpt.model) and expressible(llama.model)
     estimate(gpt, Layout(dp=4, tp=2, cp=2))
     estimate(llama, Layout(dp=4, tp=2, cp=2))
     estimate(llama, Layout(dp=2, tp=2, cp=4, sequence_parallel=True))
@@ -131,7 +126,7 @@ def test_catalog_models_keep_the_planners_rules():
     gpt32 = Workload(model=gpt.model, hardware=HW, gpus=16, global_batch=64, seq_len=2048,
                      precision="fp32")
     assert estimate(gpt32, Layout(dp=16, dp_mode="ps")).costs.ps_time > 0
-    for bad in (Layout(dp=8, tp=2, dp_mode="ps"), Layout(dp=16, zero=1, dp_mode="ps-async")):
+    for bad in (Layout(dp=8, tp=2, dp_mode="ps"), Layout(dp=16, zero_stage=1, dp_mode="ps-async")):
         with pytest.raises(PlanError, match="needs tp=pp=cp=1, zero=0, fp32 and dp >= 2"):
             estimate(gpt32, bad)
     with pytest.raises(PlanError, match="needs tp=pp=cp=1, zero=0, fp32"):
@@ -144,7 +139,7 @@ def test_parameter_server_layouts_are_ranked_and_refused_as_tessera_refuses():
     spec = load_model("demo")
     w = Workload(model=spec, hardware=HW, gpus=4, global_batch=64, seq_len=128,
                  precision="fp32")
-    plan = search(w, SearchSpace(dp=(4,), virtual=(1,), micro_batch=(16,),
+    plan = search(w, SearchSpace(dp=(4,), virtual_stages=(1,), micro_batch=(16,),
                                  recompute=("none",), dp_mode=DP_MODES), top=20)
     modes = {e.layout.dp_mode: e for e in plan.ranked}
     assert set(modes) == set(DP_MODES)
@@ -154,7 +149,7 @@ def test_parameter_server_layouts_are_ranked_and_refused_as_tessera_refuses():
     assert modes["ps"].costs.ps_time > 0 == modes["allreduce"].costs.ps_time
     for bad, rule in ((Layout(dp=2, tp=2, dp_mode="ps"), "parallel.tp=2: dp_mode='ps'"),
                       (Layout(dp=2, pp=2, dp_mode="ps-async"), "parallel.pp=2"),
-                      (Layout(dp=4, zero=1, dp_mode="ps"), "parallel.zero_stage=1")):
+                      (Layout(dp=4, zero_stage=1, dp_mode="ps"), "parallel.zero_stage=1")):
         with pytest.raises(PlanError, match=rule):
             estimate(w, bad)
     with pytest.raises(PlanError, match="train.precision='bf16'"):
@@ -245,7 +240,7 @@ def test_planner_prices_the_context_parallel_bytes_tessera_sends(method):
     α = 0 the seconds times the bandwidth are those bytes. And a cp_method survives the
     planner → tessera config → planner round trip."""
     from tessera.parallel.context_parallel import bytes_per_layer
-    from tessera.planner.cost import context_parallel_times
+    from tessera.planner.comm import context_parallel_times
     from tessera.planner.hardware import Link
 
     spec = load_model("llama3-8b")
@@ -268,3 +263,20 @@ def test_planner_refuses_ulysses_heads_for_catalog_models():
     with pytest.raises(PlanError, match=r"heads per tp rank \(12\) must be divisible by the "
                                         "Ulysses degree 8"):
         estimate(gpt, Layout(dp=1, tp=8, cp=8, cp_method="ulysses"))
+
+
+def test_layout_names_its_settings_as_parallel_config_does():
+    """One name per setting: every Layout field but the micro-batch size (``train``'s) is a
+    ParallelConfig field of the same name, and a layout with each of them off its default
+    survives the planner → tessera config → planner round trip."""
+    parallel = {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert {f.name for f in dataclasses.fields(Layout)} - {"micro_batch"} <= parallel
+    assert set(PARALLEL_FIELDS) == {f.name for f in dataclasses.fields(Layout)} - {
+        "micro_batch", "stage_layout"}
+    w = Workload(model=load_model("llama3-8b"), hardware=HW, gpus=64, global_batch=64,
+                 seq_len=2048)
+    L = Layout(dp=4, tp=2, pp=4, cp=2, virtual_stages=2, microbatch_group=8, micro_batch=2,
+               zero_stage=1, recompute="selective", schedule="interleaved",
+               sequence_parallel=True, cp_method="allgather",
+               stage_layout=(3, 4, 4, 4, 4, 4, 4, 5))
+    assert engine.layout_of(engine.to_config(w, L)) == L

@@ -7,10 +7,10 @@ import pytest
 
 from tessera.config import make_config
 from tessera.model import active_param_count, param_count
-from tessera.planner.cost import Layout, Workload
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import from_model_config
 from tessera.planner.moe import MoESpec, active_spec, ep_degrees, moe_terms, rank_ep_layouts
+from tessera.planner.workload import Layout, Workload
 
 
 def _mixtral(gpus: int = 64) -> tuple[Workload, MoESpec]:

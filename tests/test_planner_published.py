@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tessera.pipeline.simulator import StageCosts
-from tessera.planner.cost import (
-    Layout,
-    Workload,
+from tessera.planner.estimate import estimate
+from tessera.planner.formulas import (
     hardware_flops_per_step,
     layer_activation_bytes,
     megatron_hardware_flops,
@@ -24,7 +23,7 @@ from tessera.planner.cost import (
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import MEGATRON_WEAK_SCALING, gpt, load_model
 from tessera.planner.pipeline import closed_form_bubble, time_pipeline
-from tessera.planner.search import estimate
+from tessera.planner.workload import Layout, Workload
 
 
 def test_zero_paper_7_5b_model_state():
@@ -52,7 +51,7 @@ def test_zero_memory_inside_a_layout():
     hw = load_hardware("A100-80GB")
     w = Workload(model=spec, hardware=hw, gpus=64, global_batch=64, seq_len=2048)
     for stage in range(4):
-        e = estimate(w, Layout(dp=64, zero=stage, recompute="full"), simulate=False)
+        e = estimate(w, Layout(dp=64, zero_stage=stage, recompute="full"), simulate=False)
         state = e.memory.params + e.memory.grads + e.memory.optimizer
         # Exact up to float rounding: both count the same parameters.
         assert state == pytest.approx(zero_model_state_bytes(spec.param_count, stage, 64),
@@ -98,7 +97,7 @@ def test_megatron_weak_scaling_throughput():
         w = Workload(model=row.model, hardware=hw, gpus=row.gpus, global_batch=row.global_batch,
                      seq_len=2048, flash_attention=False)
         layout = Layout(dp=row.gpus // (row.tp * row.pp), tp=row.tp, pp=row.pp,
-                        virtual=row.virtual_stages, micro_batch=row.micro_batch,
+                        virtual_stages=row.virtual_stages, micro_batch=row.micro_batch,
                         recompute="full",
                         schedule="interleaved" if row.virtual_stages > 1 else "1f1b")
         predicted = estimate(w, layout).tflops_per_gpu

@@ -27,17 +27,17 @@ from typer.testing import CliRunner
 
 from tessera.cli import app
 from tessera.pipeline.split import first_last_fewer
-from tessera.planner.cost import (
-    Layout,
-    Workload,
-    exposed_behind,
+from tessera.planner.comm import exposed_behind
+from tessera.planner.estimate import estimate, memory_by_rank
+from tessera.planner.formulas import (
     megatron_model_flops,
     model_flops_per_step,
     zero_model_state_bytes,
 )
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import KORTHIKANTI_RUNS, gpt, load_model
-from tessera.planner.search import SearchSpace, estimate, memory_by_rank, search
+from tessera.planner.search import SearchSpace, search
+from tessera.planner.workload import Layout, Workload
 
 H100 = load_hardware("H100")
 A100 = load_hardware("A100-80GB")
@@ -71,7 +71,7 @@ def llama3_row(gpus, tp, cp, pp, dp, seq, per_dp, *, virtual: int = 2,
     choice (Megatron-LM's warm-up does not fit in 80 GB: the memory test below)."""
     w = Workload(model=LLAMA, hardware=H100, gpus=gpus, global_batch=dp * per_dp, seq_len=seq,
                  kernels="fused")
-    L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual=virtual, micro_batch=1, zero=1,
+    L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual_stages=virtual, micro_batch=1, zero_stage=1,
                schedule=schedule, sequence_parallel=True,
                cp_method="allgather" if cp > 1 else "ring",
                stage_layout=first_last_fewer(LLAMA.layers, pp * virtual))
@@ -126,7 +126,7 @@ def test_free_search_for_llama3_on_8192_h100s():
           f"considered): {published.tokens_per_s:.4g} tokens/s; best {best.layout.describe()} "
           f"{best.tokens_per_s:.4g}; {plan.seconds:.1f} s")
     assert best.tokens_per_s <= 1.05 * published.tokens_per_s
-    assert all(e.layout.zero != 3 for e in plan.ranked[:at[0]])
+    assert all(e.layout.zero_stage != 3 for e in plan.ranked[:at[0]])
 
 
 def test_zero3_falls_behind_ptdp_for_175b_at_fixed_batch():
@@ -139,8 +139,8 @@ def test_zero3_falls_behind_ptdp_for_175b_at_fixed_batch():
     for gpus in (384, 768, 1536):
         w = Workload(model=spec, hardware=A100, gpus=gpus, global_batch=1536, seq_len=2048,
                      flash_attention=False)
-        z = search(w, SearchSpace(tp=(1,), pp=(1,), zero=(3,)), top=1).best
-        p = search(w, SearchSpace(zero=(0, 1)), top=1).best
+        z = search(w, SearchSpace(tp=(1,), pp=(1,), zero_stage=(3,)), top=1).best
+        p = search(w, SearchSpace(zero_stage=(0, 1)), top=1).best
         zero3.append(z.tokens_per_s / gpus)
         ptdp.append(p.tokens_per_s / gpus)
         exposed = z.breakdown()["dp_exposed"]
@@ -194,7 +194,7 @@ def test_iteration_time_error_does_not_grow_with_model_size():
         errors.append(error)
         sizes.append(math.log10(spec.param_count))
     # The mechanism: a GEMM's fixed tail weighs more on the narrow shards of the small model.
-    from tessera.planner.cost import block_matmul_times
+    from tessera.planner.compute import block_matmul_times
 
     def rate(h: int) -> float:
         spec = gpt("x", h, 1, h // 128)
@@ -217,7 +217,7 @@ def test_precision_recipes_change_model_state_as_stated():
         w = Workload(model=spec, hardware=A100, gpus=8, global_batch=8, seq_len=2048,
                      precision=recipe)
         for stage in (0, 1, 3):
-            mem = estimate(w, Layout(dp=8, zero=stage), simulate=False).memory
+            mem = estimate(w, Layout(dp=8, zero_stage=stage), simulate=False).memory
             state = mem.params + mem.grads + mem.optimizer
             assert state == pytest.approx(zero_model_state_bytes(
                 spec.param_count, stage, 8, k=ob, param_bytes=pb, grad_bytes=gb), rel=1e-12)
@@ -239,7 +239,7 @@ def test_interleaved_memory_walks_each_chunk():
             assert mem.activations < bound - 10e9
     even = Workload(model=gpt("even", 4096, 32, 32), hardware=A100, gpus=8, global_batch=64,
                     seq_len=2048)
-    e = estimate(even, Layout(pp=8, virtual=2, schedule="interleaved"), simulate=False)
+    e = estimate(even, Layout(pp=8, virtual_stages=2, schedule="interleaved"), simulate=False)
     mid = memory_by_rank(e)[3]
     assert mid.activations == pytest.approx(e.inflight[3] * e.costs.chunks[3].act_bytes,
                                             rel=1e-12)
@@ -324,7 +324,7 @@ def test_breadth_first_overlaps_zero3_with_the_loop():
     times = {}
     for schedule in ("interleaved", "bfs"):
         for zero in (1, 3):
-            est = estimate(w, Layout(dp=16, tp=8, pp=8, virtual=4, zero=zero,
+            est = estimate(w, Layout(dp=16, tp=8, pp=8, virtual_stages=4, zero_stage=zero,
                                      schedule=schedule, sequence_parallel=True,
                                      recompute="selective"))
             times[schedule, zero] = est.step_time
@@ -348,7 +348,7 @@ def test_llama3_published_layout_memory_is_the_interleaved_warmup():
     w, L = llama3_row(*LLAMA3_TABLE4[0][:-1])
     lean = estimate(w, L, simulate=False)
     megatron = estimate(w, replace(L, schedule="interleaved"), simulate=False)
-    plain = estimate(w, replace(L, virtual=1, schedule="1f1b",
+    plain = estimate(w, replace(L, virtual_stages=1, schedule="1f1b",
                                 stage_layout=first_last_fewer(LLAMA.layers, L.pp)),
                      simulate=False)
     assert lean.memory.total < H100.memory_bytes < megatron.memory.total
@@ -391,18 +391,18 @@ def test_tessera_zero3_pays_its_calibrated_unit_work():
     from tessera.planner.cost import layout_costs
 
     base, booked = _local_cpu(), _local_cpu(zero_unit_us=1000.0, zero_unit_passes=3.0)
-    w0, L = _demo(base, 2, dp=2, zero=3)
-    w1, _ = _demo(booked, 2, dp=2, zero=3)
+    w0, L = _demo(base, 2, dp=2, zero_stage=3)
+    w1, _ = _demo(booked, 2, dp=2, zero_stage=3)
     (c0,), (c1,) = layout_costs(w0, L).chunks, layout_costs(w1, L).chunks
     extra = 6 * 1e-3 + 3 * 4 * c0.params / booked.memory_bw
     assert c1.zero_backward - c0.zero_backward == pytest.approx(extra, rel=1e-9)
     assert c1.dp_total - c0.dp_total == pytest.approx(extra, rel=1e-9)  # m = 1
-    for layout in (dict(dp=2, zero=1), dict(dp=2)):
+    for layout in (dict(dp=2, zero_stage=1), dict(dp=2)):
         w0, L = _demo(base, 2, **layout)
         w1, _ = _demo(booked, 2, **layout)
         assert layout_costs(w0, L).chunks[0].dp_total == layout_costs(w1, L).chunks[0].dp_total
     gpt = dict(model=load_model("gpt3-1.3b"), gpus=8, global_batch=16, seq_len=1024)
-    L = Layout(dp=8, zero=3, micro_batch=2)
+    L = Layout(dp=8, zero_stage=3, micro_batch=2)
     plain = layout_costs(Workload(hardware=base, **gpt), L).chunks[0]
     other = layout_costs(Workload(hardware=booked, **gpt), L).chunks[0]
     assert other.zero_backward == plain.zero_backward  # not tessera's engine: no such work
@@ -413,7 +413,7 @@ def test_tessera_data_parallel_hook_uses_its_calibrated_cost():
     beyond the copy's traffic), the bucket work is that per tensor plus the copy's and the
     division's four passes over the gradient bytes, instead of OPS_PER_TENSOR_BUCKET
     kernels per tensor."""
-    from tessera.planner.cost import ddp_bucket_time
+    from tessera.planner.comm import ddp_bucket_time
 
     hw = _local_cpu(op_overhead_us=4.0, ddp_tensor_us=50.0)
     assert ddp_bucket_time(hw, 8e6, 40) == pytest.approx(40 * 50e-6 + 4 * 8e6 / hw.memory_bw,
@@ -439,7 +439,7 @@ def test_tessera_steps_pay_their_scalar_reductions():
     # a 2-rank ring all-reduce of 8 bytes: 2(n−1)α + 2(n−1)/n·8·β, β at the link's efficiency
     one = 2 * 440e-6 + 8 / (2.2e9 * hw.link_efficiency)
     for layout, gpus, want in ((dict(dp=2), 2, (one, 0, 0)),
-                               (dict(dp=2, zero=3), 2, (2 * one, 0, 0)),
+                               (dict(dp=2, zero_stage=3), 2, (2 * one, 0, 0)),
                                (dict(dp=1, tp=2), 2, (0, one, 0)),
                                (dict(dp=1, pp=2), 2, (0, 0, 2 * one)),
                                (dict(dp=1), 1, (0, 0, 0))):
@@ -462,11 +462,11 @@ def test_time_shared_ranks_pay_data_parallel_waits_once():
     gradient hooks inside the backward and the division after the all-reduce), for ZeRO-3
     its work around each unit's collectives, every micro-batch (every rank's own thread,
     all ranks at once)."""
-    from tessera.planner.cost import ddp_bucket_time
+    from tessera.planner.comm import ddp_bucket_time
 
     hw = _local_cpu(zero_unit_us=500.0, zero_unit_passes=20.0)
     for zero in (0, 3):
-        w, L = _demo(hw, 4, dp=4, zero=zero)
+        w, L = _demo(hw, 4, dp=4, zero_stage=zero)
         est = estimate(w, L)
         b = est.breakdown()
         work = b["compute"] + b["optimizer"]
@@ -484,7 +484,7 @@ def test_time_shared_ranks_pay_data_parallel_waits_once():
         assert b["dp_exposed"] > own
         # the same layout on 4 cores: no time-sharing, the waits include the straggler term
         wide = estimate(*_demo(_local_cpu(cores=4, zero_unit_us=500.0, zero_unit_passes=20.0),
-                               4, dp=4, zero=zero))
+                               4, dp=4, zero_stage=zero))
         wb = wide.breakdown()
         assert wb["time_sharing"] == pytest.approx(0.0, abs=1e-12)
         # (the simulator's cache rounds the chunk costs to 6 significant digits,
@@ -503,13 +503,14 @@ def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
     The per-tensor cost is the calibrated optimizer_tensor_us where there is one, else 12
     kernels at op_overhead_us. ZeRO-1 steps half the parameters at dp 2 but still norms every
     gradient; fused kernels (Megatron-LM's multi-tensor norm) only read the gradient."""
-    from tessera.planner.cost import OPS_PER_TENSOR_ADAMW, layout_costs
+    from tessera.planner.cost import layout_costs
+    from tessera.planner.state import OPS_PER_TENSOR_ADAMW
 
     for calibrated in (0.0, 50.0):
         hw = _local_cpu(op_overhead_us=4.0, optimizer_tensor_us=calibrated)
         per_tensor = (calibrated or OPS_PER_TENSOR_ADAMW * 4.0) * 1e-6
         for layout, gpus, stepped_share in ((dict(dp=1), 1, 1.0),
-                                            (dict(dp=2, zero=1), 2, 0.5)):
+                                            (dict(dp=2, zero_stage=1), 2, 0.5)):
             w, L = _demo(hw, gpus, **layout)
             costs = layout_costs(w, L)
             params = sum(ch.params for ch in costs.chunks)
@@ -545,12 +546,8 @@ def test_tessera_data_parallel_pays_its_bucket_copies():
     all-reduce of its buckets plus that."""
     import math
 
-    from tessera.planner.cost import (
-        OPS_PER_TENSOR_BUCKET,
-        allreduce_time,
-        group_link,
-        layout_costs,
-    )
+    from tessera.planner.comm import OPS_PER_TENSOR_BUCKET, allreduce_time, group_link
+    from tessera.planner.cost import layout_costs
 
     hw = _local_cpu(op_overhead_us=4.0, jitter=0.0)
     w, L = _demo(hw, 2, dp=2)
@@ -563,7 +560,7 @@ def test_tessera_data_parallel_pays_its_bucket_copies():
         assert ch.dp_reduce == pytest.approx(n * allreduce_time(grads / n, 2, link) + book,
                                              rel=1e-12)
     # ZeRO-3 and one replica pay no bucket copies
-    for layout, gpus in ((dict(dp=2, zero=3), 2), (dict(dp=1), 1)):
+    for layout, gpus in ((dict(dp=2, zero_stage=3), 2), (dict(dp=1), 1)):
         w, L = _demo(hw, gpus, **layout)
         zero_book = _local_cpu(op_overhead_us=4.0, jitter=0.0, memory_bw_gbs=1e6)
         fast = layout_costs(*_demo(zero_book, gpus, **layout))

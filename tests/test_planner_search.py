@@ -14,25 +14,14 @@ from typer.testing import CliRunner
 from tessera.cli import app
 from tessera.config import ConfigError
 from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
-from tessera.planner.cost import (
-    GB,
-    Layout,
-    Workload,
-    allreduce_time,
-    block_costs,
-    straggler_time,
-)
+from tessera.planner.comm import allreduce_time, straggler_time
+from tessera.planner.compute import block_costs
+from tessera.planner.estimate import PlanError, _per_chunk, chunk_lower_bound, estimate
 from tessera.planner.hardware import Hardware, load_hardware, save_hardware
 from tessera.planner.models import load_model
 from tessera.planner.pipeline import build, inflight, lower_bound, time_pipeline
-from tessera.planner.search import (
-    PlanError,
-    SearchSpace,
-    _per_chunk,
-    chunk_lower_bound,
-    estimate,
-    search,
-)
+from tessera.planner.search import SearchSpace, search
+from tessera.planner.workload import GB, Layout, Workload
 
 A100 = load_hardware("A100-80GB")
 
@@ -135,25 +124,25 @@ def test_extrapolated_simulation_matches_full_simulation():
     true m to 1e-5: the cache normalizes costs to 6 significant digits."""
     cases = [
         ("megatron-39.1b", 512, 32000, dict(tp=8, pp=2, micro_batch=1, schedule="1f1b")),
-        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual=2,
+        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual_stages=2,
                                               schedule="interleaved")),
-        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual=2,
+        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual_stages=2,
                                               schedule="interleaved", microbatch_group=16)),
-        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual=2,
+        ("megatron-145.6b", 1536, 2304, dict(tp=8, pp=8, micro_batch=1, virtual_stages=2,
                                               schedule="interleaved-lean")),
         ("llama3-8b", 64, 4096, dict(tp=2, pp=4, micro_batch=1, schedule="gpipe")),
-        ("gpt3-2.7b", 64, 4096, dict(tp=1, pp=4, micro_batch=1, virtual=2, schedule="bfs")),
-        ("gpt3-13b", 128, 1024, dict(tp=4, pp=8, micro_batch=1, schedule="1f1b", zero=2)),
+        ("gpt3-2.7b", 64, 4096, dict(tp=1, pp=4, micro_batch=1, virtual_stages=2, schedule="bfs")),
+        ("gpt3-13b", 128, 1024, dict(tp=4, pp=8, micro_batch=1, schedule="1f1b", zero_stage=2)),
     ]
     for model, gpus, batch, kw in cases:
         w = workload(model, gpus, batch)
         L = Layout(dp=gpus // (kw.get("tp", 1) * kw["pp"]), recompute="selective", **kw)
         est = estimate(w, L, simulate=False)
         costs = _layout_costs(est)
-        fast = time_pipeline(L.schedule, L.pp, est.m, L.virtual, costs,
+        fast = time_pipeline(L.schedule, L.pp, est.m, L.virtual_stages, costs,
                              group=L.microbatch_group)
         assert len(fast.simulated_m) == 2, (model, "expected the extrapolated path")
-        full = simulate(build(L.schedule, L.pp, est.m, L.virtual, L.microbatch_group), costs)
+        full = simulate(build(L.schedule, L.pp, est.m, L.virtual_stages, L.microbatch_group), costs)
         assert fast.step_time == pytest.approx(full.step_time, rel=1e-5), model
         assert fast.makespan == pytest.approx(full.makespan, rel=1e-5), model
 
@@ -177,9 +166,10 @@ def test_lower_bound_never_exceeds_the_simulation():
         bound = lower_bound(f, b, d, lat if p > 1 else 0.0, ovl, p, m)
         assert bound <= sim.step_time * (1 + 1e-12), (name, p, v, m)
     w = workload("gpt3-6.7b", 64, 256)
-    for L in (Layout(dp=8, tp=2, pp=4, micro_batch=2), Layout(dp=8, pp=8, virtual=2,
+    for L in (Layout(dp=8, tp=2, pp=4, micro_batch=2), Layout(dp=8, pp=8, virtual_stages=2,
                                                                 schedule="interleaved"),
-              Layout(dp=16, pp=4, zero=3, schedule="bfs", virtual=2), Layout(dp=64, zero=1)):
+              Layout(dp=16, pp=4, zero_stage=3, schedule="bfs", virtual_stages=2),
+              Layout(dp=64, zero_stage=1)):
         est = estimate(w, L, simulate=False)
         fs, bs, ds = _per_chunk(est.costs)
         c = est.costs
@@ -197,7 +187,7 @@ def test_161b_gpt_on_64_a100_prefers_tp8_pp8(batch):
     node, t·p = 64, micro-batch 1, full recomputation, 1F1B: (t, p) = (8, 8) is best."""
     w = workload("gpt-161b", 64, batch, flash_attention=False)
     space = SearchSpace(dp=(1,), micro_batch=(1,), schedule=("1f1b",), recompute=("full",),
-                        sequence_parallel=(False,), zero=(0,), tp_within_node=False)
+                        sequence_parallel=(False,), zero_stage=(0,), tp_within_node=False)
     plan = search(w, space, top=10)
     ranking = [(e.layout.tp, e.layout.pp) for e in plan.ranked]
     assert ranking[0] == (8, 8), ranking
@@ -217,7 +207,7 @@ def test_5_9b_gpt_on_64_gpus_prefers_data_parallelism():
     for axis in ("pp", "tp"):
         times = []
         for k in (1, 2, 4, 8):
-            L = Layout(dp=64 // k, micro_batch=1, recompute="full", zero=1, **{axis: k})
+            L = Layout(dp=64 // k, micro_batch=1, recompute="full", zero_stage=1, **{axis: k})
             times.append(estimate(w, L).step_time)
         assert times == sorted(times), (axis, times)
 
@@ -243,16 +233,18 @@ _TIMED_1T_SEARCH = """
 import json, sys, time
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
-from tessera.planner.cost import Workload
+from tessera.planner.workload import Workload
 from tessera.planner.search import search
-from tessera.planner import cost, engine, pipeline, search as search_module
+from tessera.planner import compute, cost, engine, models, pipeline, search as search_module
+from tessera.planner import estimate as estimate_module
 from tessera.pipeline import schedule
 
 w = Workload(model=load_model("megatron-1t"), hardware=load_hardware("A100-80GB"), gpus=3072,
              global_batch=3072, seq_len=2048)
 runs = []
 for _ in range(5):
-    for module in (cost, engine, pipeline, schedule, search_module):  # every memo, emptied
+    for module in (compute, cost, engine, models, pipeline, schedule, estimate_module,
+                   search_module):  # every memo, emptied
         for memo in vars(module).values():
             if hasattr(memo, "cache_clear"):
                 memo.cache_clear()

@@ -18,16 +18,11 @@ from cli_errors import cli_error
 from tessera.config import ConfigError, make_config
 from tessera.model import build_model, cross_entropy
 from tessera.pipeline.split import first_last_fewer, parse_stage_layout
-from tessera.planner.cost import (
-    Layout,
-    Workload,
-    check_layout,
-    chunk_sizes,
-    stage_layout_text,
-)
+from tessera.planner.estimate import PlanError, estimate
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
-from tessera.planner.search import PlanError, estimate
+from tessera.planner.rules import check_layout, chunk_sizes
+from tessera.planner.workload import Layout, Workload, stage_layout_text
 from tessera.step import build_executor
 from tessera.testing import assert_close_summed, run_ranks
 from tessera.topology import Topology
@@ -76,7 +71,7 @@ def test_planner_expresses_llama3_405b_on_16_stages():
     whose layers pp does not divide is refused with the rule and the way out named."""
     w = Workload(model=load_model("llama3-405b"), hardware=load_hardware("H100"), gpus=8192,
                  global_batch=2048, seq_len=8192, kernels="fused")
-    L = Layout(dp=64, tp=8, pp=16, sequence_parallel=True, zero=1,
+    L = Layout(dp=64, tp=8, pp=16, sequence_parallel=True, zero_stage=1,
                stage_layout=first_last_fewer(126, 16))
     assert check_layout(w, L) is None
     est = estimate(w, L, simulate=False)

@@ -93,11 +93,11 @@ def memory_per_rank(cfg: Config) -> list[RankMemory]:
     schedule's in-flight counts, in closed form or walked over a few periods)."""
     import dataclasses
 
-    from tessera.planner.cost import Workload
     from tessera.planner.engine import layout_of
     from tessera.planner.hardware import load_hardware
     from tessera.planner.moe import MoESpec, active_spec, moe_terms
-    from tessera.planner.search import estimate, memory_by_rank
+    from tessera.planner.estimate import estimate, memory_by_rank
+    from tessera.planner.workload import Workload
 
     w = Workload.from_config(cfg, load_hardware(BYTES_HARDWARE))
     layout = layout_of(cfg)

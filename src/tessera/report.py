@@ -93,13 +93,13 @@ def hardware_for(device: torch.device, world: int = 2) -> str | None:
 def planner_workload(cfg: Config, world: int, hardware):
     """The planner's (Workload, Layout) for cfg's run on `world` ranks of `hardware` (a
     catalog name, a file, or a Hardware)."""
-    from tessera.planner.cost import Layout, Workload
     from tessera.planner.hardware import Hardware, load_hardware
     from tessera.planner.models import from_model_config
+    from tessera.planner.workload import Layout, Workload
 
     p, t = cfg.parallel, cfg.train
-    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
-                    micro_batch=t.micro_batch_size, zero=p.zero_stage,
+    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
+                    micro_batch=t.micro_batch_size, zero_stage=p.zero_stage,
                     recompute=p.recompute, schedule=p.schedule,
                     sequence_parallel=p.sequence_parallel)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
@@ -125,7 +125,7 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
             return None, f"no hardware description (run {calibrate_command(world)})"
         hardware, label = found
     try:
-        from tessera.planner.search import estimate
+        from tessera.planner.estimate import estimate
 
         w, layout = planner_workload(cfg, world, hardware)
         calibrated_at, micro_batch = (w.hardware.calibrated_micro_batch,

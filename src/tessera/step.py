@@ -111,7 +111,7 @@ class Executor:
         self.last_sync_s = 0.0
         """Wall seconds of the last step's scalar all-reduces (its loss; the gradient norm's
         squares where the norm is taken), the wait for the last rank to reach them included:
-        what the planner prices on their own (``cost.scalar_sync_times``)."""
+        what the planner prices on their own (``planner.comm.scalar_sync_times``)."""
 
     # -- what the trainer and checkpoints use --------------------------------------------------
     def parameters(self) -> list[torch.Tensor]:

@@ -66,7 +66,7 @@ What is measured:
   over repeats of (slowest rank − the ranks' mean), which is what a collective after the
   compute waits for, divided by the expected maximum of N standard normals: σ at two
   lengths T, and the line through them, σ = a + r·T (``jitter_fixed_us``, ``jitter_rate``;
-  :func:`tessera.planner.cost.straggler_time` inverted). Not √T: on this machine the wait
+  :func:`tessera.planner.comm.straggler_time` inverted). Not √T: on this machine the wait
   grows as T^0.86-0.91 over 1-16 blocks (benchmarks/straggler_scaling.py), ranks running
   at different speeds for whole stretches. Not one rank's spread over time either: a slow
   minute slows every rank alike and costs no collective anything (on this machine the
@@ -111,12 +111,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tessera.planner.cost import (
-    OPS_PER_LAYER_FORWARD,
-    allgather_time,
-    layer_activation_bytes,
-    layer_forward_flops,
-)
+from tessera.planner.comm import allgather_time
+from tessera.planner.compute import OPS_PER_LAYER_FORWARD
+from tessera.planner.formulas import layer_activation_bytes, layer_forward_flops
 from tessera.planner.hardware import Hardware, Link, ranks_time_share
 from tessera.planner.models import ModelSpec
 
@@ -302,7 +299,7 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 48, *,
     what the tests replace with work on a fake clock."""
     import torch.distributed as dist
 
-    from tessera.planner.cost import expected_max_normal
+    from tessera.planner.comm import expected_max_normal
 
     n = dist.get_world_size()
     if n <= 1:
@@ -1001,10 +998,11 @@ def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, r
     (docs/planner.md, Inside the step a collective runs slower). The planner's waits fall as
     the share grows: where they exceed `waits` even at the full share, the full share; where
     they fall short even at 0, 0."""
-    from tessera.planner.cost import Layout, Workload, layout_costs
+    from tessera.planner.cost import layout_costs
+    from tessera.planner.workload import Layout, Workload
 
     model = dataclasses.replace(spec, layers=min(spec.layers, WRAPPED_LAYERS))
-    layout = Layout(dp=ranks, zero=3, micro_batch=micro_batch)
+    layout = Layout(dp=ranks, zero_stage=3, micro_batch=micro_batch)
 
     def planner_waits(share: float) -> float:
         # ZeRO-3's own work (zero_unit_*) off: what is left of the chunks' ZeRO times is the

@@ -57,13 +57,14 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual",
-               "virtual": "virtual", "mb": "micro_batch", "b": "micro_batch",
-               "micro_batch": "micro_batch", "zero": "zero", "recompute": "recompute",
+LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual_stages",
+               "virtual": "virtual_stages", "mb": "micro_batch", "b": "micro_batch",
+               "micro_batch": "micro_batch", "zero": "zero_stage", "recompute": "recompute",
                "schedule": "schedule", "sp": "sequence_parallel", "cp_method": "cp_method",
                "dp_mode": "dp_mode", "stages": "stage_layout", "stage_layout": "stage_layout",
                "g": "microbatch_group", "microbatch_group": "microbatch_group"}
-INT_KEYS = ("dp", "tp", "pp", "cp", "virtual", "micro_batch", "zero", "microbatch_group")
+INT_KEYS = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch", "zero_stage",
+            "microbatch_group")
 
 
 def _continues_stages(token: str) -> bool:
@@ -82,7 +83,7 @@ def parse_layout(text: str, gpus: int, layers: int):
     'first-last-fewer'). dp defaults to what the GPUs leave, the
     schedule to interleaved when v > 1, else 1f1b."""
     from tessera.pipeline.split import first_last_fewer, parse_stage_layout
-    from tessera.planner.cost import Layout
+    from tessera.planner.workload import Layout
 
     fields: dict[str, object] = {}
     last = None
@@ -115,7 +116,7 @@ def parse_layout(text: str, gpus: int, layers: int):
             raise ConfigError("--layout", text, f"tp*pp*cp={t * p * c} must divide --gpus "
                               f"{gpus} (or give dp=)")
         fields["dp"] = gpus // (t * p * c)
-    v = int(fields.get("virtual", 1))  # type: ignore[call-overload]
+    v = int(fields.get("virtual_stages", 1))  # type: ignore[call-overload]
     fields.setdefault("schedule", "interleaved" if v > 1 else "1f1b")
     if stages:
         fields["stage_layout"] = (first_last_fewer(layers, p * v)
@@ -186,14 +187,15 @@ def plan(
     """Rank the layouts of --model on --gpus x --hardware by predicted step time."""
     if ctx.invoked_subcommand is not None:
         return
-    from tessera.planner.cost import Workload
+    from tessera.planner.estimate import PlanError, estimate
     from tessera.planner.hardware import load_hardware
     from tessera.planner.models import load_model
     from tessera.planner.moe import active_spec, ep_table, moe_for_model
     from tessera.planner.report import describe_workload, table, to_json
     from tessera.planner.report import explain as explain_plan
     from tessera.planner.report import plot as plot_plan
-    from tessera.planner.search import Plan, PlanError, SearchSpace, estimate, search
+    from tessera.planner.search import Plan, SearchSpace, search
+    from tessera.planner.workload import Workload
 
     try:
         for name, value in (("--model", model), ("--gpus", gpus),

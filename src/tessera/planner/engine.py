@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
-from tessera.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from tessera.pipeline.split import block_split
-from tessera.planner.models import ModelSpec
-
-if TYPE_CHECKING:
-    from tessera.planner.cost import Layout, Workload
+from tessera.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig
+from tessera.pipeline.split import block_split, parse_stage_layout
+from tessera.planner.models import ModelSpec, model_config
+from tessera.planner.workload import PARALLEL_FIELDS, Layout, Workload, stage_layout_text
 
 F32 = 4
 """Bytes of the tensors tessera keeps in fp32 whatever the compute dtype: RMSNorm's input copy
@@ -48,25 +45,6 @@ INDEX = 8
 # The model and the layout as tessera configuration
 
 
-@lru_cache(maxsize=64)
-def model_config(spec: ModelSpec, seq_len: int = 1) -> ModelConfig | None:
-    """`spec` as a tessera ModelConfig, or None if tessera's transformer cannot express it.
-
-    RoPE tables cover max(spec.max_seq_len, seq_len): a catalog preset's max_seq_len is its
-    default training length, shorter than what its tessera config allows."""
-    if (spec.mlp != "swiglu" or spec.bias or spec.norm != "rmsnorm" or spec.learned_positions
-            or spec.dropout or spec.head_dim % 2):
-        return None
-    return ModelConfig(vocab_size=spec.vocab_size, d_model=spec.hidden, n_layers=spec.layers,
-                       n_heads=spec.heads, n_kv_heads=spec.kv_heads, ffn_hidden=spec.ffn_hidden,
-                       max_seq_len=max(spec.max_seq_len, seq_len),
-                       tie_embeddings=spec.tied_embeddings)
-
-
-def expressible(spec: ModelSpec) -> bool:
-    return model_config(spec) is not None
-
-
 def to_config(w: Workload, L: Layout) -> Config:
     """The tessera Config that runs layout `L` of workload `w` (m = B/(dp·b) micro-batches of
     b sequences per step on each data-parallel rank). Raises ConfigError where a section's own
@@ -74,13 +52,7 @@ def to_config(w: Workload, L: Layout) -> Config:
     model = model_config(w.model, w.seq_len)
     if model is None:
         raise ValueError(f"{w.model.name} is not a tessera model")
-    from tessera.planner.cost import stage_layout_text
-
-    parallel = ParallelConfig(dp=L.dp, tp=L.tp, pp=L.pp, cp=L.cp, virtual_stages=L.virtual,
-                              microbatch_group=L.microbatch_group, schedule=L.schedule,
-                              zero_stage=L.zero, dp_mode=L.dp_mode,
-                              sequence_parallel=L.sequence_parallel, recompute=L.recompute,
-                              cp_method=L.cp_method,
+    parallel = ParallelConfig(**{name: getattr(L, name) for name in PARALLEL_FIELDS},
                               stage_layout=stage_layout_text(L.stage_layout)
                               if L.stage_layout else "")
     # Recipes tessera does not run (bf16 with fp32 gradients or bf16 states) are checked as
@@ -93,16 +65,9 @@ def to_config(w: Workload, L: Layout) -> Config:
 
 def layout_of(cfg: Config) -> Layout:
     """The planner's Layout of a tessera Config (the inverse of :func:`to_config`)."""
-    from tessera.pipeline.split import parse_stage_layout
-    from tessera.planner.cost import Layout
-
     p = cfg.parallel
-    return Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual=p.virtual_stages,
-                  microbatch_group=p.microbatch_group, micro_batch=cfg.train.micro_batch_size,
-                  zero=p.zero_stage,
-                  recompute=p.recompute, schedule=p.schedule,
-                  sequence_parallel=p.sequence_parallel, dp_mode=p.dp_mode,
-                  cp_method=p.cp_method,
+    return Layout(**{name: getattr(p, name) for name in PARALLEL_FIELDS},
+                  micro_batch=cfg.train.micro_batch_size,
                   stage_layout=parse_stage_layout(p.stage_layout) if p.stage_layout else None)
 
 
@@ -174,7 +139,7 @@ def chunk_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, c: int,
 
 def rank_units(w: Workload, L: Layout, pp_rank: int) -> tuple[tuple[int, int], ...]:
     """Every ZeRO unit of the chunks pipeline rank `pp_rank` holds (chunk c on rank c mod p)."""
-    return _rank_units(w.model, w.seq_len, L.tp, L.pp, L.virtual, pp_rank, L.stage_layout)
+    return _rank_units(w.model, w.seq_len, L.tp, L.pp, L.virtual_stages, pp_rank, L.stage_layout)
 
 
 @lru_cache(maxsize=65536)
@@ -202,7 +167,7 @@ def model_state_bytes(w: Workload, L: Layout, pp_rank: int) -> dict[str, int]:
       it averages into, its push buffer and (synchronous) one inbox per worker, Adam's state.
     """
     params, grads, optimizer = _model_state(rank_units(w, L, pp_rank), w.precision, L.dp,
-                                            L.zero, L.dp_mode)
+                                            L.zero_stage, L.dp_mode)
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 

@@ -160,8 +160,8 @@ class Hardware:
     """Noise of compute that adds up independently, in s^½: a stretch of T seconds of kernels
     takes T ± σ with σ = jitter·√T (plus the two terms below). Ranks reach a collective that
     far apart, so each collective waits for the slowest
-    (:func:`tessera.planner.cost.straggler_time`). 0 for the catalog's GPUs; files calibrated
-    before 2026-11-25 22:00 hold their whole σ here."""
+    (:func:`tessera.planner.comm.straggler_time`). 0 for the catalog's GPUs; a file that gives
+    neither of the two terms below holds its whole σ here."""
     jitter_fixed_us: float = 0.0
     """σ's part that does not grow with the stretch (µs): how far apart ranks released
     together start, and a collective's own wake-up; calibrate measures it on a CPU."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, fields
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,24 @@ def from_model_config(name: str, cfg: ModelConfig, seq_len: int | None = None) -
                      vocab_size=cfg.vocab_size, dropout=False)
 
 
+@lru_cache(maxsize=64)
+def model_config(spec: ModelSpec, seq_len: int = 1) -> ModelConfig | None:
+    """`spec` as a tessera ModelConfig, or None if tessera's transformer cannot express it.
+
+    RoPE tables cover max(spec.max_seq_len, seq_len): a catalog preset's max_seq_len is its
+    default training length, shorter than what its tessera config allows."""
+    if (spec.mlp != "swiglu" or spec.bias or spec.norm != "rmsnorm" or spec.learned_positions
+            or spec.dropout or spec.head_dim % 2):
+        return None
+    return ModelConfig(vocab_size=spec.vocab_size, d_model=spec.hidden, n_layers=spec.layers,
+                       n_heads=spec.heads, n_kv_heads=spec.kv_heads, ffn_hidden=spec.ffn_hidden,
+                       max_seq_len=max(spec.max_seq_len, seq_len),
+                       tie_embeddings=spec.tied_embeddings)
+
+
+def expressible(spec: ModelSpec) -> bool:
+    """Whether tessera's reference transformer has `spec`'s shape (:func:`model_config`)."""
+    return model_config(spec) is not None
 def llama3(name: str, hidden: int, layers: int, heads: int, ffn: int) -> ModelSpec:
     return ModelSpec(name=name, hidden=hidden, layers=layers, heads=heads, kv_heads=8,
                      ffn_hidden=ffn, mlp="swiglu", bias=False, norm="rmsnorm",
@@ -220,9 +238,8 @@ class IterationTimeRow:
 # arXiv:2205.05198), Table 3 (a, h, l, t, p, GPUs, global batch) and Table 5 (seconds per
 # iteration with sequence parallelism and selective recomputation), A100 80GB; Megatron-LM of
 # 2022 overlaps the backward's tensor-parallel collectives with the GEMMs
-# (Workload.tp_async_backward). Verification (2026-11-23, the `search` tool): the paper's
-# tables were not among the stored pages, so the seconds are NOT verified against the paper's
-# text. They are cross-checked against the MFU the Megatron-LM README states for the same
+# (Workload.tp_async_backward). The seconds are not checked against the paper's text; they
+# are cross-checked against the MFU the Megatron-LM README states for the same
 # configurations "measured using a data parallel size of one" (22B 41.5%, 175B 51.4%, 530B
 # 56.0%, 1T 56.3%; README section on scaling, which cites this paper): model FLOPs (Narayanan
 # et al. eq. 3 without recomputation) / (GPUs · 312 TFLOP/s · seconds) reproduces each within

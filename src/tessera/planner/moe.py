@@ -18,7 +18,7 @@ priced here in two parts:
      and backward), each sending b·s·k·h activation bytes of which (ep−1)/ep leave the rank
      (balanced routing; dropless, or ≤ C·k with capacity C). Pairwise exchange: (ep−1)·α +
      bytes·β. The link is intra-node when the ep group (ep ranks tp·cp apart) fits in a node,
-     else the inter-node link (``cost.group_link``). Not overlapped with compute.
+     else the inter-node link (``comm.group_link``). Not overlapped with compute.
    - expert gradient sync: the experts beyond the active model's are reduced over their
      expert-data group (dp/ep·cp ranks, ep·tp·cp apart): one all-reduce of their gradient per
      step, and under ZeRO-3 an all-gather of their parameters per micro-batch forward and
@@ -35,8 +35,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tessera.config import ModelConfig
-from tessera.planner.cost import Layout, Workload, allgather_time, allreduce_time, group_link
+from tessera.planner.comm import allgather_time, allreduce_time, group_link
 from tessera.planner.models import ModelSpec
+from tessera.planner.workload import Layout, Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +106,10 @@ def moe_terms(w: Workload, L: Layout, spec: ModelSpec, moe: MoESpec, ep: int) ->
     p_bytes, g_bytes, o_bytes, a_bytes = w.bytes
     state = p_bytes + g_bytes + o_bytes
     layers_here = moe.moe_layers(spec.layers) / L.pp  # MoE layers on the fullest stage
-    if L.zero > 0:  # ZeRO shards expert units over their expert-data group (dp/ep · cp)
+    if L.zero_stage > 0:  # ZeRO shards expert units over their expert-data group (dp/ep · cp)
         n = L.dp // ep * L.cp
-        state = (p_bytes / (n if L.zero >= 3 else 1) + g_bytes / (n if L.zero >= 2 else 1)
-                 + o_bytes / n)
+        state = (p_bytes / (n if L.zero_stage >= 3 else 1)
+                 + g_bytes / (n if L.zero_stage >= 2 else 1) + o_bytes / n)
     held = moe.experts / ep * 3 * h * f_e
     counted = moe.top_k * 3 * h * f_e / L.tp  # already in the active model's estimate
     expert_bytes = layers_here * (held - counted) * state
@@ -123,7 +124,7 @@ def moe_terms(w: Workload, L: Layout, spec: ModelSpec, moe: MoESpec, ep: int) ->
     edp = L.dp // ep * L.cp
     edp_link = group_link(w.hardware, L.dp * stride, ep * stride)
     sync = allreduce_time(extra * g_bytes, edp, edp_link)
-    if L.zero == 3:
+    if L.zero_stage == 3:
         sync += 2 * m * allgather_time(extra * p_bytes, edp, edp_link)
     return MoETerms(expert_bytes=expert_bytes, alltoall_bytes=exchanges * per_exchange,
                     alltoall_time=exchanges * one, expert_sync_time=sync,
@@ -160,11 +161,11 @@ def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout],
     """Every (layout, ep) with ep dividing dp and E, priced as the active model's estimate
     plus the MoE terms; fitting layouts first, then by predicted step time. `estimate(w, L)`
     returns an object with ``step_time`` and ``memory.total`` (default: the planner's
-    ``search.estimate``); layouts it refuses (PlanError, ConfigError) are skipped."""
+    ``estimate.estimate``); layouts it refuses (PlanError, ConfigError) are skipped."""
     if estimate is None:
-        from tessera.planner.search import estimate
+        from tessera.planner.estimate import estimate
     from tessera.config import ConfigError
-    from tessera.planner.search import PlanError
+    from tessera.planner.estimate import PlanError
 
     active = dataclasses.replace(w, model=active_spec(w.model, moe))
     plans = []

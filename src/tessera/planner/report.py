@@ -6,12 +6,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tessera.planner.cost import GB
-from tessera.planner.search import Estimate, Plan, gather_waits_exposed, pipeline_comm_exposed
+from tessera.planner.estimate import Estimate, gather_waits_exposed, pipeline_comm_exposed
+from tessera.planner.search import Plan
+from tessera.planner.workload import GB, stage_layout_text
 
 AXES = (("dp", "data parallel"), ("tp", "tensor parallel"), ("pp", "pipeline parallel"),
-        ("cp", "context parallel"), ("virtual", "virtual stages"),
-        ("micro_batch", "micro-batch size"), ("zero", "ZeRO stage"))
+        ("cp", "context parallel"), ("virtual_stages", "virtual stages"),
+        ("micro_batch", "micro-batch size"), ("zero_stage", "ZeRO stage"))
 
 
 def human_count(n: float) -> str:
@@ -50,14 +51,14 @@ def table(plan: Plan, tokens: float | None = None) -> str:
     lines = [head]
     for i, e in enumerate(plan.ranked, 1):
         L = e.layout
-        sched = ("-" if L.pp == L.virtual == 1 else
-                 L.schedule + (f" v{L.virtual}" if L.virtual > 1 else ""))
+        sched = ("-" if L.pp == L.virtual_stages == 1 else
+                 L.schedule + (f" v{L.virtual_stages}" if L.virtual_stages > 1 else ""))
         if L.dp_mode != "allreduce":
             sched = f"{L.dp_mode} {sched}" if sched != "-" else L.dp_mode
         if L.cp > 1:  # the context-parallel method shares the schedule's column
             sched = f"{L.cp_method} {sched}" if sched != "-" else L.cp_method
         line = (f"{i:>2} {L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {sched:>19} "
-                f"{L.micro_batch:>3} {e.m:>5} {L.zero:>4} {L.recompute:>9} "
+                f"{L.micro_batch:>3} {e.m:>5} {L.zero_stage:>4} {L.recompute:>9} "
                 f"{'y' if L.sequence_parallel else '-':>3} {_num(e.step_time):>9} "
                 f"{_num(e.tokens_per_s):>10} {e.tflops_per_gpu:>8.4g} {100 * e.mfu:>5.1f}% "
                 f"{100 * e.mfu_causal:>5.1f}% {e.memory.total / GB:>7.1f} "
@@ -133,8 +134,6 @@ def explain(plan: Plan) -> str:
                  f"{100 * best.mfu_causal:.1f}% counting the causal half (Llama 3)")
     lines.append(f"  model state: {RECIPES[w.precision]}")
     if best.layout.stage_layout:
-        from tessera.planner.cost import stage_layout_text
-
         lines.append(f"  stages: {stage_layout_text(best.layout.stage_layout)} blocks per "
                      "chunk")
     runner = runner_up(plan)
@@ -218,7 +217,7 @@ def plot(plan: Plan, path: str | Path) -> Path:
         ax.plot(keys, [top[k] for k in keys], color="tab:blue", lw=1)
         ax.scatter([getattr(best.layout, key)], [_model_tflops(best)], s=70, marker="*",
                    color="tab:red", zorder=3, label="best")
-        if key != "zero" and max(keys) > 2 * max(1, min(keys)):
+        if key != "zero_stage" and max(keys) > 2 * max(1, min(keys)):
             ax.set_xscale("log", base=2)
         ax.set_xticks(keys)
         ax.set_xticklabels([str(k) for k in keys])
