@@ -33,19 +33,17 @@ from tessera.parallel.comm import CommStats, ring_bytes_sent
 from tessera.parallel.tensor_parallel import (
     ShardSpec,
     TPContext,
-    apply_tensor_parallel,
-    build_tensor_parallel_model,
     f,
     g,
     gather_full,
-    gather_logits,
     gather_state_dict,
     owned_grad_sq,
     param_specs,
     shard,
     sync_partial_grads,
-    vocab_parallel_cross_entropy,
 )
+from tessera.parallel.tp_plan import apply_tensor_parallel, build_tensor_parallel_model
+from tessera.parallel.vocab_parallel_loss import gather_logits, vocab_parallel_cross_entropy
 from tessera.step import Executor, build_executor
 from tessera.testing import assert_close_summed, run_ranks, summation_error
 from tessera.topology import Topology

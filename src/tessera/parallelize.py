@@ -68,14 +68,14 @@ from tessera.parallel.expert_parallel import (
 )
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
+    ColumnParallelLinear,
     ShardSpec,
     TPContext,
     gather_full,
-    parallelize_head,
-    parallelize_module,
     param_specs,
     sync_partial_grads,
 )
+from tessera.parallel.tp_plan import parallelize_module
 from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
 from tessera.parallel.zero_state import (
     ShardedAdamW,
@@ -469,9 +469,7 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
             parallelize_module(chunk, tp, full)
             if chunk._shared:  # the head reads the (vocab-parallel) embedding of chunk 0
                 emb = chunk._shared[0]
-                chunk._shared[0] = parallelize_head(
-                    nn.Linear(cfg.model.d_model, cfg.model.vocab_size, bias=False,
-                              device="meta"), tp, full, tied_to=emb)
+                chunk._shared[0] = ColumnParallelLinear(emb.weight, tp, emb.spec, "output")
             chunk.rope_cos, chunk.rope_sin = rope_tables(cfg.model.head_dim,
                                                          cfg.model.max_seq_len,
                                                          cfg.model.rope_theta,
