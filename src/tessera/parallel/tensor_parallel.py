@@ -414,28 +414,34 @@ def param_specs(module: nn.Module, tp: TPContext) -> dict[str, ShardSpec]:
 def sync_partial_grads(module: nn.Module, tp: TPContext) -> None:
     """Sum, over the ranks holding the same piece, the gradients that are partial: norm gains
     under SP (each rank saw its tokens) and replicated key/value heads (each rank's query heads).
-    One all-reduce over tp of a buffer holding each piece in its slot; call after backward."""
+    Call after backward; see `sum_partial_pieces`."""
     if tp.size == 1:
         return
     specs = param_specs(module, tp)
     items = [(p, specs[n]) for n, p in module.named_parameters() if specs[n].partial_grad]
+    for p, _ in items:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    sum_partial_pieces([(p.grad, spec) for p, spec in items], tp)
+
+
+@torch.no_grad()
+def sum_partial_pieces(items: list[tuple[torch.Tensor, ShardSpec]], tp: TPContext) -> None:
+    """Sum each gradient (or part of one) over the tp ranks holding the same piece of its
+    parameter (`spec`), in place: the gradient stays where it lives (a DDP bucket, a ZeRO
+    buffer). One all-reduce over tp of a buffer holding each piece in its slot."""
     if not items:
         return
     slots = []
-    for p, spec in items:
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        slot = grad.new_zeros((spec.chunks, *grad.shape))  # (pieces, *shard)
-        slot[spec.index(tp.rank, tp.size)] = grad
+    for grad, spec in items:
+        slot = grad.new_zeros((spec.chunks, grad.numel()))  # (pieces, numel)
+        slot[spec.index(tp.rank, tp.size)] = grad.reshape(-1)
         slots.append(slot.flatten())
     flat = all_reduce(torch.cat(slots), tp.group, tp.stats, "grad_sync", "step", inplace=True)
     offset = 0
-    for (p, spec), slot in zip(items, slots, strict=True):
-        summed = flat[offset:offset + slot.numel()].view(spec.chunks, *p.shape)
-        mine = summed[spec.index(tp.rank, tp.size)]
-        if p.grad is None:
-            p.grad = mine.clone()
-        else:  # in place: the gradient stays where it lives (e.g. a DDP bucket), not a copy
-            p.grad.copy_(mine)
+    for (grad, spec), slot in zip(items, slots, strict=True):
+        summed = flat[offset:offset + slot.numel()].view(spec.chunks, *grad.shape)
+        grad.copy_(summed[spec.index(tp.rank, tp.size)])
         offset += slot.numel()
 
 
