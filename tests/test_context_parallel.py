@@ -26,14 +26,13 @@ from tessera.parallel.context_parallel import (
     ContextParallelAttention,
     CPContext,
     bytes_per_layer,
-    explicit_block_backward,
-    explicit_block_forward,
     hybrid_groups,
     sequence_positions,
     shard_sequence,
     ulysses_kv_repeat,
     unshard_sequence,
 )
+from tessera.parallel.ring_attention import explicit_block_backward, explicit_block_forward
 from tessera.testing import run_ranks
 
 B, HEADS, HD = 2, 4, 8
@@ -263,7 +262,7 @@ def test_ring_blocks_in_one_process(device):
     against every rank's keys, block by block, merged by log-sum-exp; then the blocks'
     gradients. On CPU this is the fused kernel path, on CUDA the explicit masked path; both
     must give the reference core's output and gradients (TOL; cp = 4, GQA 4:2)."""
-    from tessera.parallel.context_parallel import attend_blocks_, attend_blocks_backward_
+    from tessera.parallel.ring_attention import attend_blocks_, attend_blocks_backward_
 
     cp, T, n_kv = 4, 64, 2
     q, k, v, dout = (t.to(device) for t in _inputs(T, n_kv))

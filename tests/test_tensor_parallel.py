@@ -33,19 +33,17 @@ from tessera.parallel.comm import CommStats, ring_bytes_sent
 from tessera.parallel.tensor_parallel import (
     ShardSpec,
     TPContext,
-    apply_tensor_parallel,
-    build_tensor_parallel_model,
     f,
     g,
     gather_full,
-    gather_logits,
     gather_state_dict,
     owned_grad_sq,
     param_specs,
     shard,
     sync_partial_grads,
-    vocab_parallel_cross_entropy,
 )
+from tessera.parallel.tp_plan import apply_tensor_parallel, build_tensor_parallel_model
+from tessera.parallel.vocab_parallel_loss import gather_logits, vocab_parallel_cross_entropy
 from tessera.step import Executor, build_executor
 from tessera.testing import assert_close_summed, run_ranks, summation_error
 from tessera.topology import Topology
@@ -550,3 +548,39 @@ def test_apply_to_a_lone_embedding_or_head_returns_the_parallel_layer():
     torch.testing.assert_close(new_emb(tokens), emb(tokens), rtol=0, atol=0)
     h = torch.randn(1, 6, 8)
     torch.testing.assert_close(new_head(h), head(h), rtol=0, atol=0)
+
+
+class _GatedMLP(nn.Module):
+    """Not tessera's model: a plan, not new layers, makes it tensor-parallel."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_groups = 3
+        self.up, self.gate = nn.Linear(8, 6, bias=False), nn.Linear(8, 6, bias=False)
+        self.down = nn.Linear(6, 8, bias=False)
+
+    def forward(self, x):
+        return self.down(self.up(x) * torch.sigmoid(self.gate(x)))
+
+
+def test_apply_plan_on_a_model_of_its_own():
+    """apply_plan swaps exactly the named linears (a suffix names them under any parent; names
+    the module lacks are skipped), each column-parallel linear gets its own output from the
+    shared region entry, and one rank reproduces the reference exactly."""
+    from tessera.parallel.tensor_parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        apply_plan,
+    )
+
+    ref = nn.Sequential()
+    ref.add_module("mlp", _GatedMLP())
+    x = torch.randn(2, 5, 8)
+    want = ref(x)
+    plan = {"mlp.up": ColwiseParallel(), "gate": ColwiseParallel(units="n_groups"),
+            "down": RowwiseParallel(), "missing": RowwiseParallel()}
+    model = apply_plan(copy.deepcopy(ref), plan, TPContext(group=None))
+    assert [type(m).__name__ for m in (model.mlp.up, model.mlp.gate, model.mlp.down)] == \
+        ["ColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"]
+    assert model.mlp.up.shared is model.mlp.gate.shared
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)

@@ -49,8 +49,8 @@ from tessera.parallel.tensor_parallel import (
     RowParallelLinear,
     ShardSpec,
     TPContext,
-    parallelize_block,
 )
+from tessera.parallel.tp_plan import parallelize_module
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
@@ -139,8 +139,8 @@ def _llama_block(tp: TPContext) -> float:
     cfg = ModelConfig(vocab_size=256, d_model=H, n_layers=1, n_heads=A, n_kv_heads=A,
                       max_seq_len=S)
     block = Block(cfg)
-    parallelize_block(block, tp, lambda name, shape: init_tensor(cfg, "layers.0." + name, shape,
-                                                                 0), prefix="")
+    parallelize_module(block, tp, lambda name, shape: init_tensor(cfg, "layers.0." + name, shape,
+                                                                  0))
     cos, sin = rope_tables(cfg.head_dim, S, cfg.rope_theta)
     s_local = S // tp.size if tp.sequence_parallel else S
     x = torch.randn(B, s_local, H, generator=torch.Generator().manual_seed(1),

@@ -93,12 +93,17 @@ class Attention(nn.Module):
         self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # The local head counts come from the weights, so a tensor-parallel shard of this module
-        # (fewer output rows in wq/wk/wv) runs the same code on its own heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        # The local head counts and the sequence length come from the projections, so a
+        # tensor-parallel shard of this module (fewer output rows in wq/wk/wv, whose outputs
+        # cover the full sequence also when x holds 1/t of it) runs the same code on its heads.
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        B, T = q.shape[:2]
+        if cos.shape[0] != T:
+            raise ValueError(f"RoPE tables cover {cos.shape[0]} positions but attention sees {T}"
+                             " tokens; a sequence-parallel block needs the full sequence's tables")
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        v = v.view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hd)
         y = self.core(q, k, v)

@@ -55,7 +55,7 @@ from tessera.layout import check_layout
 from tessera.model import Transformer, init_tensor, rope_tables
 from tessera.moe import materialize_buffers
 from tessera.optim import adamw, add_sums_of_squares
-from tessera.parallel.comm import CommStats, all_reduce
+from tessera.parallel.comm import CommStats
 from tessera.parallel.context_parallel import CPContext, apply_context_parallel, hybrid_groups
 from tessera.parallel.ddp import DataParallel
 from tessera.parallel.expert_parallel import (
@@ -68,15 +68,16 @@ from tessera.parallel.expert_parallel import (
 )
 from tessera.parallel.recompute import apply_recompute
 from tessera.parallel.tensor_parallel import (
+    ColumnParallelLinear,
     ShardSpec,
     TPContext,
     gather_full,
-    parallelize_head,
-    parallelize_module,
     param_specs,
+    sum_partial_pieces,
     sync_partial_grads,
 )
-from tessera.parallel.zero import FlatUnit, ZeroModel, chunk_units
+from tessera.parallel.tp_plan import parallelize_module
+from tessera.parallel.zero import ZeroModel
 from tessera.parallel.zero_state import (
     ShardedAdamW,
     gather_owned,
@@ -84,6 +85,7 @@ from tessera.parallel.zero_state import (
     storage_bytes,
     unflatten,
 )
+from tessera.parallel.zero_units import FlatUnit, chunk_units
 from tessera.pipeline.partition import Chunk, partition
 from tessera.pipeline.schedule import Schedule, add_sharding_actions
 from tessera.pipeline.schedules import build_schedule, is_breadth_first
@@ -284,20 +286,7 @@ class ParallelModel:
                     spec = self.specs[c][u.slots[j].name]
                     if spec.partial_grad:
                         items.append((u.grad[a:b], spec))
-        if not items:
-            return
-        slots = []
-        for view, spec in items:
-            slot = view.new_zeros((spec.chunks, view.numel()))
-            slot[spec.index(self.tp.rank, self.tp.size)] = view
-            slots.append(slot.flatten())
-        flat = all_reduce(torch.cat(slots), self.tp.group, self.tp.stats, "grad_sync", "step",
-                          inplace=True)
-        offset = 0
-        for (view, spec), slot in zip(items, slots, strict=True):
-            summed = flat[offset:offset + slot.numel()].view(spec.chunks, -1)
-            view.copy_(summed[spec.index(self.tp.rank, self.tp.size)])
-            offset += slot.numel()
+        sum_partial_pieces(items, self.tp)
 
     # -- reading the model back in reference names ---------------------------------------------
     @torch.no_grad()
@@ -470,9 +459,7 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
             parallelize_module(chunk, tp, full)
             if chunk._shared:  # the head reads the (vocab-parallel) embedding of chunk 0
                 emb = chunk._shared[0]
-                chunk._shared[0] = parallelize_head(
-                    nn.Linear(cfg.model.d_model, cfg.model.vocab_size, bias=False,
-                              device="meta"), tp, full, tied_to=emb)
+                chunk._shared[0] = ColumnParallelLinear(emb.weight, tp, emb.spec, "output")
             chunk.rope_cos, chunk.rope_sin = rope_tables(cfg.model.head_dim,
                                                          cfg.model.max_seq_len,
                                                          cfg.model.rope_theta,

@@ -94,9 +94,9 @@ def memory_per_rank(cfg: Config) -> list[RankMemory]:
     import dataclasses
 
     from tessera.planner.engine import layout_of
+    from tessera.planner.estimate import estimate, memory_by_rank
     from tessera.planner.hardware import load_hardware
     from tessera.planner.moe import MoESpec, active_spec, moe_terms
-    from tessera.planner.estimate import estimate, memory_by_rank
     from tessera.planner.workload import Workload
 
     w = Workload.from_config(cfg, load_hardware(BYTES_HARDWARE))

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from tessera.config import Config
 from tessera.model import cross_entropy
 from tessera.moe import set_loss_scale
-from tessera.parallel.tensor_parallel import vocab_parallel_cross_entropy
+from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.parallelize import ParallelModel, sync_context, training_schedule
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
 from tessera.pipeline.schedule import Action, F, Kind, Schedule, forward_only

@@ -15,6 +15,11 @@ each times the element size in bytes, for a group of t ranks. Gloo may run other
 these are the bytes-equivalents the papers compare, not a packet capture.
 
 A group of None or of one rank makes every collective here the identity, recorded as nothing.
+
+`conjugate` builds the differentiable operators of tensor, sequence and context parallelism
+from a pair of these collectives: one runs on the input forward, its conjugate on the gradient
+backward (Megatron's ``f`` and ``g``, sequence parallelism's ``g`` and ``ḡ``, Ulysses'
+all-to-alls).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Function
 
 from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 
@@ -98,6 +104,41 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
+
+
+Collective = Callable[..., torch.Tensor]
+"""``collective(x, group, stats, tag, phase) -> tensor``: one side of a conjugate pair."""
+
+
+def conjugate(name: str, forward: Collective, backward: Collective,
+              doc: str) -> Callable[..., torch.Tensor]:
+    """The operator ``op(x, group, stats=None, tag="")`` that applies `forward` to `x` and, in
+    backward, `backward` to the gradient (with phase "forward" and "backward"); the identity on
+    a group of one rank. `name` names its autograd Function (and so its grad_fn). A `forward`
+    that returns its input has modified it in place and marks it dirty; an identity forward
+    returns ``x.view_as(x)``."""
+
+    def fwd(ctx, x, group, stats, tag):
+        ctx.group, ctx.stats, ctx.tag = group, stats, tag
+        out = forward(x, group, stats, tag, "forward")
+        if out is x:  # modified in place: tell autograd
+            ctx.mark_dirty(x)
+        return out
+
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group, ctx.stats, ctx.tag, "backward"), None, None, None
+
+    function = type(name, (Function,), {"forward": staticmethod(fwd),
+                                        "backward": staticmethod(bwd), "__doc__": doc})
+
+    def op(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
+           tag: str = "") -> torch.Tensor:
+        if group_size(group) == 1:
+            return x
+        return function.apply(x, group, stats, tag)
+
+    op.__doc__ = doc
+    return op
 
 
 def _log(stats: CommStats | None, tag: str, op: str, phase: str, numel: int, x: torch.Tensor,

@@ -15,7 +15,7 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
 Both wrap modules in place with ``torch.utils.checkpoint`` (non-reentrant, RNG state restored
 so dropout would repeat): every :class:`tessera.model.Block` (full) or every
 :class:`tessera.model.AttentionCore` (selective) found in the module tree, which covers the
-reference model, tensor-parallel blocks (``ParallelAttention`` has the same core) and pipeline
+reference model, tensor-parallel blocks (the same modules on their shards) and pipeline
 chunks alike. Parameters, names and state dicts are unchanged; the model code does not know.
 
 A replayed forward repeats the forward's side effects too. Modules with a ``replaying``

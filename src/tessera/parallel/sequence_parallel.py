@@ -37,77 +37,38 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from tessera.parallel.comm import CommStats, all_gather, group_rank, group_size, reduce_scatter
+from tessera.parallel.comm import (
+    CommStats,
+    all_gather,
+    conjugate,
+    group_rank,
+    group_size,
+    reduce_scatter,
+)
 
 SEQ_DIM = 1
 """Activations are (batch, sequence, hidden), as in tessera.model."""
 
 
-class GatherFromSequenceParallelRegion(Function):
-    """Korthikanti's g: all-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, stats, tag):
-        ctx.group, ctx.stats, ctx.tag = group, stats, tag
-        return all_gather(x, SEQ_DIM, group, stats, tag, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, SEQ_DIM, ctx.group, ctx.stats, ctx.tag, "backward"), None, \
-            None, None
+def _gather(x: torch.Tensor, group, stats, tag: str, phase: str) -> torch.Tensor:
+    return all_gather(x, SEQ_DIM, group, stats, tag, phase)
 
 
-class ReduceScatterToSequenceParallelRegion(Function):
-    """Korthikanti's ḡ: reduce-scatter along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, stats, tag):
-        ctx.group, ctx.stats, ctx.tag = group, stats, tag
-        return reduce_scatter(x, SEQ_DIM, group, stats, tag, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, SEQ_DIM, ctx.group, ctx.stats, ctx.tag, "backward"), None, \
-            None, None
+def _reduce_scatter(x: torch.Tensor, group, stats, tag: str, phase: str) -> torch.Tensor:
+    return reduce_scatter(x, SEQ_DIM, group, stats, tag, phase)
 
 
-class ScatterToSequenceParallelRegion(Function):
-    """Keep this rank's sequence chunk of a replicated tensor (no communication); the backward
-    all-gathers the chunks' gradients. Enters sequence parallelism from replicated activations."""
-
-    @staticmethod
-    def forward(ctx, x, group, stats, tag):
-        ctx.group, ctx.stats, ctx.tag = group, stats, tag
-        return sequence_chunk(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, SEQ_DIM, ctx.group, ctx.stats, ctx.tag, "backward"), None, \
-            None, None
-
-
-def g(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
-      tag: str = "") -> torch.Tensor:
-    """(B, T/t, h) -> (B, T, h): all-gather forward, reduce-scatter backward."""
-    if group_size(group) == 1:
-        return x
-    return GatherFromSequenceParallelRegion.apply(x, group, stats, tag)
-
-
-def g_bar(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
-          tag: str = "") -> torch.Tensor:
-    """(B, T, h) partial sums -> (B, T/t, h) summed: reduce-scatter forward, all-gather backward."""
-    if group_size(group) == 1:
-        return x
-    return ReduceScatterToSequenceParallelRegion.apply(x, group, stats, tag)
-
-
-def scatter(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
-            tag: str = "") -> torch.Tensor:
-    """(B, T, h) replicated -> (B, T/t, h): this rank's chunk; all-gather backward."""
-    if group_size(group) == 1:
-        return x
-    return ScatterToSequenceParallelRegion.apply(x, group, stats, tag)
+g = conjugate("GatherFromSequenceParallelRegion", _gather, _reduce_scatter,
+              "Korthikanti's g, (B, T/t, h) -> (B, T, h): all-gather along the sequence "
+              "forward, reduce-scatter backward.")
+g_bar = conjugate("ReduceScatterToSequenceParallelRegion", _reduce_scatter, _gather,
+                  "Korthikanti's ḡ, (B, T, h) partial sums -> (B, T/t, h) summed: reduce-scatter "
+                  "along the sequence forward, all-gather backward.")
+scatter = conjugate("ScatterToSequenceParallelRegion",
+                    lambda x, group, *_: sequence_chunk(x, group), _gather,
+                    "(B, T, h) replicated -> (B, T/t, h): this rank's sequence chunk (no "
+                    "communication), all-gather backward. Enters sequence parallelism from "
+                    "replicated activations.")
 
 
 def sequence_chunk(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -11,7 +11,8 @@ and two conjugate operators bracket it:
 - ``g``: all-reduce forward, identity backward (leaves the region: sums the partial Z_r).
 
 Attention splits query heads (wq, wk, wv column-parallel; wo row-parallel) and the SwiGLU MLP
-splits its hidden units (w1, w3 column-parallel; w2 row-parallel), so each block costs per
+splits its hidden units (w1, w3 column-parallel; w2 row-parallel; tessera's plan, ``tp_plan.py``;
+the column-parallel linears of one module enter the region once), so each block costs per
 micro-batch two all-reduces of b·s·h activations forward and two backward: 4 · 2·(t−1)/t ·
 b·s·h elements sent per rank per layer, the paper's 8·b·s·h·(t−1)/t. With sequence parallelism
 (``sequence_parallel.py``, Korthikanti et al. 2022) f/g become all-gather/reduce-scatter pairs
@@ -24,19 +25,20 @@ sums that ``sync_partial_grads`` adds up once per step.
 
 Vocabulary parallelism: the embedding and the LM head are split by vocabulary rows. The
 embedding looks up the rows it holds, zeroes the rest and leaves through g (or ḡ under SP); the
-head is column-parallel and its logits stay split: ``vocab_parallel_cross_entropy`` computes the
-loss with two all-reduces, of the b·s row maxima and then of the b·s sums of exponentials
-stacked with the b·s target logits, never gathering the b·s·V logits. A vocabulary not
-divisible by t is padded with zero rows whose logits are masked to −inf, so padding changes
-neither the loss nor any gradient, and the padding rows' gradients are exactly zero.
+head is column-parallel and its logits stay split: ``vocab_parallel_cross_entropy``
+(``vocab_parallel_loss.py``) computes the loss with two all-reduces, of the b·s row maxima and
+then of the b·s sums of exponentials stacked with the b·s target logits, never gathering the
+b·s·V logits. A vocabulary not divisible by t is padded with zero rows whose logits are masked
+to −inf, so padding changes neither the loss nor any gradient, and the padding rows' gradients
+are exactly zero.
 
 Invariants: the residual stream is replicated on every tp rank (without SP) or split by
 sequence (with SP); a parameter shard on rank r is rows/columns r of the reference tensor
 (``ShardSpec``), so a sharded model initialized from a seed is the reference model from that
 seed, sharded, and `gather_state_dict` returns reference names and values on every rank.
-Model code stays rank-unaware: `apply_tensor_parallel` swaps a module's blocks, embedding and
-head for the parallel versions below, and works on any module holding a subset of them (a
-pipeline stage).
+Model code stays rank-unaware: `apply_plan` swaps the modules a plan names (module name ->
+``ColwiseParallel``, ``RowwiseParallel`` or ``VocabParallel``) for the parallel layers below,
+on any module holding a subset of them (a pipeline stage); tessera's own plan is ``tp_plan.py``.
 """
 
 from __future__ import annotations
@@ -49,22 +51,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import Function
 
-from tessera.config import ModelConfig
-from tessera.model import (
-    Attention,
-    AttentionCore,
-    Block,
-    FeedForward,
-    Transformer,
-    apply_rope,
-    init_tensor,
-    rope_tables,
-)
 from tessera.optim import add_sums_of_squares
 from tessera.parallel import sequence_parallel as sp
-from tessera.parallel.comm import CommStats, all_gather, all_reduce, group_rank, group_size
+from tessera.parallel.comm import (
+    CommStats,
+    all_gather,
+    all_reduce,
+    conjugate,
+    group_rank,
+    group_size,
+)
 
 FullTensor = Callable[[str, tuple[int, ...]], torch.Tensor]
 """Gives the full (reference) value of a parameter from its name and full shape."""
@@ -107,51 +104,16 @@ class TPContext:
 # The conjugate operators f and g (Shoeybi et al. 2019, Fig. 3).
 
 
-class CopyToTensorParallelRegion(Function):
-    """Megatron's f: identity forward, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, stats, tag):
-        ctx.group, ctx.stats, ctx.tag = group, stats, tag
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group, ctx.stats, ctx.tag, "backward"), None, None, None
+def _all_reduce_in_place(x: torch.Tensor, group, stats, tag: str, phase: str) -> torch.Tensor:
+    # The input is a fresh matmul output that nothing saved: reduce it in place (a leaf, say in
+    # a test, cannot be modified in place and is copied).
+    return all_reduce(x, group, stats, tag, phase, inplace=not (x.is_leaf and x.requires_grad))
 
 
-class ReduceFromTensorParallelRegion(Function):
-    """Megatron's g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, stats, tag):
-        # The input is a fresh matmul output that nothing saved: reduce it in place (a leaf,
-        # say in a test, cannot be modified in place and is copied).
-        inplace = not (x.is_leaf and x.requires_grad)
-        out = all_reduce(x, group, stats, tag, "forward", inplace=inplace)
-        if out is x:  # reduced in place: tell autograd
-            ctx.mark_dirty(x)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None
-
-
-def f(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
-      tag: str = "") -> torch.Tensor:
-    """Megatron's f: identity forward, all-reduce of the gradient backward."""
-    if group_size(group) == 1:
-        return x
-    return CopyToTensorParallelRegion.apply(x, group, stats, tag)
-
-
-def g(x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None,
-      tag: str = "") -> torch.Tensor:
-    """Megatron's g: all-reduce forward, identity backward."""
-    if group_size(group) == 1:
-        return x
-    return ReduceFromTensorParallelRegion.apply(x, group, stats, tag)
+f = conjugate("CopyToTensorParallelRegion", lambda x, *_: x.view_as(x), all_reduce,
+              "Megatron's f: identity forward, all-reduce of the gradient backward.")
+g = conjugate("ReduceFromTensorParallelRegion", _all_reduce_in_place, lambda grad, *_: grad,
+              "Megatron's g: all-reduce forward, identity backward.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,42 +186,71 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, tp: TPContext) -> torch.Te
 # Layers.
 
 
-class ColumnParallelLinear(nn.Module):
-    """Y_r = X·A_rᵀ with A split by output rows; the input enters the region through f (or SP's
-    g), the output stays split over the tp ranks."""
+class ShardedLayer(nn.Module):
+    """A layer holding this rank's piece `weight` of a reference parameter laid out by `spec`;
+    `tag` names its collectives. A given nn.Parameter is kept (a head tied to an embedding)."""
 
     def __init__(self, weight: torch.Tensor, tp: TPContext, spec: ShardSpec, tag: str = ""):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.tp, self.spec, self.tag = tp, spec, tag
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel(x, [self], self.tp, self.tag)[0]
-
     def extra_repr(self) -> str:
         return f"shard={tuple(self.weight.shape)}, tp={self.tp.size}, spec={self.spec}"
 
 
-class RowParallelLinear(nn.Module):
+class SharedInput:
+    """Column-parallel linears that read one input (a block's wq, wk, wv): the first called
+    computes all their outputs with one entry into the region (one f, or one SP all-gather),
+    the others take theirs, so a module calling them one by one, as the reference model does,
+    pays one collective per region, not one per linear."""
+
+    def __init__(self, tp: TPContext, tag: str):
+        self.tp, self.tag = tp, tag
+        self.layers: list[ColumnParallelLinear] = []
+        self._input: torch.Tensor | None = None
+        self._pending: dict[int, torch.Tensor] = {}
+
+    def output(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._input or id(layer) not in self._pending:
+            outs = column_parallel(x, self.layers, self.tp, self.tag)
+            self._input = x
+            self._pending = {id(m): y for m, y in zip(self.layers, outs, strict=True)}
+        out = self._pending.pop(id(layer))
+        if not self._pending:
+            self._input = None
+        return out
+
+
+class ColumnParallelLinear(ShardedLayer):
+    """Y_r = X·A_rᵀ with A split by output rows; the input enters the region through f (or SP's
+    g), once for all the linears of `shared`; the output stays split over the tp ranks."""
+
+    def __init__(self, weight: torch.Tensor, tp: TPContext, spec: ShardSpec, tag: str = "",
+                 shared: SharedInput | None = None):
+        super().__init__(weight, tp, spec, tag)
+        self.shared = shared
+        if shared is not None:
+            shared.layers.append(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:
+            return self.shared.output(self, x)
+        return column_parallel(x, [self], self.tp, self.tag)[0]
+
+
+class RowParallelLinear(ShardedLayer):
     """Z = Σ_r Y_r·B_rᵀ with B split by input columns; the partial sums leave the region
     through g (or SP's ḡ)."""
 
-    def __init__(self, weight: torch.Tensor, tp: TPContext, spec: ShardSpec, tag: str = ""):
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.tp, self.spec, self.tag = tp, spec, tag
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.exit(F.linear(x, self.weight), self.tag)
-
-    def extra_repr(self) -> str:
-        return f"shard={tuple(self.weight.shape)}, tp={self.tp.size}, spec={self.spec}"
 
 
 def column_parallel(x: torch.Tensor, layers: Sequence[ColumnParallelLinear], tp: TPContext,
                     tag: str) -> tuple[torch.Tensor, ...]:
     """Several column-parallel linears reading one input, which enters the region once (one f,
-    or one SP all-gather), so a block pays one collective per region, not one per linear."""
+    or one SP all-gather)."""
     weights = [layer.weight for layer in layers]
     if tp.sequence_parallel and tp.regather and tp.size > 1:
         return sp.gather_then_linears(x, weights, tp.group, tp.stats, tag + ":enter")
@@ -267,15 +258,13 @@ def column_parallel(x: torch.Tensor, layers: Sequence[ColumnParallelLinear], tp:
     return tuple(F.linear(x, w) for w in weights)
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShardedLayer):
     """The embedding split by vocabulary rows: rank r looks up ids in its range, zeroes the
     others, and the partial embeddings are summed by g (all-reduce) or, under SP, by ḡ
     (reduce-scatter, leaving each rank its sequence chunk)."""
 
     def __init__(self, weight: torch.Tensor, tp: TPContext, spec: ShardSpec, tag: str = ""):
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.tp, self.spec, self.tag = tp, spec, tag
+        super().__init__(weight, tp, spec, tag)
         self.vocab_start = spec.index(tp.rank, tp.size) * weight.shape[0]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -288,117 +277,8 @@ class VocabParallelEmbedding(nn.Module):
         return f"shard={tuple(self.weight.shape)}, start={self.vocab_start}, tp={self.tp.size}"
 
 
-class ParallelAttention(nn.Module):
-    """tessera.model.Attention on this rank's heads: wq, wk, wv column-parallel, wo row-parallel.
-    The head counts come from the shard shapes, as in the reference."""
-
-    def __init__(self, wq: ColumnParallelLinear, wk: ColumnParallelLinear,
-                 wv: ColumnParallelLinear, wo: RowParallelLinear, head_dim: int, tp: TPContext,
-                 tag: str = ""):
-        super().__init__()
-        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
-        self.head_dim, self.tp, self.tag = head_dim, tp, tag
-        self.core = AttentionCore()
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B = x.shape[0]
-        q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.tp, self.tag)
-        T = q.shape[1]  # the full sequence, also under SP (the region gathered it)
-        if cos.shape[0] != T:
-            raise ValueError(f"RoPE tables cover {cos.shape[0]} positions but attention sees {T}"
-                             " tokens; under sequence parallelism pass the full sequence's tables")
-        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh_local, hd)
-        k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv_local, hd)
-        v = v.view(B, T, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hd)
-        y = self.core(q, k, v)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T|T/t, h)
-
-
-class ParallelFeedForward(nn.Module):
-    """SwiGLU w2(silu(w1 x) * w3 x) on this rank's hidden units: w1, w3 column-parallel, w2
-    row-parallel."""
-
-    def __init__(self, w1: ColumnParallelLinear, w3: ColumnParallelLinear, w2: RowParallelLinear,
-                 tp: TPContext, tag: str = ""):
-        super().__init__()
-        self.w1, self.w3, self.w2 = w1, w3, w2
-        self.tp, self.tag = tp, tag
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = column_parallel(x, (self.w1, self.w3), self.tp, self.tag)  # (B, T, f/t) each
-        return self.w2(F.silu(a) * b)
-
-
-PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-
-
 # ---------------------------------------------------------------------------------------------
-# Loss over vocabulary-split logits.
-
-
-class VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy of logits split by vocabulary over the tp group.
-
-    Forward: one all-reduce (max) of the per-token maxima, one all-reduce (sum) of the stacked
-    per-token sums of exponentials and target logits: 3·b·s numbers, never b·s·V. Backward: none
-    (softmax − one-hot on the local columns).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_size, group, stats, tag):
-        t, rank = group_size(group), group_rank(group)
-        n_local = logits.shape[-1]
-        start = rank * n_local
-        valid = max(0, min(n_local, vocab_size - start))  # columns past the vocabulary: padding
-        x = logits.flatten(0, -2).to(torch.float32, copy=True)  # (N, V/t)
-        if valid < n_local:
-            x[:, valid:] = float("-inf")
-        row_max = x.max(dim=-1).values
-        if t > 1:
-            row_max = all_reduce(row_max, group, stats, tag, "forward", op=dist.ReduceOp.MAX,
-                                 inplace=True)
-        x -= row_max[:, None]
-        target = targets.flatten() - start
-        inside = (target >= 0) & (target < valid)
-        target = target.masked_fill(~inside, 0)
-        target_logit = x.gather(1, target[:, None]).squeeze(1).masked_fill(~inside, 0.0)
-        x.exp_()
-        sums = torch.stack([x.sum(dim=-1), target_logit])  # (2, N)
-        if t > 1:
-            sums = all_reduce(sums, group, stats, tag, "forward", inplace=True)
-        sum_exp, target_logit = sums
-        x /= sum_exp[:, None]  # softmax over the whole vocabulary, local columns
-        ctx.save_for_backward(x, target, inside)
-        ctx.shape, ctx.dtype = logits.shape, logits.dtype
-        return (sum_exp.log() - target_logit).mean()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, target, inside = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, target] -= inside.to(grad.dtype)
-        grad *= grad_loss / grad.shape[0]
-        return grad.view(ctx.shape).to(ctx.dtype), None, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                 tp: TPContext, tag: str = "loss") -> torch.Tensor:
-    """Mean next-token loss from this rank's logits (B, T, V_padded/t); the same on every rank.
-
-    Equals tessera.model.cross_entropy on the gathered, unpadded logits."""
-    return VocabParallelCrossEntropy.apply(logits, targets, vocab_size, tp.group, tp.stats, tag)
-
-
-def gather_logits(logits: torch.Tensor, vocab_size: int, tp: TPContext) -> torch.Tensor:
-    """(B, T, V_padded/t) on each rank -> the full (B, T, V) logits (tests and sampling)."""
-    return all_gather(logits, -1, tp.group)[..., :vocab_size]
-
-
-# ---------------------------------------------------------------------------------------------
-# Turning reference modules into parallel ones.
+# Plans: which module of a reference model becomes which parallel layer.
 
 
 def _no_bias(linear: nn.Linear, name: str) -> None:
@@ -406,103 +286,71 @@ def _no_bias(linear: nn.Linear, name: str) -> None:
         raise ValueError(f"{name}: tensor parallelism here supports linears without bias")
 
 
-def _kv_chunks(n_kv_heads: int, tp: TPContext) -> int:
-    if n_kv_heads % tp.size == 0:
-        return tp.size
-    if tp.size % n_kv_heads == 0:
-        return n_kv_heads  # each kv head replicated on tp/n_kv_heads ranks
-    raise ValueError(f"tp={tp.size} must divide n_kv_heads={n_kv_heads} or be a multiple of it")
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """An nn.Linear split by output rows (`ColumnParallelLinear`). `units` names the attribute
+    of the linear's owner that counts the groups of rows kept whole on one rank (attention
+    heads); with `replicate`, fewer groups than ranks are each held by tp/groups ranks (their
+    gradients are partial sums), else tp must divide them. The column-parallel linears of one
+    owner read its input and enter the region once (`SharedInput`); their collectives are
+    tagged with the owner's name."""
+
+    units: str | None = None
+    replicate: bool = False
+
+    def spec(self, linear: nn.Linear, name: str, owner: nn.Module, t: int) -> ShardSpec:
+        _no_bias(linear, name)
+        rows = linear.out_features
+        n = getattr(owner, self.units) if self.units else rows
+        if n % t == 0:
+            chunks = t
+        elif self.replicate and t % n == 0:
+            chunks = n
+        else:
+            raise ValueError(f"tp={t} must divide {self.units or name + '.out_features'}={n}"
+                             + (" or be a multiple of it" if self.replicate else ""))
+        return ShardSpec(dim=0, chunks=chunks, full_size=rows, partial_grad=chunks < t)
 
 
-def parallelize_attention(attn: Attention, tp: TPContext, full: FullTensor,
-                          prefix: str = "") -> ParallelAttention:
-    """Split query heads over tp; key/value heads split, or replicated when n_kv_heads < tp."""
-    a, kv, hd, t = attn.n_heads, attn.n_kv_heads, attn.head_dim, tp.size
-    if a % t:
-        raise ValueError(f"tp={t} must divide n_heads={a}")
-    q_spec = ShardSpec(dim=0, chunks=t, full_size=a * hd)
-    kv_chunks = _kv_chunks(kv, tp)
-    kv_spec = ShardSpec(dim=0, chunks=kv_chunks, full_size=kv * hd, partial_grad=kv_chunks < t)
-    o_spec = ShardSpec(dim=1, chunks=t, full_size=a * hd)
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """An nn.Linear split by input columns (`RowParallelLinear`), leaving the region its
+    owner's column-parallel linears entered; tagged with the owner's name."""
 
-    def piece(name: str, spec: ShardSpec) -> torch.Tensor:
-        linear = getattr(attn, name)
-        _no_bias(linear, prefix + name)
-        return shard(full(f"{prefix}{name}.weight", tuple(linear.weight.shape)), spec, tp)
-
-    tag = prefix.rstrip(".")
-    return ParallelAttention(
-        ColumnParallelLinear(piece("wq", q_spec), tp, q_spec, tag),
-        ColumnParallelLinear(piece("wk", kv_spec), tp, kv_spec, tag),
-        ColumnParallelLinear(piece("wv", kv_spec), tp, kv_spec, tag),
-        RowParallelLinear(piece("wo", o_spec), tp, o_spec, tag), hd, tp, tag)
+    def spec(self, linear: nn.Linear, name: str, owner: nn.Module, t: int) -> ShardSpec:
+        _no_bias(linear, name)
+        return ShardSpec(dim=1, chunks=t, full_size=linear.in_features)
 
 
-def parallelize_feed_forward(ff: FeedForward, tp: TPContext, full: FullTensor,
-                             prefix: str = "") -> ParallelFeedForward:
-    """Split the SwiGLU hidden units over tp: w1, w3 by rows, w2 by columns."""
-    hidden = ff.w1.weight.shape[0]
-    if hidden % tp.size:
-        raise ValueError(f"tp={tp.size} must divide the MLP hidden size ffn_hidden={hidden}")
-    col = ShardSpec(dim=0, chunks=tp.size, full_size=hidden)
-    row = ShardSpec(dim=1, chunks=tp.size, full_size=hidden)
+@dataclass(frozen=True)
+class VocabParallel:
+    """An nn.Embedding (`VocabParallelEmbedding`) or an LM head (a `ColumnParallelLinear` whose
+    logits stay split) over vocabulary rows, the vocabulary padded to a multiple of tp; tagged
+    with the module's own name."""
 
-    def piece(name: str, spec: ShardSpec) -> torch.Tensor:
-        linear = getattr(ff, name)
-        _no_bias(linear, prefix + name)
-        return shard(full(f"{prefix}{name}.weight", tuple(linear.weight.shape)), spec, tp)
-
-    tag = prefix.rstrip(".")
-    return ParallelFeedForward(ColumnParallelLinear(piece("w1", col), tp, col, tag),
-                               ColumnParallelLinear(piece("w3", col), tp, col, tag),
-                               RowParallelLinear(piece("w2", row), tp, row, tag), tp, tag)
+    def spec(self, module: nn.Module, name: str, owner: nn.Module | None, t: int) -> ShardSpec:
+        if isinstance(module, nn.Linear):
+            _no_bias(module, name)
+        return ShardSpec(dim=0, chunks=t, full_size=module.weight.shape[0], pad=True)
 
 
-def parallelize_block(block: Block, tp: TPContext, full: FullTensor, prefix: str = "") -> Block:
-    """Swap a block's attention and MLP for their tensor-parallel versions (in place). The norms
-    stay: replicated, or under SP run on the local sequence chunk. A mixture-of-experts
-    feed-forward stays whole (replicated over tp; ``tessera.parallel.expert_parallel``)."""
-    block.attention = parallelize_attention(block.attention, tp, full, prefix + "attention.")
-    if isinstance(block.feed_forward, FeedForward):
-        block.feed_forward = parallelize_feed_forward(block.feed_forward, tp, full,
-                                                      prefix + "feed_forward.")
-    return block
+Style = ColwiseParallel | RowwiseParallel | VocabParallel
+Plan = dict[str, Style]
+"""Module name -> style. A key names every module whose name is the key or ends with "." and
+the key ("attention.wq" is that linear in every block); "" names the root module."""
 
 
-def parallelize_embedding(emb: nn.Embedding, tp: TPContext, full: FullTensor,
-                          name: str = "tok_embeddings",
-                          weight_name: str | None = None) -> VocabParallelEmbedding:
-    """Split the embedding by vocabulary rows (the vocabulary padded to a multiple of tp).
-    `name` tags its collectives; `weight_name` (default name + '.weight') is asked of `full`."""
-    spec = ShardSpec(dim=0, chunks=tp.size, full_size=emb.num_embeddings, pad=True)
-    weight_name = weight_name or f"{name}.weight"
-    weight = shard(full(weight_name, tuple(emb.weight.shape)), spec, tp)
-    return VocabParallelEmbedding(weight, tp, spec, name)
+def _style(plan: Plan, name: str) -> Style | None:
+    return next((s for key, s in plan.items() if name == key or name.endswith("." + key)), None)
 
 
-def parallelize_head(head: nn.Linear, tp: TPContext, full: FullTensor, name: str = "output",
-                     tied_to: VocabParallelEmbedding | None = None,
-                     weight_name: str | None = None) -> ColumnParallelLinear:
-    """The LM head as a column-parallel linear over (padded) vocabulary rows; logits stay split.
-    With `tied_to`, the head uses that embedding's shard, whose rows are the same vocabulary."""
-    _no_bias(head, name)
-    spec = ShardSpec(dim=0, chunks=tp.size, full_size=head.out_features, pad=True)
-    if tied_to is not None:
-        return ColumnParallelLinear(tied_to.weight, tp, spec, name)
-    weight_name = weight_name or f"{name}.weight"
-    weight = shard(full(weight_name, tuple(head.weight.shape)), spec, tp)
-    return ColumnParallelLinear(weight, tp, spec, name)
-
-
-def parallelize_module(module: nn.Module, tp: TPContext,
-                       full_tensor: FullTensor | None = None) -> nn.Module:
-    """Make `module` tensor-parallel in place and return it (a new module only when `module`
-    itself is an embedding or a head).
-
-    Every `Block` gets parallel attention and MLP; every `nn.Embedding` becomes vocab-parallel;
-    every `nn.Linear` outside a block (the LM head) becomes a vocab-parallel column-parallel
-    head, sharing the embedding's shard when its weight was the embedding's. The module may hold
-    any subset of these (a pipeline stage).
+def apply_plan(module: nn.Module, plan: Plan, tp: TPContext,
+               full_tensor: FullTensor | None = None) -> nn.Module:
+    """Make `module` tensor-parallel in place by `plan` and return it (the new layer when the
+    plan names `module` itself). Modules the plan does not name stay whole, replicated over tp;
+    a planned name `module` does not hold is skipped, so one plan serves any part of a model (a
+    pipeline stage). A weight shared by two planned modules (a tied embedding and head) stays
+    shared: both layers hold the same shard.
 
     `full_tensor(name, shape)` gives each parameter's full value by its name in `module`; by
     default the module's own values are sharded. With a source, or for parameters on the meta
@@ -510,65 +358,40 @@ def parallelize_module(module: nn.Module, tp: TPContext,
     """
     own = {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False)}
     full = full_tensor or (lambda name, shape: own[name])
-    named = dict(module.named_modules())
-    blocks = [n for n, m in named.items() if isinstance(m, Block)]
-
-    def in_block(name: str) -> bool:
-        return any(name == b or name.startswith(b + ".") or b == "" for b in blocks)
-
-    def replace(name: str, new: nn.Module) -> None:
-        nonlocal module
-        if not name:
+    shards: dict[int, nn.Parameter] = {}  # id of a reference weight -> its shard
+    regions: dict[str, SharedInput] = {}
+    root = module
+    for name, m in list(root.named_modules()):
+        style = _style(plan, name)
+        if style is None:
+            continue
+        owner_name = name.rpartition(".")[0]
+        owner = root.get_submodule(owner_name) if name else None
+        spec = style.spec(m, name, owner, tp.size)
+        if id(m.weight) not in shards:
+            weight_name = f"{name}.weight" if name else "weight"
+            shards[id(m.weight)] = nn.Parameter(
+                shard(full(weight_name, tuple(m.weight.shape)), spec, tp))
+        weight = shards[id(m.weight)]
+        if isinstance(style, VocabParallel):
+            layer_type = VocabParallelEmbedding if isinstance(m, nn.Embedding) else \
+                ColumnParallelLinear
+            new: nn.Module = layer_type(weight, tp, spec, name)
+        elif isinstance(style, RowwiseParallel):
+            new = RowParallelLinear(weight, tp, spec, owner_name)
+        else:
+            shared = regions.setdefault(owner_name, SharedInput(tp, owner_name))
+            new = ColumnParallelLinear(weight, tp, spec, owner_name, shared)
+        if name:
+            setattr(owner, name.rpartition(".")[2], new)
+        else:
             module = new
-            return
-        parent, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent), attr, new)
-
-    def param_name(owner: str) -> str:
-        return f"{owner}.weight" if owner else "weight"
-
-    for name in blocks:
-        parallelize_block(named[name], tp, full, name + "." if name else "")
-    embeddings: dict[int, VocabParallelEmbedding] = {}
-    for name, m in named.items():
-        if isinstance(m, nn.Embedding) and not in_block(name):
-            new = parallelize_embedding(m, tp, full, name, weight_name=param_name(name))
-            embeddings[id(m.weight)] = new
-            replace(name, new)
-    for name, m in named.items():
-        if isinstance(m, nn.Linear) and not in_block(name):
-            replace(name, parallelize_head(m, tp, full, name, weight_name=param_name(name),
-                                           tied_to=embeddings.get(id(m.weight))))
     for name, p in list(module.named_parameters()):
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name)
-        if not isinstance(owner, PARALLEL_LAYERS) and (full_tensor is not None or p.is_meta):
+        if not isinstance(owner, ShardedLayer) and (full_tensor is not None or p.is_meta):
             setattr(owner, attr, nn.Parameter(full(name, tuple(p.shape)).detach().clone()))
     return module
-
-
-def apply_tensor_parallel(module: nn.Module, tp_group: dist.ProcessGroup | None,
-                          sequence_parallel: bool = False, *, regather: bool = True,
-                          stats: CommStats | None = None,
-                          full_tensor: FullTensor | None = None) -> nn.Module:
-    """Make the reference `module` (a Transformer, or any part of one) tensor-parallel in place
-    over `tp_group`; see `parallelize_module`. Under sequence parallelism its input activations
-    (if it starts past the embedding) and outputs are (B, T/t, h), and its blocks must still be
-    given the RoPE tables of the full sequence."""
-    tp = TPContext(group=tp_group, sequence_parallel=sequence_parallel, regather=regather,
-                   stats=stats)
-    return parallelize_module(module, tp, full_tensor)
-
-
-def build_tensor_parallel_model(cfg: ModelConfig, seed: int, tp: TPContext) -> Transformer:
-    """This rank's shard of `build_model(cfg, seed)`, made without building the full model: each
-    parameter's full initial value comes from `init_tensor(cfg, name, shape, seed)` and is cut."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    parallelize_module(model, tp, lambda name, shape: init_tensor(cfg, name, shape, seed))
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
-                                                 cfg.rope_scaling)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,7 +405,7 @@ def param_specs(module: nn.Module, tp: TPContext) -> dict[str, ShardSpec]:
         if not isinstance(p, nn.Parameter):
             continue
         owner = module.get_submodule(name.rpartition(".")[0])
-        out[name] = owner.spec if isinstance(owner, PARALLEL_LAYERS) else \
+        out[name] = owner.spec if isinstance(owner, ShardedLayer) else \
             ShardSpec(partial_grad=tp.sequence_parallel)
     return out
 
@@ -591,28 +414,34 @@ def param_specs(module: nn.Module, tp: TPContext) -> dict[str, ShardSpec]:
 def sync_partial_grads(module: nn.Module, tp: TPContext) -> None:
     """Sum, over the ranks holding the same piece, the gradients that are partial: norm gains
     under SP (each rank saw its tokens) and replicated key/value heads (each rank's query heads).
-    One all-reduce over tp of a buffer holding each piece in its slot; call after backward."""
+    Call after backward; see `sum_partial_pieces`."""
     if tp.size == 1:
         return
     specs = param_specs(module, tp)
     items = [(p, specs[n]) for n, p in module.named_parameters() if specs[n].partial_grad]
+    for p, _ in items:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    sum_partial_pieces([(p.grad, spec) for p, spec in items], tp)
+
+
+@torch.no_grad()
+def sum_partial_pieces(items: list[tuple[torch.Tensor, ShardSpec]], tp: TPContext) -> None:
+    """Sum each gradient (or part of one) over the tp ranks holding the same piece of its
+    parameter (`spec`), in place: the gradient stays where it lives (a DDP bucket, a ZeRO
+    buffer). One all-reduce over tp of a buffer holding each piece in its slot."""
     if not items:
         return
     slots = []
-    for p, spec in items:
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        slot = grad.new_zeros((spec.chunks, *grad.shape))  # (pieces, *shard)
-        slot[spec.index(tp.rank, tp.size)] = grad
+    for grad, spec in items:
+        slot = grad.new_zeros((spec.chunks, grad.numel()))  # (pieces, numel)
+        slot[spec.index(tp.rank, tp.size)] = grad.reshape(-1)
         slots.append(slot.flatten())
     flat = all_reduce(torch.cat(slots), tp.group, tp.stats, "grad_sync", "step", inplace=True)
     offset = 0
-    for (p, spec), slot in zip(items, slots, strict=True):
-        summed = flat[offset:offset + slot.numel()].view(spec.chunks, *p.shape)
-        mine = summed[spec.index(tp.rank, tp.size)]
-        if p.grad is None:
-            p.grad = mine.clone()
-        else:  # in place: the gradient stays where it lives (e.g. a DDP bucket), not a copy
-            p.grad.copy_(mine)
+    for (grad, spec), slot in zip(items, slots, strict=True):
+        summed = flat[offset:offset + slot.numel()].view(spec.chunks, *grad.shape)
+        grad.copy_(summed[spec.index(tp.rank, tp.size)])
         offset += slot.numel()
 
 

@@ -31,7 +31,8 @@ import torch
 
 from tessera.collectives.algorithms import all_gather_single
 from tessera.config import TrainConfig
-from tessera.parallel.zero import FlatUnit, ZeroModel
+from tessera.parallel.zero import ZeroModel
+from tessera.parallel.zero_units import FlatUnit
 
 BYTES_PER_PARAM = {torch.bfloat16: (2, 2, 12), torch.float32: (4, 4, 8)}
 """(parameter, gradient, optimizer-state) bytes per parameter by compute dtype: (P, G, K)."""

@@ -688,7 +688,7 @@ def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: flo
     :func:`in_step_overlap` reads ``dp_overlap``. Every rank of the default group must call
     it (the steps gather and reduce). `steps`: :func:`wrapped_step_extra`'s injection points
     (tests)."""
-    from tessera.parallel.zero import transformer_units
+    from tessera.parallel.zero_units import transformer_units
 
     extra, waits, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs,
                                              **steps)

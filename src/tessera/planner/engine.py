@@ -95,7 +95,7 @@ def blocks_per_chunk(spec: ModelSpec, n_chunks: int, seq_len: int) -> tuple[int,
 
 def _kv_rows(spec: ModelSpec, t: int) -> int:
     """Rows of wk (and wv) on one tp rank: kv heads split over t, or one head replicated on
-    t/n_kv_heads ranks when t exceeds them (``tensor_parallel._kv_chunks``)."""
+    t/n_kv_heads ranks when t exceeds them (``ColwiseParallel(replicate=True)``)."""
     chunks = t if spec.kv_heads % t == 0 else spec.kv_heads
     return spec.kv_dim // chunks
 
@@ -115,7 +115,7 @@ def block_numel(spec: ModelSpec, t: int) -> int:
 def chunk_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, c: int,
                 blocks: int) -> list[tuple[int, int]]:
     """(elements, tensors) of each ZeRO unit of chunk c on one tp rank, in
-    ``tessera.parallel.zero.chunk_units``'s order: embedding, blocks, head. With tied
+    ``tessera.parallel.zero_units.chunk_units``'s order: embedding, blocks, head. With tied
     embeddings the head shares the embedding when both are in this chunk, reads chunk 0's on
     this rank (pp = 1), or keeps a copy (the last stage of pp > 1)."""
     h, vocab = spec.hidden, vocab_rows(spec, t) * spec.hidden
