@@ -253,7 +253,9 @@ def test_schedule_help_names_every_registered_schedule(command):
 
     r = runner.invoke(app, [command, "--help"], terminal_width=200)
     assert r.exit_code == 0, r.output
-    listed = re.search(r"Pipeline schedule: ([^.]*)\.", " ".join(r.output.split()))
+    # train's help gives the field's docstring, then the registry's names after "Choices:".
+    listed = re.search(r"--schedule <str> .*?(?:Pipeline schedule|Choices): ([^.]*)\.",
+                       " ".join(r.output.split()))
     assert listed is not None, r.output
     assert set(listed[1].split(", ")) == set(SCHEDULES)
 
@@ -270,3 +272,49 @@ def test_preset_help_names_every_preset(command):
     listed = re.search(r"Named preset: ([^.]*)\. Default", " ".join(r.output.split()))
     assert listed is not None, r.output
     assert listed[1].split(", ") == list(PRESETS)
+
+
+def test_each_config_flag_sets_its_field_and_an_absent_flag_sets_nothing(monkeypatch):
+    # The flags come from tessera.cli.TRAIN_FLAGS: each value reaches the field the table names,
+    # typed as the field is; a flag not given is None, so a config file's value stands.
+    import dataclasses
+    import typing
+
+    import tessera.cli as cli
+    from tessera.config import Config, ConfigError
+
+    seen = {}
+
+    def capture(preset, config_file, sets, flags, nproc=None):
+        seen.update(flags)
+        raise ConfigError("stop", 0, "captured")
+
+    monkeypatch.setattr(cli, "resolve_config", capture)
+    assert runner.invoke(app, ["train"]).exit_code == 2
+    assert seen and all(v is None for section in seen.values() for v in section.values())
+    argv, expected = ["train"], {}
+    for i, (flag, dotted) in enumerate(cli.TRAIN_FLAGS.items()):
+        section, name = dotted.split(".")
+        fields = dataclasses.fields(typing.get_type_hints(Config)[section])
+        kind = next(f.type for f in fields if f.name == name)
+        value = {"bool": True, "int": i + 2, "float": i + 0.5, "str": f"v{i}"}[
+            next(k for k in ("bool", "int", "float", "str") if k in kind)]
+        argv += [f"--{flag}"] if value is True else [f"--{flag}", str(value)]
+        expected.setdefault(section, {})[name] = value
+    seen.clear()
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2 and r.output.strip() == "error: stop=0: captured", r.output
+    assert seen == expected
+
+
+def test_config_flag_help_is_the_fields_docstring():
+    r = runner.invoke(app, ["train", "--help"], terminal_width=1000)
+    text = " ".join(r.output.split())
+    assert ("--microbatches <int> Micro-batches per optimizer step on each data-parallel rank "
+            "(the pipeline's m under PP). (train.grad_accum)") in text
+    # The first sentence only; a bool field's flag has its --no- form, --overwrite has none.
+    assert "--collective-timeout <float> Seconds a collective may wait" in text
+    assert "Not torch's 30-minute default" not in text
+    assert "--tensorboard / --no-tensorboard Also write" in text
+    assert "--overwrite Let a run start" in text and "--no-overwrite" not in text
+    assert "Choices: allreduce, ps, ps-async. (parallel.dp_mode)" in text

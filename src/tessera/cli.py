@@ -17,10 +17,16 @@ Bad input (a config rule, a missing data path, an unknown preset) prints one lin
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import errno
+import functools
+import inspect
+import itertools
 import os
+import re
 import sys
+import typing
 from typing import Annotated
 
 import typer
@@ -28,6 +34,9 @@ import yaml
 from typer.core import TyperGroup
 
 from tessera.config import (
+    ALLREDUCE_ALGORITHMS,
+    CP_METHODS,
+    DP_MODES,
     INT64_MAX,
     PRESETS,
     Config,
@@ -122,7 +131,80 @@ def resolve_config(preset: str | None, config_file: str | None, sets: list[str] 
     return cfg
 
 
+TRAIN_FLAGS: dict[str, str] = {
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
+    "cp-method": "parallel.cp_method", "cp-ulysses": "parallel.cp_ulysses",
+    "zero-stage": "parallel.zero_stage", "ep": "parallel.ep",
+    "moe-experts": "model.moe_experts", "moe-top-k": "model.moe_top_k",
+    "moe-capacity-factor": "model.moe_capacity_factor",
+    "dp-mode": "parallel.dp_mode", "bucket-mb": "parallel.bucket_mb",
+    "allreduce-algorithm": "parallel.allreduce_algorithm",
+    "max-staleness": "parallel.max_staleness", "sequence-parallel": "parallel.sequence_parallel",
+    "schedule": "parallel.schedule", "microbatches": "train.grad_accum",
+    "virtual": "parallel.virtual_stages", "microbatch-group": "parallel.microbatch_group",
+    "stage-layout": "parallel.stage_layout", "recompute": "parallel.recompute",
+    "steps": "train.steps", "micro-batch-size": "train.micro_batch_size",
+    "precision": "train.precision", "peak-tflops": "train.peak_tflops",
+    "checkpoint-interval": "train.checkpoint_interval", "resume": "train.resume",
+    "overwrite": "train.overwrite", "init-from": "train.init_from",
+    "profile-steps": "train.profile_steps", "tensorboard": "train.tensorboard",
+    "memory-snapshot": "train.memory_snapshot",
+    "collective-timeout": "train.collective_timeout_s",
+    "data": "data.path", "out": "train.out_dir",
+}
+"""`tessera train`'s config flags: flag name -> the config field it sets. A flag takes its
+field's type (a bool field's flag has a --no- form unless it is in ONE_WAY_FLAGS) and its help
+is the first sentence of the field's docstring."""
+ONE_WAY_FLAGS = {"overwrite"}
+CHOICES = {"parallel.schedule": SCHEDULES, "parallel.dp_mode": DP_MODES,
+           "parallel.cp_method": CP_METHODS, "parallel.allreduce_algorithm": ALLREDUCE_ALGORITHMS}
+"""Fields whose value names an entry of a registry: their flag's help lists the names."""
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """'Class.field' -> the docstring written under the field in tessera.config's source."""
+    import tessera.config
+
+    docs = {}
+    classes = [n for n in ast.parse(inspect.getsource(tessera.config)).body
+               if isinstance(n, ast.ClassDef)]
+    for cls in classes:
+        for field, doc in itertools.pairwise(cls.body):
+            if (isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr)
+                    and isinstance(doc.value, ast.Constant)):
+                docs[f"{cls.name}.{field.target.id}"] = doc.value.value
+    return docs
+
+
+def config_option(flag: str, dotted: str) -> inspect.Parameter:
+    """The parameter typer makes `--flag` of: the field's type or None (not given), and help
+    from the first sentence of its docstring, the registry's names and the field's name."""
+    section, name = dotted.split(".")
+    section_class = typing.get_type_hints(Config)[section]
+    annotation = next(f.type for f in dataclasses.fields(section_class) if f.name == name)
+    kind = next(t for t in (bool, int, float, str) if t.__name__ in annotation.split(" | "))
+    doc = " ".join(field_docs()[f"{section_class.__name__}.{name}"].replace("``", "").split())
+    first = re.split(r"(?<=\.)\s+(?=[A-Z])", doc, maxsplit=1)[0]
+    choices = f" Choices: {', '.join(CHOICES[dotted])}." if dotted in CHOICES else ""
+    decls = [f"--{flag}"] if flag in ONE_WAY_FLAGS else []  # else typer's --flag/--no-flag
+    option = typer.Option(*decls, help=f"{first}{choices} ({dotted})")
+    return inspect.Parameter(flag.replace("-", "_"), inspect.Parameter.KEYWORD_ONLY,
+                             default=None, annotation=Annotated[kind | None, option])
+
+
+def with_config_options(command):
+    """`command`, which takes **config_flags, with a keyword parameter for each TRAIN_FLAGS."""
+    signature = inspect.signature(command, eval_str=True)
+    params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD] + [
+        config_option(flag, dotted) for flag, dotted in TRAIN_FLAGS.items()]
+    command.__signature__ = signature.replace(parameters=params)
+    command.__annotations__ = {p.name: p.annotation for p in params}  # typer reads both
+    return command
+
+
 @app.command()
+@with_config_options
 def train(
     preset: Preset = None,
     config: ConfigFile = None,
@@ -134,112 +216,18 @@ def train(
         help="Restart all ranks up to N times when one fails (the elastic launcher's "
              "--max-restarts); a restarted job resumes from the newest complete checkpoint.")
     ] = None,
-    collective_timeout: Annotated[float | None, typer.Option(
-        help="Seconds a collective waits for the other ranks, and a rank's heartbeat may stay "
-             "silent, before the job stops naming the silent rank (default 300).")] = None,
-    dp: Annotated[int | None, typer.Option(help="Data-parallel degree.")] = None,
-    tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
-    pp: Annotated[int | None, typer.Option(help="Pipeline-parallel degree.")] = None,
-    cp: Annotated[int | None, typer.Option(help="Context-parallel degree.")] = None,
-    cp_method: Annotated[str | None, typer.Option(
-        help="Context-parallel attention: ring, allgather, ulysses, hybrid.")] = None,
-    cp_ulysses: Annotated[int | None, typer.Option(
-        help="cp-method hybrid: Ulysses degree inside the cp group.")] = None,
-    zero_stage: Annotated[int | None, typer.Option(help="ZeRO stage 0-3.")] = None,
-    ep: Annotated[int | None, typer.Option(
-        help="Expert-parallel degree (divides dp and --moe-experts).")] = None,
-    moe_experts: Annotated[int | None, typer.Option(
-        help="Experts per mixture-of-experts layer (0: dense).")] = None,
-    moe_top_k: Annotated[int | None, typer.Option(help="Experts per token.")] = None,
-    moe_capacity_factor: Annotated[float | None, typer.Option(
-        help="Expert capacity factor C (ceil(C*T*k/E) per sequence); 0: dropless.")] = None,
-    dp_mode: Annotated[str | None, typer.Option(help="allreduce, ps or ps-async.")] = None,
-    bucket_mb: Annotated[float | None, typer.Option(
-        help="DDP gradient bucket size in MiB.")] = None,
-    allreduce_algorithm: Annotated[str | None, typer.Option(
-        help="DDP all-reduce: backend, auto, naive, parallel, ring, rabenseifner.")] = None,
-    max_staleness: Annotated[int | None, typer.Option(
-        help="ps-async: drop gradients more than this many server updates old.")] = None,
-    sequence_parallel: Annotated[bool | None, typer.Option(
-        "--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism.")
-    ] = None,
-    schedule: Annotated[str | None, typer.Option(
-        help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")] = None,
-    microbatches: Annotated[int | None, typer.Option(
-        help="Micro-batches per step per dp rank (gradient accumulation; the pipeline's m).")
-    ] = None,
-    virtual: Annotated[int | None, typer.Option(help="Virtual stages per pipeline rank.")] = None,
-    microbatch_group: Annotated[int | None, typer.Option(
-        help="Interleaved 1F1B: micro-batches per chunk visit, at least pp (Megatron-LM's "
-             "microbatch_group_size_per_vp_stage, Llama 3's N; default pp). More hold more "
-             "activations and hide more of the pipeline's transfers.")] = None,
-    stage_layout: Annotated[str | None, typer.Option(
-        help="Blocks per pipeline chunk, e.g. '7,8*14,7', or in Megatron-LM's "
-             "--pipeline-model-parallel-layout form, 'Et*7|(t*8|)*14t*7L' (default: "
-             "cost-balanced).")] = None,
-    recompute: Annotated[str | None, typer.Option(
-        help="Activation recomputation: none, selective (attention core), full (each block).")
-    ] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
-    checkpoint_interval: Annotated[int | None, typer.Option(
-        help="Save a checkpoint every N steps and at the end (under <out>/checkpoints).")
-    ] = None,
-    resume: Annotated[str | None, typer.Option(
-        help="Continue from a checkpoint directory (written by any layout), or 'latest' (the "
-             "newest of the run in --out, if any; without --out, of the run runs/latest "
-             "points to).")] = None,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Start even where another run's checkpoints are: they are deleted "
-                            "when the run starts (without it, such a run is refused).")
-    ] = False,
-    micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")
-                                ] = None,
-    precision: Annotated[str | None, typer.Option(help="fp32 or bf16.")] = None,
-    peak_tflops: Annotated[float | None, typer.Option(
-        help="Peak TFLOP/s of one device, for MFU.")] = None,
-    init_from: Annotated[str | None, typer.Option(
-        help="Start from these weights (a checkpoint, a run's --out, or a Hugging Face Llama "
-             "directory); the model's shape comes from them.")] = None,
-    profile_steps: Annotated[str | None, typer.Option(
-        help="A:B: torch.profiler trace of steps A to B, per rank, under <out>/profile/.")
-    ] = None,
-    tensorboard: Annotated[bool | None, typer.Option(
-        "--tensorboard/--no-tensorboard",
-        help="Also write the metrics as TensorBoard scalars under <out>/tensorboard.")] = None,
-    memory_snapshot: Annotated[bool | None, typer.Option(
-        "--memory-snapshot/--no-memory-snapshot",
-        help="CUDA: the allocator's history, <out>/memory/rank-N.pickle, for memory_viz.")
-    ] = None,
-    data: Annotated[str | None, typer.Option(help="Prepared data directory.")] = None,
-    out: Annotated[str | None, typer.Option(
-        help="Output directory (metrics, sample, checkpoints), one run's; default: a new "
-             "runs/<YYYYmmdd-HHMMSS>, linked from runs/latest.")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="No progress bar.")] = False,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Check everything (config, layout, data, resume checkpoint, memory "
                           "per rank) and print the resolved config, the memory estimate and "
                           "the warnings; start nothing.")] = False,
+    **config_flags: object,
 ) -> None:
     """Train a model; launches --nproc ranks itself unless already under torchrun."""
-    flags = {
-        "parallel": dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_method=cp_method,
-                         cp_ulysses=cp_ulysses, zero_stage=zero_stage, dp_mode=dp_mode,
-                         bucket_mb=bucket_mb, allreduce_algorithm=allreduce_algorithm,
-                         max_staleness=max_staleness,
-                         sequence_parallel=sequence_parallel, schedule=schedule,
-                         virtual_stages=virtual, microbatch_group=microbatch_group,
-                         recompute=recompute, ep=ep, stage_layout=stage_layout),
-        "model": dict(moe_experts=moe_experts, moe_top_k=moe_top_k,
-                      moe_capacity_factor=moe_capacity_factor),
-        "train": dict(steps=steps, grad_accum=microbatches, micro_batch_size=micro_batch_size,
-                      precision=precision, peak_tflops=peak_tflops, out_dir=out,
-                      checkpoint_interval=checkpoint_interval, resume=resume,
-                      overwrite=overwrite or None,
-                      profile_steps=profile_steps, init_from=init_from,
-                      tensorboard=tensorboard, memory_snapshot=memory_snapshot,
-                      collective_timeout_s=collective_timeout),
-        "data": dict(path=data),
-    }
+    flags: dict[str, dict] = {}
+    for name, value in config_flags.items():
+        section, field = TRAIN_FLAGS[name.replace("_", "-")].split(".")
+        flags.setdefault(section, {})[field] = value
     from tessera.checkpoint import CheckpointError
     from tessera.data.loader import DataError
     from tessera.preflight import check_run, report_lines

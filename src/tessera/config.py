@@ -267,8 +267,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism: norms and residuals hold 1/tp of the sequence."""
     schedule: str = "1f1b"
-    """Pipeline schedule: a name in the registry ``tessera.pipeline.schedules.SCHEDULES``
-    (naive, gpipe, 1f1b, interleaved, interleaved-lean, bfs, and any added with register())."""
+    """The pipeline schedule's name in the registry ``tessera.pipeline.schedules.SCHEDULES``
+    (the built-in schedules and any added with register())."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (v) for interleaved and breadth-first schedules."""
     microbatch_group: int = 0
