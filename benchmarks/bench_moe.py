@@ -96,7 +96,7 @@ def quality(data: str, steps: int) -> list[str]:
 
 def _busiest_per_layer(data: str, steps: int, last: int, **moe: float) -> list[float]:
     from tessera.data.loader import BatchLoader, TokenDataset
-    from tessera.moe import moe_layers, update_router_bias
+    from tessera.moe import moe_layers
     from tessera.optim import lr_lambda
 
     preset = make_config("moe-demo")
@@ -109,18 +109,12 @@ def _busiest_per_layer(data: str, steps: int, last: int, **moe: float) -> list[f
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
     loader = BatchLoader(TokenDataset(cfg.data.path).train, cfg.data.seq_len,
                          cfg.train.micro_batch_size, cfg.train.grad_accum, 0, 1, cfg.data.seed)
-    chunks = list(executor.model.chunks.values())
-    layers = [m for c in chunks for m in moe_layers(c)]
+    layers = [m for c in executor.model.chunks.values() for m in moe_layers(c)]
     for step in range(steps):
         if step == steps - last:
             for m in layers:
                 m.stats.reset()
-        opt.zero_grad(set_to_none=True)
-        executor.forward_backward(next(loader))
-        executor.clip_grad_norm_(cfg.train.grad_clip)
-        opt.step()
-        sched.step()
-        update_router_bias(chunks)
+        executor.train_step(loader, opt, sched, cfg.train.grad_clip)
     return [float(m.stats.tokens_per_expert.max() / m.stats.tokens_per_expert.mean())
             for m in layers]
 
@@ -170,15 +164,12 @@ def _time_rank(cfg: Config, threads: int) -> dict[str, list[float]]:
             ep.stats.reset()
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        t0, c0 = time.perf_counter(), cpu_seconds()
-        opt.zero_grad(set_to_none=True)
-        loss = executor.forward_backward([(x[rows], y[rows])])
-        executor.clip_grad_norm_(1.0)
-        opt.step()
-        out["wall"].append(time.perf_counter() - t0)
+        c0 = cpu_seconds()
+        done = executor.train_step([(x[rows], y[rows])], opt, grad_clip=1.0)
         out["cpu"].append(cpu_seconds() - c0)
+        out["wall"].append(done.seconds)
         out["a2a"].append(ep.stats.seconds if ep is not None else 0.0)
-        out["loss"].append(loss)
+        out["loss"].append(done.loss)
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tessera.config import make_config
 from tessera.data.loader import BatchLoader, TokenDataset
-from tessera.moe import moe_layers, update_router_bias
+from tessera.moe import moe_layers
 from tessera.step import build_executor
 from tessera.topology import Topology
 
@@ -30,17 +30,12 @@ def _busiest_over_mean(tiny_data: str, **moe) -> float:
     dataset = TokenDataset(cfg.data.path)
     loader = BatchLoader(dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size, 1, 0, 1,
                          cfg.data.seed)
-    chunks = list(executor.model.chunks.values())
-    layers = [m for c in chunks for m in moe_layers(c)]
+    layers = [m for c in executor.model.chunks.values() for m in moe_layers(c)]
     for step in range(STEPS):
         if step == STEPS - LAST:
             for m in layers:
                 m.stats.reset()
-        opt.zero_grad(set_to_none=True)
-        executor.forward_backward(next(loader))
-        executor.clip_grad_norm_(cfg.train.grad_clip)
-        opt.step()
-        update_router_bias(chunks)
+        executor.train_step(loader, opt, grad_clip=cfg.train.grad_clip)
     loads = [m.stats.tokens_per_expert for m in layers]
     return max(float(load.max() / load.mean()) for load in loads)
 

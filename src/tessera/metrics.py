@@ -14,6 +14,7 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,34 @@ def mfu(flops_per_s: float, peak_tflops: float | None, n_devices: int) -> float 
     if not peak_tflops:
         return None
     return flops_per_s / (peak_tflops * 1e12 * n_devices)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What each step of a run does, for its rates: tokens and model FLOPs per step, the
+    number of devices, and one device's peak TFLOP/s (None: unknown, no MFU)."""
+
+    tokens: int
+    flops: float
+    devices: int
+    peak_tflops: float | None
+
+
+def step_record(step: int, done, lr: float, work: StepWork,
+                device: torch.device) -> dict[str, Any]:
+    """A step's record in metrics.jsonl, from ``Executor.train_step``'s result `done`: its
+    loss, learning rate, gradient norm and seconds, the rates those give (tokens/s, model
+    FLOP/s, MFU), this rank's peak device memory so far, and this rank's waits on DP
+    collectives and its compute actions' seconds (``step.py``)."""
+    return {
+        "step": step, "loss": done.loss, "lr": lr, "grad_norm": done.grad_norm,
+        "step_s": done.seconds, "tokens_per_s": work.tokens / done.seconds,
+        "model_flops_per_s": work.flops / done.seconds,
+        "mfu": mfu(work.flops / done.seconds, work.peak_tflops, work.devices),
+        "peak_mem_bytes": peak_memory_bytes(device),
+        "comm_wait_s": done.comm_wait_s,
+        "compute_s": done.compute_s,
+    }
 
 
 class JsonlLogger:

@@ -1,4 +1,4 @@
-"""The one-screen summary a training run ends with.
+"""The one-screen summary a training run ends with, and the console line of a step.
 
 What it shows, and where each number comes from:
 
@@ -185,6 +185,23 @@ def gather_memory(executor) -> list[dict[str, Any]]:
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return parts
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """A step's console line from its metrics record (``metrics.step_record``, with the MoE
+    load and the validation loss where the record has them)."""
+    line = (f"step {record['step']:5d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+            f"{record['model_flops_per_s'] / 1e9:.2f} GFLOP/s")
+    if record["mfu"] is not None:
+        line += f" | MFU {100 * record['mfu']:.1f}%"
+    line += f" | peak mem {record['peak_mem_bytes'] / 2**20:.0f} MiB"
+    if "moe_max_load_ratio" in record:
+        line += (f" | experts max/mean {record['moe_max_load_ratio']:.2f} "
+                 f"drop {100 * record['moe_dropped_fraction']:.1f}%")
+    if "val_loss" in record:
+        line += f" | val {record['val_loss']:.4f}"
+    return line
 
 
 def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: float,

@@ -40,7 +40,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ import torch.distributed as dist
 
 from tessera.config import Config
 from tessera.model import cross_entropy
-from tessera.moe import set_loss_scale
+from tessera.moe import set_loss_scale, update_router_bias
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.parallelize import ParallelModel, sync_context, training_schedule
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
@@ -74,6 +75,23 @@ def forward_pass(chunk_rank: Sequence[int], n_microbatches: int) -> Schedule:
                for c in range(len(chunk_rank)) if chunk_rank[c] == r] for r in range(n_ranks)]
     return forward_only(Schedule("forward", orders, len(chunk_rank), n_microbatches,
                                  tuple(chunk_rank)))
+
+
+@dataclass
+class StepResult:
+    """What ``Executor.train_step`` measured of one step."""
+
+    loss: float
+    """The step's mean loss (the same on every rank)."""
+    grad_norm: float | None
+    """The gradient's global norm before clipping; None for a step without the update."""
+    seconds: float
+    """The step's time on the step's clock, from before its ``zero_grad`` (with `barrier`:
+    from after the barrier) to after its last action (and the device's synchronize)."""
+    comm_wait_s: float
+    """This rank's measured exposed data-parallel communication (``last_comm_wait_s``)."""
+    compute_s: float
+    """This rank's compute actions' seconds (the runtime's record of the step)."""
 
 
 def last_backwards(schedule: Schedule, rank: int) -> set[Action]:
@@ -195,6 +213,45 @@ class Executor:
         if max_norm > 0 and norm > max_norm:
             self.model.scale_grads(max_norm / (norm + 1e-6))
         return norm
+
+    def train_step(self, batch: Sequence[MicroBatch] | Iterator[Sequence[MicroBatch]],
+                   optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                   grad_clip: float = 0.0, *, update: bool = True, barrier: bool = False,
+                   clock: Callable[[], float] = time.perf_counter) -> StepResult:
+        """One training step, in this order: the previous gradients freed (``zero_grad``), the
+        micro-batches forward and backward (gradients synchronized, ``forward_backward``), the
+        global norm and clipping to `grad_clip` (0: only measured), the optimizer's step, the
+        scheduler's (if any), the MoE routing bias moved from this step's load over the
+        data-parallel ranks (a model with experts), and on a GPU a synchronize, so that the
+        step's seconds hold its device work.
+
+        `batch`: this step's micro-batches, or an iterator (a ``BatchLoader``) that gives them
+        inside the timed step. `update=False` stops after the backward (the gradient's time: no
+        norm, no optimizer or scheduler step). `barrier`: the ranks of the default group start
+        the clock together, after ``zero_grad`` (which the seconds then leave out). `clock`:
+        what the seconds are read on."""
+        if barrier:
+            optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+        start = clock()
+        if not barrier:
+            optimizer.zero_grad(set_to_none=True)
+        micro_batches = batch if isinstance(batch, Sequence) else next(batch)
+        loss = self.forward_backward(micro_batches)
+        grad_norm = None
+        if update:
+            grad_norm = self.clip_grad_norm_(grad_clip)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            if self.cfg.model.moe_experts:  # DeepSeek-V3's routing bias, from this step's load
+                update_router_bias(list(self.model.chunks.values()), self.dp_group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = clock() - start
+        return StepResult(loss, grad_norm, seconds, self.last_comm_wait_s,
+                          self.last_record.busy if self.last_record else 0.0)
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:

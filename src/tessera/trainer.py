@@ -11,7 +11,6 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -33,17 +32,18 @@ from tessera.launch import loopback_store
 from tessera.metrics import (
     JsonlLogger,
     MemorySnapshot,
+    StepWork,
     device_peak_tflops,
     mfu,
-    peak_memory_bytes,
+    step_record,
 )
 from tessera.model import Transformer, flops_per_token
-from tessera.moe import reduce_stats, summarize_load, update_router_bias
+from tessera.moe import reduce_stats, summarize_load
 from tessera.optim import lr_lambda
 from tessera.parallelize import parallelize
 from tessera.preflight import check_run
-from tessera.report import gather_memory, summary_lines
-from tessera.run_dir import begin_out_dir, restart_count
+from tessera.report import gather_memory, step_line, summary_lines
+from tessera.run_dir import RunStart, begin_out_dir, restart_count
 from tessera.step import Executor
 from tessera.topology import Topology
 from tessera.watchdog import Watchdog, peer_loss_reason
@@ -152,17 +152,37 @@ def evaluate(executor, cfg: Config, dataset: TokenDataset, topo: Topology) -> fl
     return loss_sum / count
 
 
-def train(cfg: Config, progress: bool = True, position: Position | None = None) -> RunResult:
-    """Run training on this rank. Every rank calls this with the same config; `position`, if
-    given, follows the step being run."""
-    position = position if position is not None else Position()
+@dataclass
+class Run:
+    """This rank's run once set up (``open_run``): what its steps and its end use."""
+
+    cfg: Config
+    topo: Topology
+    device: torch.device
+    dataset: TokenDataset
+    executor: Executor
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: BatchLoader
+    out: Path
+    logger: JsonlLogger
+    saver: checkpoint.AsyncSaver | None
+    """Background checkpoint saves (train.async_checkpoint), on a gloo group of their own."""
+    origin: RunStart
+    watchdog: Watchdog | None
+    start: int
+    """The step the run starts after: a resumed run's restored step, else 0."""
+
+
+def open_run(cfg: Config) -> Run:
+    """Set this rank up: every rule checked and the data opened before the first collective
+    (the launching command already checked memory against this machine), the process group,
+    the model, its optimizer, schedule and data, a resumed run's state, the metrics log; rank 0
+    writes config.json and prints the layout."""
     device, backend = pick_device()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    # Every rule is checked, and the data opened, before the first collective (the launching
-    # command already checked memory against this machine).
     checked = check_run(cfg, world, device.type, memory=False)
-    cfg, dataset, origin = checked.cfg, checked.dataset, checked.start
-    resume_from = origin.resume_from
+    cfg, origin = checked.cfg, checked.start
     if checked.new_out:
         cfg = begin_out_dir(cfg)
 
@@ -179,7 +199,7 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
     executor = Executor(model)
     optimizer = model.optimizer(cfg.train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
-    loader = BatchLoader(dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size,
+    loader = BatchLoader(checked.dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size,
                          cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed,
                          cp_rank=topo.coords()["cp"], cp_size=topo.cp)
 
@@ -187,8 +207,9 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
     saver = (checkpoint.AsyncSaver(dist.new_group(backend="gloo"))
              if cfg.train.async_checkpoint and cfg.train.checkpoint_interval else None)
     start = 0
-    if resume_from is not None:  # from any layout: each rank reads the boxes it holds
-        start = checkpoint.restore(resume_from, cfg, executor, optimizer, scheduler, loader)
+    if origin.resume_from is not None:  # from any layout: each rank reads the boxes it holds
+        start = checkpoint.restore(origin.resume_from, cfg, executor, optimizer, scheduler,
+                                   loader)
     if rank0 and origin.others:  # train.overwrite: gone before this run's first save
         checkpoint.remove(origin.others)
         print(f"overwrite: deleted {len(origin.others)} checkpoint(s) of another run from "
@@ -197,114 +218,118 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
     out = Path(cfg.train.out_dir)
     # A resumed run continues the log after a restart marker (metrics.read_metrics).
     logger = JsonlLogger(out / "metrics.jsonl" if rank0 else None,
-                         resumed_from=start if resume_from is not None else None,
+                         resumed_from=start if origin.resume_from is not None else None,
                          tensorboard=out / "tensorboard" if cfg.train.tensorboard else None,
-                         restart=restart_count(), checkpoint=resume_from)
+                         restart=restart_count(), checkpoint=origin.resume_from)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         print(f"tessera: {topo.describe()} device={device} backend={backend}", flush=True)
+    return Run(cfg, topo, device, checked.dataset, executor, optimizer, scheduler, loader, out,
+               logger, saver, origin, watchdog, start)
 
-    tokens_per_step = loader.global_batch_size * cfg.data.seq_len
-    flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
-    peak = cfg.train.peak_tflops or device_peak_tflops(device)
+
+def every(step: int, interval: int) -> bool:
+    """Whether `step` is a multiple of `interval` (0: never)."""
+    return bool(interval) and step % interval == 0
+
+
+def train(cfg: Config, progress: bool = True, position: Position | None = None) -> RunResult:
+    """Run training on this rank. Every rank calls this with the same config; `position`, if
+    given, follows the step being run."""
+    position = position if position is not None else Position()
+    run = open_run(cfg)
+    cfg, topo, executor = run.cfg, run.topo, run.executor
+    rank0 = topo.rank == 0
+    tokens_per_step = run.loader.global_batch_size * cfg.data.seq_len
+    work = StepWork(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step,
+                    topo.world_size, cfg.train.peak_tflops or device_peak_tflops(run.device))
     result = RunResult(steps=cfg.train.steps, final_loss=float("nan"))
     step_times: list[float] = []
-    chunks = list(model.chunks.values())
+    chunks = list(executor.model.chunks.values())
     moe_groups = [topo.group("dpcp"), topo.group("pp")]
     moe_total: dict[str, torch.Tensor] = {}
 
-    if start == 0:
-        # Validation before the first step shows where the loss starts (~ln V for a fresh
-        # model).
-        val0 = evaluate(executor, cfg, dataset, topo)
-        result.val_losses.append((0, val0))
-        logger.log({"step": 0, "val_loss": val0})
-        if rank0:
-            print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
-                  f"{math.log(cfg.model.vocab_size):.4f})", flush=True)
+    if run.start == 0:
+        first_validation(run, result)
     elif rank0:
         restarted = f" (restart {restart_count()})" if restart_count() else ""
-        print(f"resumed from {resume_from} at step {start}{restarted}", flush=True)
+        print(f"resumed from {run.origin.resume_from} at step {run.start}{restarted}",
+              flush=True)
 
-    profiler = StepProfiler(cfg.train.profile_range, out / "profile", topo.rank, device)
-    snapshot = (MemorySnapshot(out / "memory" / f"rank-{topo.rank:05d}.pickle")
+    profiler = StepProfiler(cfg.train.profile_range, run.out / "profile", topo.rank, run.device)
+    snapshot = (MemorySnapshot(run.out / "memory" / f"rank-{topo.rank:05d}.pickle")
                 if cfg.train.memory_snapshot else None)
     if snapshot is not None:
         snapshot.start()
     # The bar only on a terminal: in a log file its redraws bury the metric lines.
     show_bar = rank0 and progress and sys.stderr.isatty()
-    bar = tqdm(range(start, cfg.train.steps), disable=not show_bar, unit="step",
-               dynamic_ncols=True, initial=start, total=cfg.train.steps)
-    for step in bar:
-        position.stage = f"step {step + 1}"
+    bar = tqdm(range(run.start, cfg.train.steps), disable=not show_bar, unit="step",
+               dynamic_ncols=True, initial=run.start, total=cfg.train.steps)
+    for done_before in bar:
+        step = done_before + 1
+        position.stage = f"step {step}"
+        last = step == cfg.train.steps
         # The last step also counts the activations saved for backward (the summary's memory).
-        executor.runtime.measure_memory = step + 1 == cfg.train.steps
-        profiler.before(step + 1)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = executor.forward_backward(next(loader))
-        grad_norm = executor.clip_grad_norm_(cfg.train.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        if cfg.model.moe_experts:  # DeepSeek-V3's routing bias, from this step's load
-            update_router_bias(chunks, topo.group("dpcp"))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        result.final_loss = loss
-        profiled = profiler.after(step + 1)
+        executor.runtime.measure_memory = last
+        profiler.before(step)
+        done = executor.train_step(run.loader, run.optimizer, run.scheduler, cfg.train.grad_clip)
+        step_times.append(done.seconds)
+        result.final_loss = done.loss
+        profiled = profiler.after(step)
 
-        record: dict[str, Any] = {
-            "step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm, "step_s": dt, "tokens_per_s": tokens_per_step / dt,
-            "model_flops_per_s": flops_per_step / dt,
-            "mfu": mfu(flops_per_step / dt, peak, topo.world_size),
-            "peak_mem_bytes": peak_memory_bytes(device),
-            # this rank's waits on DP collectives and its compute actions' time (step.py)
-            "comm_wait_s": executor.last_comm_wait_s,
-            "compute_s": executor.last_record.busy if executor.last_record else 0.0,
-        }
+        record = step_record(step, done, run.scheduler.get_last_lr()[0], work, run.device)
         if profiled:
             record["profiled"] = True
         if cfg.model.moe_experts:  # this step's routing, summed over dp and layers
             moe = reduce_stats(chunks, moe_groups, cfg.model.moe_experts)
             record.update(summarize_load(moe))
             moe_total = {k: moe[k] + moe_total.get(k, 0) for k in moe}
-        last = step + 1 == cfg.train.steps
-        every = cfg.train.eval_interval
-        if last or (every and (step + 1) % every == 0):
-            record["val_loss"] = evaluate(executor, cfg, dataset, topo)
-            result.val_losses.append((step + 1, record["val_loss"]))
-        logger.log(record)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if rank0 and (last or (step + 1) % cfg.train.log_interval == 0 or "val_loss" in record):
-            line = (f"step {step + 1:5d} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-                    f"grad {grad_norm:.3f} | {record['tokens_per_s']:.0f} tok/s | "
-                    f"{record['model_flops_per_s'] / 1e9:.2f} GFLOP/s")
-            if record["mfu"] is not None:
-                line += f" | MFU {100 * record['mfu']:.1f}%"
-            line += f" | peak mem {record['peak_mem_bytes'] / 2**20:.0f} MiB"
-            if "moe_max_load_ratio" in record:
-                line += (f" | experts max/mean {record['moe_max_load_ratio']:.2f} "
-                         f"drop {100 * record['moe_dropped_fraction']:.1f}%")
-            if "val_loss" in record:
-                line += f" | val {record['val_loss']:.4f}"
-            bar.write(line)
-        every = cfg.train.checkpoint_interval
-        if every and ((step + 1) % every == 0 or last):
-            saved = checkpoint.save(cfg.train.checkpoint_root, step + 1, cfg, executor, optimizer,
-                                    scheduler, loader, topo.rank, topo.world_size,
-                                    keep=cfg.train.keep_checkpoints, saver=saver,
-                                    run_id=origin.run_id)
-            if rank0:
-                bar.write(f"step {step + 1:5d} | checkpoint {saved}"
-                          + (" (writing in the background)" if saver else ""))
+        if last or every(step, cfg.train.eval_interval):
+            record["val_loss"] = evaluate(executor, cfg, run.dataset, topo)
+            result.val_losses.append((step, record["val_loss"]))
+        run.logger.log(record)
+        bar.set_postfix(loss=f"{done.loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if rank0 and (last or every(step, cfg.train.log_interval) or "val_loss" in record):
+            bar.write(step_line(record))
+        if cfg.train.checkpoint_interval and (last or every(step, cfg.train.checkpoint_interval)):
+            save_checkpoint(run, step, bar)
     position.stage = f"the end after step {cfg.train.steps}"
-    if saver is not None:
-        saver.close()  # the last checkpoint is complete before the run reports
+    if run.saver is not None:
+        run.saver.close()  # the last checkpoint is complete before the run reports
+    return finish(run, result, step_times, work, snapshot,
+                  summarize_load(moe_total) if moe_total else None)
 
+
+def first_validation(run: Run, result: RunResult) -> None:
+    """Validation before the first step: where the loss starts (~ln V for a fresh model)."""
+    val0 = evaluate(run.executor, run.cfg, run.dataset, run.topo)
+    result.val_losses.append((0, val0))
+    run.logger.log({"step": 0, "val_loss": val0})
+    if run.topo.rank == 0:
+        print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
+              f"{math.log(run.cfg.model.vocab_size):.4f})", flush=True)
+
+
+def save_checkpoint(run: Run, step: int, bar: tqdm) -> None:
+    """Every rank saves its part of the checkpoint after `step`; rank 0 prints where."""
+    cfg, topo = run.cfg, run.topo
+    saved = checkpoint.save(cfg.train.checkpoint_root, step, cfg, run.executor, run.optimizer,
+                            run.scheduler, run.loader, topo.rank, topo.world_size,
+                            keep=cfg.train.keep_checkpoints, saver=run.saver,
+                            run_id=run.origin.run_id)
+    if topo.rank == 0:
+        bar.write(f"step {step:5d} | checkpoint {saved}"
+                  + (" (writing in the background)" if run.saver else ""))
+
+
+def finish(run: Run, result: RunResult, step_times: list[float], work: StepWork,
+           snapshot: MemorySnapshot | None, moe: dict[str, Any] | None) -> RunResult:
+    """After the last step: the memory snapshot, the median step and its rates, the last
+    step's timeline, memory per rank, the summary, the sample, summary.json; then every rank
+    meets at a barrier. `moe`: the whole run's expert load (``summarize_load``), if any."""
+    cfg, topo, executor, out = run.cfg, run.topo, run.executor, run.out
+    rank0 = topo.rank == 0
     if snapshot is not None:
         written = snapshot.dump()
         if rank0:
@@ -314,17 +339,17 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
         step_times.append(float("nan"))
     warm = step_times[min(len(step_times) - 1, 2):]
     result.median_step_s = sorted(warm)[len(warm) // 2]
-    result.tokens_per_s = tokens_per_step / result.median_step_s
+    result.tokens_per_s = work.tokens / result.median_step_s
 
     # Outside any timed step: the last step's timeline, memory per rank, the summary.
     timeline = executor.write_timeline(out)
     memory = gather_memory(executor)
-    result.moe = summarize_load(moe_total) if moe_total else None
+    result.moe = moe
     if rank0:
-        flops_per_s = flops_per_step / result.median_step_s
-        lines = summary_lines(cfg, topo.world_size, device, result.median_step_s,
-                              result.tokens_per_s,
-                              flops_per_s, mfu(flops_per_s, peak, topo.world_size),
+        flops_per_s = work.flops / result.median_step_s
+        lines = summary_lines(cfg, topo.world_size, run.device, result.median_step_s,
+                              result.tokens_per_s, flops_per_s,
+                              mfu(flops_per_s, work.peak_tflops, topo.world_size),
                               timeline, memory, moe=result.moe)
         print("\n".join(lines), flush=True)
         result.timeline = timeline
@@ -332,15 +357,15 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
 
     state = executor.full_state_dict()
     if rank0 and cfg.train.sample_tokens:
-        result.sample = sample_text(cfg, state, dataset, device)
+        result.sample = sample_text(cfg, state, run.dataset, run.device)
         (out / "sample.txt").write_text(result.sample)
         print(f"--- sample ({cfg.train.sample_tokens} tokens) ---\n"
               f"{cfg.train.sample_prompt}{result.sample}\n--- end sample ---", flush=True)
     if rank0:
         (out / "summary.json").write_text(json.dumps(result.to_dict(), indent=1))
-    if watchdog is not None:
+    if run.watchdog is not None:
         # Before the last barrier, while rank 0 (which may serve the store) is surely there.
-        watchdog.stop()
+        run.watchdog.stop()
     dist.barrier()
     return result
 

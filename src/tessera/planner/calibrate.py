@@ -590,15 +590,10 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     waits: list[float] = []
 
     def step_seconds(executor, optimizer, clip: float) -> float:
-        """One training step's seconds on `clock`, less its waits and scalar syncs."""
-        optimizer.zero_grad(set_to_none=True)  # as the trainer leaves them
-        dist.barrier()  # every rank starts the step together, as the bench's pairs do
-        start = clock()
-        executor.forward_backward([batch])
-        if full_step:
-            executor.clip_grad_norm_(clip)
-            optimizer.step()
-        seconds = clock() - start
+        """One training step's seconds on `clock`, less its waits and scalar syncs; every rank
+        starts the step together, as the bench's pairs do."""
+        seconds = executor.train_step([batch], optimizer, grad_clip=clip, update=full_step,
+                                      barrier=True, clock=clock).seconds
         if not shared:  # a blocking wait costs the thread's CPU ~nothing
             seconds -= executor.last_comm_wait_s + executor.last_sync_s
         return seconds
