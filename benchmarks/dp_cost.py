@@ -74,7 +74,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from tessera.planner.calibrate import machine_shape, timed_collective
+from tessera.planner.local.calibrate import machine_shape, timed_collective
 
 FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "hooks_s",
           "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s", "build", "dp_fb_s",

@@ -35,7 +35,7 @@ def _worker(micro_batch: int, rounds: int) -> dict[int, list[tuple[float, float]
     """Per size k, per round: (the slowest rank's wall seconds minus the ranks' mean, the
     mean). Every rank returns the same lists."""
     from tessera.config import make_config
-    from tessera.planner.calibrate import _block_step, side_by_side
+    from tessera.planner.local.calibrate import _block_step, side_by_side
     from tessera.planner.models import from_model_config
 
     cfg = make_config("demo")

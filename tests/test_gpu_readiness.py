@@ -162,7 +162,7 @@ def test_async_parameter_server_names_every_source():
 
 
 def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
-    from tessera.planner import calibrate as cal
+    from tessera.planner.local import calibrate as cal
     from tessera.planner.models import load_model
 
     seen = {}

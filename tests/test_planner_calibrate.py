@@ -17,8 +17,8 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from tessera.cli import app
-from tessera.planner.calibrate import collective_overlap
 from tessera.planner.hardware import load_hardware, ranks_time_share
+from tessera.planner.local.calibrate import collective_overlap
 from tessera.planner.models import load_model
 from tessera.planner.search import estimate
 from tessera.planner.workload import Layout, Workload
@@ -66,7 +66,7 @@ def test_calibrate_bad_input_exits_2(tmp_path):
 
 def test_calibrate_default_out_is_untracked(tmp_path, monkeypatch):
     # Before: the default --out was the tracked benchmarks/results/local_hardware.toml.
-    import tessera.planner.calibrate as calibrate_module
+    import tessera.planner.local.calibrate as calibrate_module
     from tessera.planner.hardware import load_hardware as load
 
     monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: load("H100"))
@@ -113,7 +113,7 @@ def test_training_summary_prices_with_the_runs_rank_count(tmp_path, monkeypatch)
 
     import torch
 
-    import tessera.planner.calibrate as calibrate_module
+    import tessera.planner.local.calibrate as calibrate_module
     from tessera.config import make_config
     from tessera.planner.hardware import save_hardware
     from tessera.report import SHIPPED_HARDWARE, planner_prediction
@@ -161,7 +161,7 @@ def _jitter_with_sleeps(extra_s: float, base_s: float) -> tuple[float, float]:
 
     import torch.distributed as dist
 
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
 
     slow = dist.get_rank() == 1
     calibrate._block_step = lambda *a: (lambda: time.sleep(base_s + (extra_s if slow else 0)))
@@ -195,7 +195,7 @@ def test_jitter_is_the_spread_between_ranks_not_over_time():
 
 
 def test_sync_idle_seconds_counts_only_the_cores_arrivals_leave_idle():
-    from tessera.planner.calibrate import sync_idle_seconds
+    from tessera.planner.local.calibrate import sync_idle_seconds
 
     # A core each: every arrived rank's core idles until the last; over the cores that is the
     # last arrival minus the mean one (what a rank's own-start timing averages to).
@@ -216,7 +216,7 @@ def _collective_after_a_late_rank(late_s: float, cores: int) -> float:
 
     import torch.distributed as dist
 
-    from tessera.planner.calibrate import timed_collective
+    from tessera.planner.local.calibrate import timed_collective
 
     late = late_s if dist.get_rank() == 1 else 0.0
     return timed_collective("all_reduce", 4096, 5, lambda: time.sleep(late), cores)
@@ -239,7 +239,7 @@ def test_time_shared_ranks_time_a_collective_without_their_turns():
 
 
 def test_sigma_line_through_two_stretches():
-    from tessera.planner.calibrate import sigma_line
+    from tessera.planner.local.calibrate import sigma_line
 
     assert sigma_line(0.1, 0.003, 0.4, 0.009) == pytest.approx((0.001, 0.02))
     # Never negative: a line through the origin where it would start below 0, flat where σ
@@ -257,7 +257,7 @@ def test_gpu_calibration_describes_the_gpu_not_the_host(monkeypatch):
 
     import torch
 
-    from tessera.planner.calibrate import LOCAL_RANKS, machine_shape, physical_memory_bytes
+    from tessera.planner.local.calibrate import LOCAL_RANKS, machine_shape, physical_memory_bytes
 
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: SimpleNamespace(total_memory=80e9))
@@ -321,7 +321,7 @@ def _add_after_sync(wrapper: type, where: str, seconds: float, handle: str) -> N
 
 def _tiny_wrapped_params() -> list:
     """The parameters of the tiny model as calibrate's whole-step measurements build it."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
     from tessera.model import build_model
 
     spec = load_model("tiny")
@@ -338,7 +338,7 @@ def _ddp_step_seconds_with(where: str, seconds: float) -> tuple[float, int]:
     wait; "after-rank0": on rank 0 alone), "wait" (a sleep inside a timed wait on the bucket)
     or "sync" (a sleep before each of the step's scalar all-reduces over the group); and the
     tensor count."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
     from tessera import step
     from tessera.parallel.ddp import DataParallel
 
@@ -463,7 +463,7 @@ def _extra_with_first_built_slower(seconds: float) -> float:
             return super().forward_backward(*args, **kwargs)
 
     step.Executor = FirstBuiltSlower
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
 
     extra, _, _ = calibrate.wrapped_step_extra(load_model("tiny"), 32, 2, 0, True, 2, 6)
     return statistics.fmean(extra)
@@ -496,7 +496,7 @@ def _zero_steps_calibrate_runs(cases: list[tuple[int, int]]
     machine of that many cores with every measurement faked but the ZeRO-3 steps'
     bookkeeping: the micro-batches zero_step_passes ran, and the zero_passes and zero_waits
     it returned (passes = the micro-batch, waits = a thousandth of it)."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
 
     ran = []
 
@@ -527,7 +527,7 @@ def test_the_share_is_read_off_zero3_steps_at_micro_batch_2():
     # ZeRO-3's work (zero_passes) stays the calibrated micro-batch's. At micro-batch 2 itself
     # one set of steps serves both. Over 2 ranks: on 2 cores, and on 1, where the ranks
     # time-share it and the share is not read at all (dp_overlap is 0: nothing hides).
-    from tessera.planner.calibrate import SHARE_MICRO_BATCH
+    from tessera.planner.local.calibrate import SHARE_MICRO_BATCH
     from tessera.testing import run_ranks
 
     assert SHARE_MICRO_BATCH == 2
@@ -540,7 +540,7 @@ def test_the_share_is_read_off_zero3_steps_at_micro_batch_2():
 def _measured_without_ranks(monkeypatch, gather_efficiency: float):
     """calibrate with its measurement replaced (no ranks run): fixed rates, ZeRO-3 steps that
     waited 1 ms a micro-batch, gathers timed at `gather_efficiency`, a 2-core machine."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
 
     rates = dict(mm=1e9, attn=1e9, bw=1e9, mm_large=1e9, passes=1.0, overhead=0.0,
                  optimizer=0.0, jitter_fixed=0.0, jitter_rate=0.0, mm_tail=0.0,
@@ -573,9 +573,9 @@ def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_w
     # gives at the full share (0.5 here, beside plain compute) solve to the full share.
     from dataclasses import replace
 
-    from tessera.planner.calibrate import in_step_overlap
     from tessera.planner.cost import layout_costs
     from tessera.planner.hardware import Hardware
+    from tessera.planner.local.calibrate import in_step_overlap
 
     hw = Hardware(name="cpu-test", peak_tflops=0.09, memory_gb=12.0, memory_bw_gbs=24.0,
                   intra_node_gbs=2.2, inter_node_gbs=2.2, gpus_per_node=64,
@@ -620,7 +620,7 @@ def _zero_step_seconds_with(where: str, seconds: float) -> tuple[float, float]:
     bandwidth, with no fixed part: what ZeRO-3 adds to a forward + backward besides its
     waits; and the waits), with `seconds` more in ZeroModel.finish_gradient_sync: "after"
     (this thread's CPU after its waits) or "wait" (a sleep inside a timed wait on a reduction)."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
     from tessera.parallel.zero import ZeroModel
 
     _add_after_sync(ZeroModel, where, seconds, "head")
@@ -773,7 +773,7 @@ def _ddp_on_fake_clock(cases: list[tuple[str, float, int | None]]
     (_inject_on), `cores` the CPU count it sees. Then the per-pair extras of
     wrapped_step_extra with 20 ms more work on every step of each pair's first-built model;
     the tensor count and the gradient bytes."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
     from tessera.parallel.ddp import DataParallel
 
     clock, plan = FakeClock(), {"where": "", "seconds": 0.0}
@@ -872,7 +872,7 @@ def _zero_on_fake_clock(cases: list[tuple[str, float]]) -> list[tuple[float, flo
     """Per case (where, seconds): calibrate.zero_step_passes on the tiny model (2 builds, 3
     pairs each, on a fake clock, each rank a core) with `seconds` of work at `where`
     (_inject_on, in ZeroModel), as (seconds: passes × parameter bytes / bandwidth, waits)."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
     from tessera.parallel.zero import ZeroModel
 
     clock, plan = FakeClock(), {"where": "", "seconds": 0.0}
@@ -909,7 +909,7 @@ def _jitter_on_fake_clock(extra_s: float, base_s: float, together_s: float
     1, and `together_s` more on every rank every other block (a slow stretch for all)."""
     import itertools
 
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
 
     clock, slow = FakeClock(), dist.get_rank() == 1
     stretches = itertools.cycle([0.0, together_s])
@@ -964,7 +964,7 @@ class CollectiveClock:
 def _collective_on_fake_clock(late_s: list[float], cores: int) -> float:
     """timed_collective's all-reduce of 4 KiB on a CollectiveClock (1 ms a call) with rank r
     arriving `late_s[r]` after the start, the ranks sharing `cores` cores."""
-    from tessera.planner.calibrate import timed_collective
+    from tessera.planner.local.calibrate import timed_collective
 
     clock = CollectiveClock(1e-3)
     late = late_s[dist.get_rank()]
@@ -996,7 +996,7 @@ def test_calibrate_writes_its_measurements_into_the_hardware_file(tmp_path, monk
     """test_calibrate_writes_a_usable_hardware_file without measuring: `tessera plan
     calibrate` with calibrate.measure's results given (each a value of its own) writes each
     into its field of the file, in the file's units, and the planner prices layouts with it."""
-    import tessera.planner.calibrate as calibrate
+    import tessera.planner.local.calibrate as calibrate
 
     rates = dict(mm=2e9, mm_large=3e9, mm_tail=4e-6, attn=5e9, bw=6e9, passes=7.0,
                  overhead=8e-6, optimizer=9e-6, jitter_fixed=1e-4, jitter_rate=0.011,

@@ -8,7 +8,7 @@ with a per-message latency for each, and how many devices share a node.
 Communication follows the α–β (Hockney) model: moving ``n`` bytes in one message step costs
 ``α + n·β`` with ``β = 1 / (bandwidth · link_efficiency)``; collectives are sums of such steps
 (see :mod:`tessera.planner.cost`). The same form is used by ``tessera.collectives`` for the
-collectives it measures; :func:`tessera.planner.calibrate.calibrate` writes the α and β it
+collectives it measures; :func:`tessera.planner.local.calibrate.calibrate` writes the α and β it
 measures on this machine into a hardware file.
 
 Catalog figures are the vendors' data-sheet numbers (NVIDIA V100, A100, H100 and H200 data
