@@ -283,7 +283,7 @@ def inrun_hardware(hw_path: str, case: Case):
 
     from tessera.planner.comm import expected_max_normal, jitter_sigma
     from tessera.planner.hardware import Link, load_hardware
-    from tessera.planner.local.calibrate import gather_efficiency, ring_beta
+    from tessera.planner.local.links import gather_efficiency, ring_beta
 
     hw, r, n = load_hardware(hw_path), case.paired, case.nproc
     alpha = hw.intra_node_alpha_us * 1e-6

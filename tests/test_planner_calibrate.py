@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from tessera.cli import app
 from tessera.planner.hardware import load_hardware, ranks_time_share
-from tessera.planner.local.calibrate import collective_overlap
+from tessera.planner.local.machine import collective_overlap
 from tessera.planner.models import load_model
 from tessera.planner.search import estimate
 from tessera.planner.workload import Layout, Workload
@@ -156,16 +156,16 @@ def test_plan_prints_small_parameter_counts():
 
 
 def _jitter_with_sleeps(extra_s: float, base_s: float) -> tuple[float, float]:
-    """calibrate.jitter on this rank with the block step replaced by a sleep of base_s, plus
+    """links.jitter on this rank with the block step replaced by a sleep of base_s, plus
     extra_s on rank 1."""
 
     import torch.distributed as dist
 
-    import tessera.planner.local.calibrate as calibrate
+    import tessera.planner.local.links as links
 
     slow = dist.get_rank() == 1
-    calibrate._block_step = lambda *a: (lambda: time.sleep(base_s + (extra_s if slow else 0)))
-    return calibrate.jitter(load_model("tiny"), 32, 1, repeats=8)
+    links.block_step = lambda *a: (lambda: time.sleep(base_s + (extra_s if slow else 0)))
+    return links.jitter(load_model("tiny"), 32, 1, repeats=8)
 
 
 @pytest.mark.multiprocess
@@ -195,7 +195,7 @@ def test_jitter_is_the_spread_between_ranks_not_over_time():
 
 
 def test_sync_idle_seconds_counts_only_the_cores_arrivals_leave_idle():
-    from tessera.planner.local.calibrate import sync_idle_seconds
+    from tessera.planner.local.links import sync_idle_seconds
 
     # A core each: every arrived rank's core idles until the last; over the cores that is the
     # last arrival minus the mean one (what a rank's own-start timing averages to).
@@ -216,7 +216,7 @@ def _collective_after_a_late_rank(late_s: float, cores: int) -> float:
 
     import torch.distributed as dist
 
-    from tessera.planner.local.calibrate import timed_collective
+    from tessera.planner.local.links import timed_collective
 
     late = late_s if dist.get_rank() == 1 else 0.0
     return timed_collective("all_reduce", 4096, 5, lambda: time.sleep(late), cores)
@@ -239,7 +239,7 @@ def test_time_shared_ranks_time_a_collective_without_their_turns():
 
 
 def test_sigma_line_through_two_stretches():
-    from tessera.planner.local.calibrate import sigma_line
+    from tessera.planner.local.links import sigma_line
 
     assert sigma_line(0.1, 0.003, 0.4, 0.009) == pytest.approx((0.001, 0.02))
     # Never negative: a line through the origin where it would start below 0, flat where σ
@@ -257,7 +257,7 @@ def test_gpu_calibration_describes_the_gpu_not_the_host(monkeypatch):
 
     import torch
 
-    from tessera.planner.local.calibrate import LOCAL_RANKS, machine_shape, physical_memory_bytes
+    from tessera.planner.local.machine import LOCAL_RANKS, machine_shape, physical_memory_bytes
 
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: SimpleNamespace(total_memory=80e9))
@@ -325,7 +325,7 @@ def _tiny_wrapped_params() -> list:
     from tessera.model import build_model
 
     spec = load_model("tiny")
-    cfg = dataclasses.replace(calibrate._block_config(spec, 32),
+    cfg = dataclasses.replace(calibrate.block_config(spec, 32),
                               n_layers=min(spec.layers, calibrate.WRAPPED_LAYERS))
     return list(build_model(cfg).parameters())
 
@@ -905,15 +905,15 @@ def test_zero_step_passes_count_the_work_beside_the_waits_but_not_the_waits():
 
 def _jitter_on_fake_clock(extra_s: float, base_s: float, together_s: float
                           ) -> tuple[float, float]:
-    """calibrate.jitter on a fake clock, each block `base_s` of work, `extra_s` more on rank
+    """links.jitter on a fake clock, each block `base_s` of work, `extra_s` more on rank
     1, and `together_s` more on every rank every other block (a slow stretch for all)."""
     import itertools
 
-    import tessera.planner.local.calibrate as calibrate
+    import tessera.planner.local.links as links
 
     clock, slow = FakeClock(), dist.get_rank() == 1
     stretches = itertools.cycle([0.0, together_s])
-    return calibrate.jitter(
+    return links.jitter(
         load_model("tiny"), 32, 1, repeats=3, clock=clock,
         step=lambda: clock.work(base_s + (extra_s if slow else 0.0) + next(stretches)))
 
@@ -964,7 +964,7 @@ class CollectiveClock:
 def _collective_on_fake_clock(late_s: list[float], cores: int) -> float:
     """timed_collective's all-reduce of 4 KiB on a CollectiveClock (1 ms a call) with rank r
     arriving `late_s[r]` after the start, the ranks sharing `cores` cores."""
-    from tessera.planner.local.calibrate import timed_collective
+    from tessera.planner.local.links import timed_collective
 
     clock = CollectiveClock(1e-3)
     late = late_s[dist.get_rank()]
