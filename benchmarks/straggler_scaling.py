@@ -5,7 +5,7 @@
         [--out benchmarks/results/straggler_scaling.txt]
 
 The planner prices the wait at a collective after T seconds of compute on each of N ranks as
-σ·E[max of N standard normals] with σ = jitter·√T (``comm.straggler_time``): independent
+σ·E[max of N standard normals] with σ = jitter·√T (``terms.straggler_time``): independent
 noise accumulating over the compute, as a sum of many small independent delays would. If
 the delays were instead one slow-down per stretch (a rank's whole stretch a few percent
 slower), σ would grow as T. ``plan calibrate`` measures the wait after one block's forward +

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from tessera.cli import app
-from tessera.planner.hardware import load_hardware, ranks_time_share
+from tessera.planner.hardware import load_hardware, replace
 from tessera.planner.local.machine import collective_overlap
+from tessera.planner.local.terms import local_terms, ranks_time_share
 from tessera.planner.models import load_model
 from tessera.planner.search import estimate
 from tessera.planner.workload import Layout, Workload
@@ -40,17 +41,18 @@ def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     assert hw.memory_gb > 0.1 and hw.memory_bw_gbs > 0.1 and hw.op_overhead_us > 0
     # the optimizer's loop costs at least nothing and less than 10 ms per tensor; so do
     # DataParallel's gradient hook and ZeRO-3's work per unit
-    assert 0 <= hw.optimizer_tensor_us < 10_000
-    assert 0 <= hw.ddp_tensor_us < 10_000 and 0 <= hw.zero_unit_us < 100_000
-    assert 0 <= hw.ddp_copy_passes < 1000
+    terms = local_terms(hw)
+    assert 0 <= terms.optimizer_tensor_us < 10_000
+    assert 0 <= terms.ddp_tensor_us < 10_000 and 0 <= terms.zero_unit_us < 100_000
+    assert 0 <= terms.ddp_copy_passes < 1000
     # ZeRO-3's passes hold the collectives in flight, latency-bound on a model this small:
     # what they price per micro-batch, between nothing and a second
     tiny_bytes = 4 * load_model("tiny").param_count
-    assert 0 <= hw.zero_unit_passes * tiny_bytes / (hw.memory_bw_gbs * 1e9) < 1.0
+    assert 0 <= terms.zero_unit_passes * tiny_bytes / (hw.memory_bw_gbs * 1e9) < 1.0
     # the share a collective progresses by inside the ZeRO-3 step, at most beside plain compute
-    assert hw.gpus_per_node >= 1 and 0 <= hw.dp_overlap <= collective_overlap(hw.cores, 2)
-    assert 0.01 < hw.gather_efficiency <= 1.0
-    assert hw.calibrated_micro_batch == 4  # what it measured at, for the training summary
+    assert hw.gpus_per_node >= 1 and 0 <= terms.dp_overlap <= collective_overlap(terms.cores, 2)
+    assert 0.01 < terms.gather_efficiency <= 1.0
+    assert terms.calibrated_micro_batch == 4  # what it measured at, for the training summary
     w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,
                  precision="fp32")
     for layout in (Layout(dp=2, micro_batch=8), Layout(tp=2, micro_batch=8),
@@ -177,7 +179,7 @@ def test_jitter_is_the_spread_between_ranks_not_over_time():
     apart after k blocks: σ grows with T at the rate (extra/2) / E / (base + extra/2), with
     no fixed part. A rank that is steadily slow is what a collective waits for; ranks slow
     together are not (0 skew: σ ~0 at every length)."""
-    from tessera.planner.comm import expected_max_normal
+    from tessera.planner.local.terms import expected_max_normal
     from tessera.testing import run_ranks
 
     base, extra = 0.02, 0.02
@@ -281,9 +283,10 @@ def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, m
 
     monkeypatch.chdir(tmp_path)
     cpu = torch.device("cpu")
-    save_hardware(dataclasses.replace(load_hardware("H100"), calibrated_micro_batch=16),
+    save_hardware(replace(load_hardware("H100"), calibrated_micro_batch=16),
                   tmp_path / "runs" / "local_hardware_4.toml")
-    assert load_hardware(tmp_path / "runs" / "local_hardware_4.toml").calibrated_micro_batch == 16
+    saved = load_hardware(tmp_path / "runs" / "local_hardware_4.toml")
+    assert saved.local.calibrated_micro_batch == 16
     at_8 = make_config("tiny", parallel=dict(dp=4), train=dict(micro_batch_size=8))
     assert planner_prediction(at_8, 4, cpu)[1] == (
         "runs/local_hardware_4.toml; calibrated at micro-batch 16, this run's is 8: "
@@ -561,7 +564,7 @@ def test_calibrate_solves_the_share_at_the_micro_batch_its_waits_came_from(monke
                         lambda hw, spec, seq, mb, ranks, waits: solved.append(mb) or 0.1)
     for micro_batch in (16, 2, 1):
         hw = calibrate.calibrate(load_model("demo"), 128, micro_batch, ranks=2)
-        assert hw.dp_overlap == 0.1 and hw.calibrated_micro_batch == micro_batch
+        assert hw.local.dp_overlap == 0.1 and hw.local.calibrated_micro_batch == micro_batch
     assert solved == [2, 2, 1]
 
 
@@ -571,16 +574,16 @@ def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_w
     # the planner gives at a share of 0.2 solve back to 0.2 (bisection to 1e-12: 1e-6 is
     # loose); waits beyond what it gives with nothing hidden solve to 0; waits below what it
     # gives at the full share (0.5 here, beside plain compute) solve to the full share.
-    from dataclasses import replace
-
     from tessera.planner.cost import layout_costs
     from tessera.planner.hardware import Hardware
     from tessera.planner.local.calibrate import in_step_overlap
+    from tessera.planner.local.terms import LocalTerms
 
     hw = Hardware(name="cpu-test", peak_tflops=0.09, memory_gb=12.0, memory_bw_gbs=24.0,
                   intra_node_gbs=2.2, inter_node_gbs=2.2, gpus_per_node=64,
-                  intra_node_alpha_us=440.0, inter_node_alpha_us=440.0, cores=2,
-                  zero_unit_us=500.0, zero_unit_passes=20.0, dp_overlap=0.5)
+                  intra_node_alpha_us=440.0, inter_node_alpha_us=440.0,
+                  local=LocalTerms(cores=2, zero_unit_us=500.0, zero_unit_passes=20.0,
+                                   dp_overlap=0.5))
     spec = load_model("demo")
 
     def waits_at(share: float) -> float:
@@ -925,7 +928,7 @@ def test_jitter_is_the_spread_between_ranks_on_a_fake_clock():
     # normals] at T = k·(base + extra/2), a line with no fixed part and the rate below, the
     # same on both ranks. Ranks slow together, every other block 3× as long, are what no
     # collective waits for: σ 0 at every length (a spread over time would not be).
-    from tessera.planner.comm import expected_max_normal
+    from tessera.planner.local.terms import expected_max_normal
     from tessera.testing import run_ranks
 
     base, extra = 0.02, 0.02
@@ -1010,26 +1013,18 @@ def test_calibrate_writes_its_measurements_into_the_hardware_file(tmp_path, monk
                                  "--out", str(out)])
     assert r.exit_code == 0, r.output
     hw = load_hardware(str(out))
-    got = dict(peak_tflops=hw.peak_tflops, matmul_tail_us=hw.matmul_tail_us,
-               attention_tflops=hw.attention_tflops, memory_bw_gbs=hw.memory_bw_gbs,
-               elementwise_passes=hw.elementwise_passes, op_overhead_us=hw.op_overhead_us,
-               optimizer_tensor_us=hw.optimizer_tensor_us, jitter_fixed_us=hw.jitter_fixed_us,
-               jitter_rate=hw.jitter_rate, p2p_alpha_us=hw.p2p_alpha_us, p2p_gbs=hw.p2p_gbs,
-               intra_node_alpha_us=hw.intra_node_alpha_us, intra_node_gbs=hw.intra_node_gbs,
-               inter_node_gbs=hw.inter_node_gbs, gather_efficiency=hw.gather_efficiency,
-               zero_unit_us=hw.zero_unit_us, zero_unit_passes=hw.zero_unit_passes,
-               ddp_tensor_us=hw.ddp_tensor_us, ddp_copy_passes=hw.ddp_copy_passes,
-               memory_gb=hw.memory_gb, cores=hw.cores, gpus_per_node=hw.gpus_per_node)
-    assert got == pytest.approx(dict(
+    expected = dict(
         peak_tflops=3e-3, matmul_tail_us=4.0, attention_tflops=5e-3, memory_bw_gbs=6.0,
         elementwise_passes=7.0, op_overhead_us=8.0, optimizer_tensor_us=9.0,
         jitter_fixed_us=100.0, jitter_rate=0.011, p2p_alpha_us=12.0, p2p_gbs=1.3,
         intra_node_alpha_us=14.0, intra_node_gbs=1.5, inter_node_gbs=1.5,
         gather_efficiency=0.16, zero_unit_us=17.0, zero_unit_passes=18.0, ddp_tensor_us=19.0,
-        ddp_copy_passes=21.0, memory_gb=3.0, cores=2, gpus_per_node=64), rel=1e-6)
+        ddp_copy_passes=21.0, memory_gb=3.0, cores=2, gpus_per_node=64)
+    flat = hw.to_dict()  # the file's fields, the local terms among them
+    assert {k: flat[k] for k in expected} == pytest.approx(expected, rel=1e-6)
     # no ZeRO-3 waits measured: the share beside plain compute, a core per rank
-    assert hw.matmul_efficiency == 1.0 and hw.dp_overlap == collective_overlap(2, 2)
-    assert hw.calibrated_micro_batch == 4
+    assert hw.matmul_efficiency == 1.0 and flat["dp_overlap"] == collective_overlap(2, 2)
+    assert flat["calibrated_micro_batch"] == 4
     w = Workload(model=load_model("tiny"), hardware=hw, gpus=2, global_batch=16, seq_len=32,
                  precision="fp32")
     for layout in (Layout(dp=2, micro_batch=8), Layout(tp=2, micro_batch=8),

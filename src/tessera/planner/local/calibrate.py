@@ -56,7 +56,7 @@ from collections.abc import Callable
 
 import torch
 
-from tessera.planner.hardware import Hardware, ranks_time_share
+from tessera.planner.hardware import Hardware, replace
 from tessera.planner.local.chains import extra_per_layer, zero_unit_costs
 from tessera.planner.local.links import collective_link, jitter
 from tessera.planner.local.machine import collective_overlap, machine_shape, rank_device
@@ -70,6 +70,7 @@ from tessera.planner.local.rates import (
     op_overhead,
     optimizer_tensor_seconds,
 )
+from tessera.planner.local.terms import LocalTerms, local_terms, ranks_time_share
 from tessera.planner.local.timing import on_gpu, wall_clock
 from tessera.planner.models import ModelSpec
 
@@ -156,10 +157,10 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
     when the last one has done its work and reached the reduction, so per pair the largest
     of the ranks' wrapped steps (each less its waits and syncs) less the largest of their
     steps at dp 1 (the planner adds the spread of plain compute on its own,
-    ``cost.rank_skew``); what a collective in flight takes from the step, its thread on the
+    ``terms.rank_skew``); what a collective in flight takes from the step, its thread on the
     rank's core, is wall time, not this thread's CPU. Where the ranks time-share fewer cores,
     this thread's CPU time, averaged over the ranks (the planner counts all the ranks' work
-    over the cores: ``cost.shared_cpu_bound``), in which the blocking waits cost ~nothing.
+    over the cores: ``terms.shared_cpu_bound``), in which the blocking waits cost ~nothing.
     Stepped as the local-truth bench steps its pairs (``benchmarks/dp_cost.py``), whose
     rows these steps price: each rank its own tokens (:func:`rank_batch`), a barrier before
     every step, the previous build's models freed before the next build.
@@ -381,6 +382,7 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
         out[key] = statistics.median(r[key] for r in results)
     return out
 
+
 def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
               name: str = "local-cpu", device: str = "cpu", backend: str = "gloo") -> Hardware:
     """Measure this machine at `spec`'s shapes on `device` over `backend` (module docstring)."""
@@ -395,21 +397,21 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         matmul_tail_us=r["mm_tail"] * 1e6,
         attention_tflops=attn / 1e12, memory_gb=memory / 1e9,
         memory_bw_gbs=bw / 1e9, intra_node_gbs=link_gbs, inter_node_gbs=link_gbs,
-        gpus_per_node=per_node, cores=cores, intra_node_alpha_us=alpha * 1e6,
-        inter_node_alpha_us=alpha * 1e6, p2p_alpha_us=p2p_alpha * 1e6,
-        p2p_gbs=1.0 / p2p_beta / 1e9,
-        link_efficiency=1.0, gather_efficiency=r["gather_efficiency"],
-        op_overhead_us=overhead * 1e6, optimizer_tensor_us=r["optimizer"] * 1e6,
-        zero_unit_us=r["zero_unit"] * 1e6, zero_unit_passes=r["zero_passes"],
-        ddp_tensor_us=r["ddp_tensor"] * 1e6, ddp_copy_passes=r["ddp_passes"],
-        elementwise_passes=passes, jitter_fixed_us=r["jitter_fixed"] * 1e6,
-        jitter_rate=r["jitter_rate"],
-        dp_overlap=collective_overlap(cores, ranks), calibrated_micro_batch=micro_batch,
+        gpus_per_node=per_node, intra_node_alpha_us=alpha * 1e6,
+        inter_node_alpha_us=alpha * 1e6, link_efficiency=1.0, op_overhead_us=overhead * 1e6,
+        elementwise_passes=passes,
+        local=LocalTerms(
+            cores=cores, p2p_alpha_us=p2p_alpha * 1e6, p2p_gbs=1.0 / p2p_beta / 1e9,
+            gather_efficiency=r["gather_efficiency"], optimizer_tensor_us=r["optimizer"] * 1e6,
+            zero_unit_us=r["zero_unit"] * 1e6, zero_unit_passes=r["zero_passes"],
+            ddp_tensor_us=r["ddp_tensor"] * 1e6, ddp_copy_passes=r["ddp_passes"],
+            jitter_fixed_us=r["jitter_fixed"] * 1e6, jitter_rate=r["jitter_rate"],
+            dp_overlap=collective_overlap(cores, ranks), calibrated_micro_batch=micro_batch),
         source=f"tessera plan calibrate: {spec.name} shapes, b={micro_batch}, s={seq}, "
                f"1 thread per rank, {ranks} ranks measuring at once, fp32, {device}, {backend}, "
                f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f} at start")
-    if r["zero_waits"] > 0 and hw.dp_overlap > 0:  # measured where each rank has a core
-        hw = dataclasses.replace(hw, dp_overlap=in_step_overlap(
+    if r["zero_waits"] > 0 and local_terms(hw).dp_overlap > 0:  # each rank has a core
+        hw = replace(hw, dp_overlap=in_step_overlap(
             hw, spec, seq, min(micro_batch, SHARE_MICRO_BATCH), ranks, r["zero_waits"]))
     return hw
 
@@ -429,7 +431,7 @@ def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, r
     ZeRO-3 over `ranks` ranks at these shapes (up to WRAPPED_LAYERS layers, `micro_batch` ×
     `seq` tokens: what :func:`zero_step_passes` ran) equal the `waits` its steps measured
     (seconds per micro-batch, the ranks' mean: their exposed gathers and reduce-scatters and
-    the straggler), found by bisection between 0 and `hw.dp_overlap` (the share beside plain
+    the straggler), found by bisection between 0 and `hw`'s dp_overlap (the share beside plain
     compute, :func:`collective_overlap`). Beside a matmul loop gloo's thread progresses at
     about that share; inside the step, with the gathered buffers allocated and filled and the
     reductions queued behind the gathers, slower. The planner's waits fall as
@@ -444,13 +446,13 @@ def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, r
     def planner_waits(share: float) -> float:
         # ZeRO-3's own work (zero_unit_*) off: what is left of the chunks' ZeRO times is the
         # exposed collectives and the straggler
-        h = dataclasses.replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
+        h = replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
         w = Workload(model=model, hardware=h, gpus=ranks, global_batch=ranks * micro_batch,
                      seq_len=seq, precision="fp32", scatter_gather=False)
         chunks = layout_costs(w, layout).chunks
         return sum(c.zero_forward + c.zero_backward for c in chunks)
 
-    low, high = 0.0, hw.dp_overlap
+    low, high = 0.0, local_terms(hw).dp_overlap
     if planner_waits(high) >= waits:
         return high
     if planner_waits(low) <= waits:

@@ -28,8 +28,9 @@ from collections.abc import Callable
 import torch
 
 from tessera.planner.comm import allgather_time
-from tessera.planner.hardware import Link, ranks_time_share
+from tessera.planner.hardware import Link
 from tessera.planner.local.rates import block_step
+from tessera.planner.local.terms import expected_max_normal, ranks_time_share
 from tessera.planner.local.timing import wall_clock
 from tessera.planner.models import ModelSpec
 
@@ -184,8 +185,6 @@ def jitter(spec: ModelSpec, seq: int, micro_batch: int, repeats: int = 48, *,
     block's forward + backward, :func:`block_step`) and `clock` (default: wall time) are
     what the tests replace with work on a fake clock."""
     import torch.distributed as dist
-
-    from tessera.planner.comm import expected_max_normal
 
     n = dist.get_world_size()
     if n <= 1:

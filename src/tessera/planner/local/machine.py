@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tessera.planner.hardware import ranks_time_share
+from tessera.planner.local.terms import ranks_time_share
 
 LOCAL_RANKS = 64
 """Ranks one machine may hold: every local rank is on the same "node" (one loopback link);
@@ -34,7 +34,7 @@ def collective_overlap(cores: int, ranks: int) -> float:
     of one (at most all of it), which is the share of the compute's seconds a collective in
     flight progresses by; with fewer cores than ranks, 0 (every core is busy with some rank's
     compute, and the planner counts all the work over the cores:
-    ``cost.shared_cpu_bound``)."""
+    ``terms.shared_cpu_bound``)."""
     if cores <= 0:
         return 1.0
     if ranks_time_share(cores, ranks):
