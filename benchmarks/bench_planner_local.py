@@ -214,12 +214,13 @@ def measure(case: Case, steps: int, data: str) -> list[dict]:
 def predict_cost(case: Case, hw_path: str) -> float:
     """The planner's DP cost of `case`: its step minus the control's, one rank alone at the
     same micro-batch, times ranks/cores where the N ranks time-share fewer cores (what N
-    independent runs at once take; the planner's own rule, ``cost.shared_cpu_bound``)."""
+    independent runs at once take; the planner's own rule, ``terms.shared_cpu_bound``)."""
     from tessera.planner.hardware import Hardware, load_hardware
+    from tessera.planner.local.terms import local_terms
 
     control = Case("control", 1, {}, dict(dp=1), micro_batch=case.micro_batch)
     hw = hw_path if isinstance(hw_path, Hardware) else load_hardware(hw_path)
-    cores = hw.cores or case.nproc
+    cores = local_terms(hw).cores or case.nproc
     sharing = max(1.0, case.nproc / cores)
     return predict(case, hw_path) - sharing * predict(control, hw_path)
 
@@ -279,11 +280,9 @@ def inrun_hardware(hw_path: str, case: Case):
     without one gets jitter = σ / √T). What stays the planner's own is the model under test:
     which collectives a step runs, what overlaps what, the bucket copies, the scalar
     reductions."""
-    from dataclasses import replace
-
-    from tessera.planner.calibrate import gather_efficiency, ring_beta
-    from tessera.planner.comm import expected_max_normal, jitter_sigma
-    from tessera.planner.hardware import Link, load_hardware
+    from tessera.planner.hardware import Link, load_hardware, replace
+    from tessera.planner.local.links import gather_efficiency, ring_beta
+    from tessera.planner.local.terms import expected_max_normal, jitter_sigma, local_terms
 
     hw, r, n = load_hardware(hw_path), case.paired, case.nproc
     alpha = hw.intra_node_alpha_us * 1e-6
@@ -301,15 +300,16 @@ def inrun_hardware(hw_path: str, case: Case):
     if law <= 0:
         return replace(hw, jitter=sigma / compute ** 0.5)
     scale = sigma / law
-    return replace(hw, jitter=hw.jitter * scale, jitter_fixed_us=hw.jitter_fixed_us * scale,
-                   jitter_rate=hw.jitter_rate * scale)
+    terms = local_terms(hw)
+    return replace(hw, jitter=terms.jitter * scale, jitter_fixed_us=terms.jitter_fixed_us * scale,
+                   jitter_rate=terms.jitter_rate * scale)
 
 
 def time_shared(case: Case, hw) -> bool:
-    """Whether the row's ranks take turns on fewer cores (the planner's ``comm.time_shared``)."""
-    from tessera.planner.hardware import ranks_time_share
+    """Whether the row's ranks take turns on fewer cores (the planner's ``terms.time_shared``)."""
+    from tessera.planner.local.terms import local_terms, ranks_time_share
 
-    return ranks_time_share(hw.cores, case.nproc)
+    return ranks_time_share(local_terms(hw).cores, case.nproc)
 
 
 def measured_cost(case: Case, hw) -> list[float]:

@@ -74,7 +74,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from tessera.planner.calibrate import machine_shape, timed_collective
+from tessera.planner.local.calibrate import rank_batch
+from tessera.planner.local.links import timed_collective
+from tessera.planner.local.machine import machine_shape
 
 FIELDS = ("dp_s", "control_s", "waits_s", "dp_compute_s", "control_compute_s", "hooks_s",
           "skew_s", "allreduce_s", "allgather_s", "reduce_scatter_s", "build", "dp_fb_s",
@@ -342,10 +344,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     # The collectives, in this window: the whole model's fp32 gradients and one block's.
     x = torch.randn(micro_batch * cfg.data.seq_len, cfg.model.d_model)
     w = torch.randn(cfg.model.ffn_hidden, cfg.model.d_model)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.data.seq_len + 1),
-                           generator=gen)
-    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    batch = rank_batch(cfg.model.vocab_size, micro_batch, cfg.data.seq_len, rank)
     clip = cfg.train.grad_clip
     cores = machine_shape("cpu")[0]  # the ranks share this machine's cores
     out = PairedResult()

@@ -5,7 +5,7 @@
         [--out benchmarks/results/straggler_scaling.txt]
 
 The planner prices the wait at a collective after T seconds of compute on each of N ranks as
-σ·E[max of N standard normals] with σ = jitter·√T (``comm.straggler_time``): independent
+σ·E[max of N standard normals] with σ = jitter·√T (``terms.straggler_time``): independent
 noise accumulating over the compute, as a sum of many small independent delays would. If
 the delays were instead one slow-down per stretch (a rank's whole stretch a few percent
 slower), σ would grow as T. ``plan calibrate`` measures the wait after one block's forward +
@@ -13,7 +13,7 @@ backward and scales it by √T to the steps it prices, so the law decides every 
 the planner gives a CPU run.
 
 This benchmark measures it: the ranks run k blocks of the demo model's forward + backward
-(``calibrate._block_step``, k = 1, 2, 4, 8, 16) side by side after a barrier, the sizes
+(``rates.block_step``, k = 1, 2, 4, 8, 16) side by side after a barrier, the sizes
 interleaved within each round so that a slow minute hits every size alike, and records the
 slowest rank's time minus the ranks' mean. Per k: the median wait and the median T. The
 exponent e of wait ∝ T^e is the least-squares slope of log wait on log T over the sizes,
@@ -35,12 +35,13 @@ def _worker(micro_batch: int, rounds: int) -> dict[int, list[tuple[float, float]
     """Per size k, per round: (the slowest rank's wall seconds minus the ranks' mean, the
     mean). Every rank returns the same lists."""
     from tessera.config import make_config
-    from tessera.planner.calibrate import _block_step, side_by_side
+    from tessera.planner.local.links import side_by_side
+    from tessera.planner.local.rates import block_step
     from tessera.planner.models import from_model_config
 
     cfg = make_config("demo")
     spec = from_model_config("demo", cfg.model, cfg.data.seq_len)
-    step = _block_step(spec, cfg.data.seq_len, micro_batch)
+    step = block_step(spec, cfg.data.seq_len, micro_batch)
     step()  # warm-up
     out: dict[int, list[tuple[float, float]]] = {k: [] for k in SIZES}
     order = list(SIZES)

@@ -162,7 +162,8 @@ def test_async_parameter_server_names_every_source():
 
 
 def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
-    from tessera.planner import calibrate as cal
+    from tessera.planner.local import calibrate as cal
+    from tessera.planner.local.rates import block_step
     from tessera.planner.models import load_model
 
     seen = {}
@@ -202,7 +203,7 @@ def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
     # A rank measures with its device as the default: one block's step makes nothing elsewhere.
     recorder = OffDeviceTensors("meta")
     with cal.rank_device("meta", 0), recorder:
-        cal._block_step(spec, 16, 1)()
+        block_step(spec, 16, 1)()
     assert recorder.found == []
 
 

@@ -363,14 +363,13 @@ def test_llama3_published_layout_memory_is_the_interleaved_warmup():
 
 def _local_cpu(**fields):
     """A calibrated-CPU-like machine: 2 cores shared by every local rank, gloo-like links."""
-    from dataclasses import replace
-
-    from tessera.planner.hardware import Hardware
+    from tessera.planner.hardware import Hardware, replace
+    from tessera.planner.local.terms import LocalTerms
 
     base = Hardware(name="cpu-test", peak_tflops=0.09, memory_gb=12.0, memory_bw_gbs=24.0,
                     intra_node_gbs=2.2, inter_node_gbs=2.2, gpus_per_node=64,
-                    intra_node_alpha_us=440.0, inter_node_alpha_us=440.0, cores=2,
-                    jitter=0.006, dp_overlap=0.0)
+                    intra_node_alpha_us=440.0, inter_node_alpha_us=440.0,
+                    local=LocalTerms(cores=2, jitter=0.006, dp_overlap=0.0))
     return replace(base, **fields)
 
 
@@ -476,7 +475,8 @@ def test_time_shared_ranks_pay_data_parallel_waits_once():
             assert own == ddp_bucket_time(hw, 4 * ch.params, ch.tensors) > 0
         else:  # 6 units (4 blocks, the embedding, the head), fp32 parameters
             (ch,) = est.costs.chunks
-            book = 6 * hw.zero_unit_us * 1e-6 + hw.zero_unit_passes * 4 * ch.params / hw.memory_bw
+            book = (6 * hw.local.zero_unit_us * 1e-6
+                    + hw.local.zero_unit_passes * 4 * ch.params / hw.memory_bw)
             assert own == pytest.approx(L.microbatches(w.global_batch) * book, rel=1e-9)
             assert own > 0
         assert est.step_time - b["dp_exposed"] == pytest.approx(4 / 2 * work + (4 / 2 - 1) * own,
@@ -504,6 +504,7 @@ def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
     kernels at op_overhead_us. ZeRO-1 steps half the parameters at dp 2 but still norms every
     gradient; fused kernels (Megatron-LM's multi-tensor norm) only read the gradient."""
     from tessera.planner.cost import layout_costs
+    from tessera.planner.hardware import replace
     from tessera.planner.state import OPS_PER_TENSOR_ADAMW
 
     for calibrated in (0.0, 50.0):
@@ -529,8 +530,8 @@ def test_tessera_optimizer_step_prices_its_norm_clipping_and_loop():
     # On a GPU tessera's batched fp64 norm reads each gradient once (no cast copy): the same
     # traffic as on CPU ranks less 16 bytes per normed element. Before: the CPU's copy was
     # priced on GPUs too.
-    for gpu in (load_hardware("H100"), dataclasses.replace(_local_cpu(), cores=0)):
-        cpu = dataclasses.replace(gpu, cores=2)
+    for gpu in (load_hardware("H100"), replace(_local_cpu(), cores=0)):
+        cpu = replace(gpu, cores=2)
         w, L = _demo(gpu, 1, dp=1)
         params = sum(ch.params for ch in layout_costs(w, L).chunks)
         on_cpu = layout_costs(dataclasses.replace(w, hardware=cpu), L).optimizer_time

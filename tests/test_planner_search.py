@@ -14,10 +14,11 @@ from typer.testing import CliRunner
 from tessera.cli import app
 from tessera.config import ConfigError
 from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
-from tessera.planner.comm import allreduce_time, straggler_time
+from tessera.planner.comm import allreduce_time
 from tessera.planner.compute import block_costs
 from tessera.planner.estimate import PlanError, _per_chunk, chunk_lower_bound, estimate
-from tessera.planner.hardware import Hardware, load_hardware, save_hardware
+from tessera.planner.hardware import Hardware, load_hardware, replace, save_hardware
+from tessera.planner.local.terms import straggler_time
 from tessera.planner.models import load_model
 from tessera.planner.pipeline import build, inflight, lower_bound, time_pipeline
 from tessera.planner.search import SearchSpace, search
@@ -53,7 +54,7 @@ def test_tensor_and_sequence_parallel_collective_counts():
     assert tp.tp_backward == pytest.approx(2 * ar, rel=1e-12)
     assert sp.tp_forward == pytest.approx(4 * ag, rel=1e-12)
     assert sp.tp_backward == pytest.approx(6 * ag, rel=1e-12)
-    slow = dataclasses.replace(w, hardware=dataclasses.replace(A100, gather_efficiency=0.5))
+    slow = dataclasses.replace(w, hardware=replace(A100, gather_efficiency=0.5))
     assert block_costs(slow, 8, 1, 4, True, "none").tp_backward == pytest.approx(
         2 * sp.tp_backward, rel=1e-12)
     assert block_costs(slow, 8, 1, 4, False, "none").tp_backward == pytest.approx(
@@ -65,23 +66,22 @@ def test_straggler_wait_grows_with_group_noise_and_compute():
     the published figures are untouched) and for one rank; for two ranks Blom's approximation
     of E[max of 2 normals] = 1/√π within 5%; σ grows as √T with `jitter`, and linearly
     with the calibrated fixed part and rate."""
-    import dataclasses
 
     assert straggler_time(A100, 8, 1.0) == 0.0
-    noisy = dataclasses.replace(A100, jitter=0.02)
+    noisy = replace(A100, jitter=0.02)
     assert straggler_time(noisy, 1, 1.0) == 0.0
     assert straggler_time(noisy, 2, 1.0) == pytest.approx(0.02 / 3.14159265 ** 0.5, rel=0.05)
     assert straggler_time(noisy, 2, 4.0) == pytest.approx(2 * straggler_time(noisy, 2, 1.0))
     assert straggler_time(noisy, 2, 1.0) < straggler_time(noisy, 8, 1.0) < straggler_time(
         noisy, 64, 1.0)
     # A calibrated CPU: σ = a + r·T (a fixed part, ranks at different speeds for the stretch)
-    cpu = dataclasses.replace(A100, jitter_fixed_us=1500.0, jitter_rate=0.05)
+    cpu = replace(A100, jitter_fixed_us=1500.0, jitter_rate=0.05)
     e2 = straggler_time(cpu, 2, 1.0) / (0.0015 + 0.05)
     assert straggler_time(cpu, 2, 0.1) == pytest.approx(e2 * (0.0015 + 0.005))
     assert straggler_time(cpu, 2, 1e-9) == pytest.approx(e2 * 0.0015, rel=1e-6)
     assert straggler_time(cpu, 2, 0.0) == 0.0  # no compute, nothing to wait for
     with pytest.raises(ConfigError, match="hardware.jitter_rate"):
-        dataclasses.replace(A100, jitter_rate=-0.1)
+        replace(A100, jitter_rate=-0.1)
 
 
 # -- the simulator, as the planner uses it ------------------------------------------------------

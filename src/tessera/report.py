@@ -126,9 +126,10 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         hardware, label = found
     try:
         from tessera.planner.estimate import estimate
+        from tessera.planner.local.terms import local_terms
 
         w, layout = planner_workload(cfg, world, hardware)
-        calibrated_at, micro_batch = (w.hardware.calibrated_micro_batch,
+        calibrated_at, micro_batch = (local_terms(w.hardware).calibrated_micro_batch,
                                       cfg.train.micro_batch_size)
         if calibrated_at and calibrated_at != micro_batch:
             label += (f"; calibrated at micro-batch {calibrated_at}, this run's is "

@@ -293,8 +293,8 @@ def calibrate_cmd(
     """Measure this machine (matmul and attention rates at the model's shapes, memory
     bandwidth, per-kernel overhead, collective alpha and beta over gloo) and write a hardware
     file for --hardware."""
-    from tessera.planner.calibrate import calibrate
     from tessera.planner.hardware import save_hardware
+    from tessera.planner.local.calibrate import calibrate
     from tessera.planner.models import load_model
 
     try:

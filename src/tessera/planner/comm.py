@@ -19,20 +19,14 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
   each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
   backward, overlapped with the attention compute of the step; all-gather (Llama 3), Ulysses
   all-to-alls and the hybrid are priced by their volumes, not overlapped;
-- stragglers: ranks reach a collective after a stretch of compute whose time varies, and the
-  collective waits for the slowest; for N ranks with independent normal noise the wait
-  beyond a typical rank is the expected maximum of N standard normals (Blom's approximation,
-  ``Φ⁻¹((N − 0.375)/(N + 0.25))``) times σ, with σ = a + jitter·√T + r·T for T seconds of
-  compute (a fixed part, noise adding up, and ranks running at different speeds for the
-  whole stretch; zero on GPUs; a shared CPU measures a ≈ 1-3 ms and r ≈ 3-6%). Counted at
-  every blocking tensor-parallel collective and at each data-parallel reduction;
+- stragglers: the wait for the slowest rank at each blocking collective, zero on GPUs
+  (:func:`tessera.planner.local.terms.rank_skew`).
 """
 
 from __future__ import annotations
 
-from statistics import NormalDist
-
-from tessera.planner.hardware import Hardware, Link, ranks_time_share
+from tessera.planner.hardware import Hardware, Link
+from tessera.planner.local.terms import local_terms
 from tessera.planner.workload import Layout, Workload
 
 
@@ -49,41 +43,6 @@ def allgather_time(nbytes: float, n: int, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     return ((n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta) / link.gather_efficiency
-
-
-def time_shared(w: Workload) -> bool:
-    """More ranks on a machine than CPU cores (``hardware.cores``): they take turns on them."""
-    return ranks_time_share(w.hardware.cores, min(w.gpus, w.hardware.gpus_per_node))
-
-
-def rank_skew(w: Workload, n: int, busy: float) -> float:
-    """The wait for the slowest of `n` ranks at a collective (:func:`straggler_time`), except
-    where ranks time-share cores: there a rank that arrives early leaves its core to the late
-    ones, so the skew costs nothing beyond :func:`cost.shared_cpu_bound`'s count of all the work
-    and the cores it leaves idle, which a calibration at that rank count holds in its
-    collectives' times (``calibrate.timed_collective``)."""
-    return 0.0 if time_shared(w) else straggler_time(w.hardware, n, busy)
-
-
-def expected_max_normal(n: int) -> float:
-    """E[max of n independent standard normals], Blom's approximation Φ⁻¹((n − 0.375)/(n +
-    0.25)) (0.59 for 2, 1.03 for 4; the exact values are 0.56 and 1.03)."""
-    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
-
-
-def straggler_time(hw: Hardware, n: int, busy: float) -> float:
-    """Expected wait at a collective of `n` ranks after `busy` seconds of compute on each:
-    σ·E[max of n standard normals] with σ = jitter_fixed + jitter·√busy + jitter_rate·busy
-    (module docstring)."""
-    if n <= 1 or busy <= 0:
-        return 0.0
-    return jitter_sigma(hw, busy) * expected_max_normal(n)
-
-
-def jitter_sigma(hw: Hardware, busy: float) -> float:
-    """σ of `busy` seconds of compute on one rank (``Hardware.jitter`` and the two terms
-    beside it)."""
-    return hw.jitter_fixed_us * 1e-6 + hw.jitter * busy ** 0.5 + hw.jitter_rate * busy
 
 
 def group_link(hw: Hardware, span: int, stride: int = 1) -> Link:
@@ -105,9 +64,10 @@ def p2p_link(hw: Hardware, span: int) -> Link:
     through its own adapter when the group leaves the node (calibrated CPU machines measure
     sends separately from collectives)."""
     link = hw.link(intra_node=span <= hw.gpus_per_node)
-    if hw.p2p_alpha_us is not None or hw.p2p_gbs is not None:
-        link = Link(alpha=link.alpha if hw.p2p_alpha_us is None else hw.p2p_alpha_us * 1e-6,
-                    bandwidth=link.bandwidth if hw.p2p_gbs is None else hw.p2p_gbs * 1e9)
+    terms = local_terms(hw)
+    if terms.p2p_alpha_us is not None or terms.p2p_gbs is not None:
+        link = Link(alpha=link.alpha if terms.p2p_alpha_us is None else terms.p2p_alpha_us * 1e-6,
+                    bandwidth=link.bandwidth if terms.p2p_gbs is None else terms.p2p_gbs * 1e9)
     return link
 
 
@@ -170,9 +130,10 @@ def ddp_bucket_time(hw: Hardware, grad_bytes: float, tensors: int) -> float:
     hook's fixed cost per tensor (``ddp_tensor_us`` where calibrate measured it, else
     OPS_PER_TENSOR_BUCKET kernels). Compute cannot hide it: it runs on the rank's own
     thread."""
-    per_tensor = (hw.ddp_tensor_us if hw.ddp_tensor_us > 0
+    terms = local_terms(hw)
+    per_tensor = (terms.ddp_tensor_us if terms.ddp_tensor_us > 0
                   else OPS_PER_TENSOR_BUCKET * hw.op_overhead_us) * 1e-6
-    return (hw.ddp_copy_passes + 2) * grad_bytes / hw.memory_bw + tensors * per_tensor
+    return (terms.ddp_copy_passes + 2) * grad_bytes / hw.memory_bw + tensors * per_tensor
 
 
 def scalar_sync_times(w: Workload, L: Layout) -> tuple[float, float, float]:

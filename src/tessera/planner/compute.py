@@ -32,10 +32,10 @@ from tessera.planner.comm import (
     context_parallel_times,
     group_link,
     p2p_link,
-    rank_skew,
 )
 from tessera.planner.formulas import layer_activation_bytes, layer_forward_flops
 from tessera.planner.hardware import Hardware
+from tessera.planner.local.terms import rank_skew
 from tessera.planner.models import ModelSpec
 from tessera.planner.workload import Workload
 

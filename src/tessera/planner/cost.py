@@ -1,24 +1,24 @@
 """The cost of one parallel layout: per-chunk seconds and bytes with the data-parallel
 collectives (:func:`layout_costs`), the pipeline ranks' model state, and what a step adds
-outside the pipeline (parameter server, scalar reductions, ranks time-sharing CPU cores).
+outside the pipeline (parameter server, scalar reductions).
 
 The parts live in their own modules: the papers' formulas in :mod:`~tessera.planner.formulas`,
 communication in :mod:`~tessera.planner.comm`, a block's and a chunk's compute in
 :mod:`~tessera.planner.compute`, model state and the optimizer step in
-:mod:`~tessera.planner.state`; notation as in :mod:`~tessera.planner.workload`. Here:
+:mod:`~tessera.planner.state`, what ranks on one CPU machine add (time-sharing, stragglers,
+tessera's own data-parallel work) in :mod:`~tessera.planner.local.terms`; notation as in
+:mod:`~tessera.planner.workload`. Here:
 
 - data parallelism: one all-reduce of the gradients per step (Li et al. 2020, PyTorch DDP),
   bucketed so that each chunk's reduction can overlap the remaining backward; ZeRO-1/2 replace
   it by a reduce-scatter and an all-gather of the same volume, ZeRO-3 adds a second
   all-gather of the parameters: 1.5× the volume (Rajbhandari et al. §7). Priced per unit
   (bucket, block) on the link the group crosses, and exposed only where compute cannot cover
-  it (:func:`comm.exposed_behind`; a second of compute hides ``hardware.dp_overlap`` seconds of
-  a collective: 1 on GPUs, 0.5 on CPU ranks whose gloo thread shares a core with the
-  compute, 0 where ranks time-share cores); breadth-first ZeRO-3 is placed by the schedule's
+  it (:func:`comm.exposed_behind`; a second of compute hides ``LocalTerms.dp_overlap``
+  seconds of a collective: 1 on GPUs); breadth-first ZeRO-3 is placed by the schedule's
   sharding actions and simulated (:func:`zero3_by_actions`); tessera's own work around them (DDP's
   gradient hooks and division, :func:`comm.ddp_bucket_time`; ZeRO-3's per-unit buffers and views,
-  ``hardware.zero_unit_us`` and ``zero_unit_passes``, which on a calibrated CPU also hold
-  what the collectives' thread takes from the compute's core) is exposed beside them;
+  :func:`~tessera.planner.local.terms.zero_unit_work`, 0 on GPUs) is exposed beside them;
 - the step (:mod:`~tessera.planner.estimate`): the pipeline simulator
   (``tessera.pipeline.simulator``) runs the chosen schedule with per-chunk forward/backward
   times (compute + exposed TP and CP communication), the point-to-point costs and each
@@ -40,11 +40,10 @@ from tessera.planner.comm import (
     exposed_behind,
     group_link,
     p2p_link,
-    rank_skew,
     scalar_sync_times,
-    time_shared,
 )
 from tessera.planner.compute import ChunkCosts, ChunkList, compute_chunks, hidden_state_bytes
+from tessera.planner.local.terms import local_terms, rank_skew, zero_unit_work
 from tessera.planner.models import ModelSpec
 from tessera.planner.rules import chunk_sizes
 from tessera.planner.state import RankState, rank_state
@@ -104,7 +103,8 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     optimizer_time = max(rs.optimizer_time for rs in ranks.values())
     return LayoutCosts(chunks=chunks, ranks=ranks, p2p_latency=p2p_latency,
                        p2p_bytes=p2p_bytes, p2p_bandwidth=p2p_bandwidth,
-                       dp_overlap=w.hardware.dp_overlap > 0, optimizer_time=optimizer_time,
+                       dp_overlap=local_terms(w.hardware).dp_overlap > 0,
+                       optimizer_time=optimizer_time,
                        dp_time=dp_time, ps_time=_parameter_server_time(w, L, chunks,
                                                                        optimizer_time),
                        sync=scalar_sync_times(w, L) if w.tessera_engine else (0.0, 0.0, 0.0))
@@ -129,42 +129,6 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
     m = L.microbatches(w.global_batch)
     work = m * sum(c.forward + c.backward for c in chunks)
     return (L.dp - 1) * exchange + rank_skew(w, L.dp, work)
-
-
-def shared_cpu_bound(w: Workload, L: Layout, chunks: list[ChunkCosts],
-                     optimizer_time: float, exposed_dp: float = 0.0,
-                     sync_time: float = 0.0) -> float:
-    """Ranks that share CPU cores (``hardware.cores``) cannot finish a step before the cores
-    have done all their work: ranks per machine · (a pipeline's work / p) / cores. A rank
-    waiting in a bubble or on a message leaves its core to another rank, so this bound, not
-    a uniform slow-down, is what oversubscription adds (0 on GPUs).
-
-    Data-parallel collectives are the exception: every rank of the group waits on the same
-    one (ZeRO's per-unit gathers and reductions, DDP's buckets after the last backward, the
-    step's scalar reductions), so while it blocks them there is no other rank's compute to
-    fill the cores: their exposed time (`exposed_dp` from the schedule's simulation, the
-    chunks' ZeRO exposures, `sync_time`) is added once, not stretched by ranks / cores.
-
-    Except the work in it that every rank does on its own thread at the same time as the
-    others (``ChunkCosts.dp_cpu``: DDP's gradient hooks, which run inside the backward while
-    every rank computes, and its division of the buckets right after the all-reduce that
-    releases them all; ZeRO-3's work around each unit's collectives, which every rank does
-    once the unit's gather or reduce-scatter releases them all): that is stretched like
-    compute, by ranks / cores. ZeRO-3's share of it (calibrated as the ranks' mean thread CPU
-    in whole steps, ``calibrate.zero_step_passes``) is stretched in full; how much of it a
-    time-shared step really pays differs by host (docs/planner.md, How the local model was
-    validated)."""
-    hw = w.hardware
-    if not time_shared(w):
-        return 0.0
-    ranks = min(w.gpus, hw.gpus_per_node)
-    m = L.microbatches(w.global_batch)
-    zero = m * sum(c.zero_forward + c.zero_backward for c in chunks)
-    pipeline_work = m * sum(c.forward + c.backward for c in chunks) - zero + \
-        L.pp * optimizer_time
-    own = sum(c.dp_cpu for c in chunks) / L.pp  # already in exposed_dp / zero once
-    return (ranks * pipeline_work / L.pp / hw.cores + zero / L.pp + exposed_dp + sync_time
-            + (ranks / hw.cores - 1) * own)
 
 
 _CHUNK_FIELDS = tuple(f.name for f in fields(ChunkCosts))
@@ -216,7 +180,7 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     dp_group = dp * cp
     dp_link = group_link(hw, t * cp * dp, stride=t * cp)
     m = w.global_batch // (dp * b)
-    ovl = hw.dp_overlap
+    ovl = local_terms(hw).dp_overlap
     pb = w.bytes[0]
     reducing = distinct if dp_mode == "allreduce" else []
     for ch in reducing:
@@ -226,7 +190,7 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         # after each micro-batch (ZeRO-2/3).
         wait = rank_skew(w, dp_group, (m if zero <= 1 else 1) * (ch.forward
                                                                        + ch.backward))
-        # the seconds of collective that the compute beside it hides (hardware.dp_overlap)
+        # the seconds of collective that the compute beside it hides (LocalTerms.dp_overlap)
         fwd, bwd = ovl * ch.forward, ovl * ch.backward
         if zero <= 1:
             n_buckets = max(1, math.ceil(grads / (w.bucket_mb * 2**20)))
@@ -248,9 +212,8 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             # the rank's own thread, every rank of the group at the same time when a collective
             # releases them all, so ranks that time-share cores stretch it like compute
             # (dp_cpu, shared_cpu_bound).
-            book = (hw.zero_unit_us * 1e-6 * _engine_units(spec, t, pp, n_chunks, sizes, chunks,
-                                                           ch)
-                    + hw.zero_unit_passes * weights / hw.memory_bw
+            book = (zero_unit_work(hw, _engine_units(spec, t, pp, n_chunks, sizes, chunks, ch),
+                                   weights)
                     if zero == 3 and tessera else 0.0)
             if zero == 2:
                 ch.zero_backward = exposed_behind(rs, units, bwd, 0) + wait

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from tessera.pipeline.simulator import StageCosts
-from tessera.planner.cost import LayoutCosts, layout_costs, shared_cpu_bound, zero3_by_actions
+from tessera.planner.cost import LayoutCosts, layout_costs, zero3_by_actions
 from tessera.planner.formulas import hardware_flops_per_step, model_flops_per_step
+from tessera.planner.local.terms import shared_cpu_bound
 from tessera.planner.pipeline import chunk_inflight, inflight, lower_bound, time_pipeline
 from tessera.planner.rules import check_layout
 from tessera.planner.state import RankState, rank_state

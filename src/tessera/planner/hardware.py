@@ -8,8 +8,11 @@ with a per-message latency for each, and how many devices share a node.
 Communication follows the α–β (Hockney) model: moving ``n`` bytes in one message step costs
 ``α + n·β`` with ``β = 1 / (bandwidth · link_efficiency)``; collectives are sums of such steps
 (see :mod:`tessera.planner.cost`). The same form is used by ``tessera.collectives`` for the
-collectives it measures; :func:`tessera.planner.calibrate.calibrate` writes the α and β it
-measures on this machine into a hardware file.
+collectives it measures; :func:`tessera.planner.local.calibrate.calibrate` writes the α and β it
+measures on this machine into a hardware file, with what ranks on one machine's CPU cores add
+(time-sharing, stragglers, tessera's own data-parallel work): a
+:class:`~tessera.planner.local.terms.LocalTerms` in ``Hardware.local``, None for the catalog's
+GPUs, whose fields the file holds as flat keys beside the others.
 
 Catalog figures are the vendors' data-sheet numbers (NVIDIA V100, A100, H100 and H200 data
 sheets; DGX-1, DGX A100 and DGX H100/H200 system guides for the NICs: one 200 Gb/s HDR or
@@ -38,6 +41,13 @@ from typing import Any
 import yaml
 
 from tessera.config import ConfigError, load_yaml
+from tessera.planner.local.terms import (
+    GPU_TERMS,
+    LOCAL_KEYS,
+    LocalTerms,
+    local_terms,
+    terms_from_flat,
+)
 
 # Fraction of dense peak FLOP/s that large 16-bit GEMMs reach inside a training step, the fixed
 # time each GEMM adds (its ramp and last partial wave: the shape dependence), and the fraction
@@ -61,6 +71,16 @@ MATMUL_TAIL_US = 40.0
 # trainer's predicted step was 0.49x the measured one with 2.
 EAGER_PASSES_GPU = 12.0
 LINK_EFFICIENCY = 0.8
+FILE_KEYS = ("name", "peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gbs",
+             "inter_node_gbs", "gpus_per_node", "intra_node_alpha_us", "inter_node_alpha_us",
+             "p2p_alpha_us", "p2p_gbs", "matmul_efficiency", "matmul_tail_us",
+             "attention_tflops", "link_efficiency", "gather_efficiency", "op_overhead_us",
+             "optimizer_tensor_us", "zero_unit_us", "zero_unit_passes", "ddp_tensor_us",
+             "ddp_copy_passes", "elementwise_passes", "fp32_tflops", "eager_elementwise_passes",
+             "cores", "jitter", "jitter_fixed_us", "jitter_rate", "dp_overlap",
+             "calibrated_micro_batch", "source")
+"""A hardware file's keys, in the order ``save_hardware`` writes them: Hardware's fields with
+its LocalTerms' among them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,11 +106,6 @@ class Hardware:
     """Latency of one message step on the intra-node link, microseconds."""
     inter_node_alpha_us: float = 10.0
     """Latency of one message step on the inter-node link, microseconds."""
-    p2p_alpha_us: float | None = None
-    """Latency of a point-to-point send when it differs from the collectives' α (gloo on a
-    CPU); None: the link's."""
-    p2p_gbs: float | None = None
-    """Bandwidth of a point-to-point send when it differs from the link's; None: the link's."""
     matmul_efficiency: float = MATMUL_EFFICIENCY
     """Fraction of peak_tflops that large matrix multiplies achieve."""
     matmul_tail_us: float = 0.0
@@ -104,41 +119,9 @@ class Hardware:
     """Rate of the attention kernel in TFLOP/s; None uses peak_tflops * matmul_efficiency."""
     link_efficiency: float = LINK_EFFICIENCY
     """Fraction of the nominal link bandwidths that collectives achieve."""
-    gather_efficiency: float = 1.0
-    """Speed of an all-gather or a reduce-scatter relative to the ring algorithm on the link
-    that all-reduce achieves: 1 where both run the ring (NCCL); calibrate measures it for gloo,
-    whose all-gather and reduce-scatter are slower than half its all-reduce."""
     op_overhead_us: float = 0.0
     """Fixed cost per kernel (launch, dispatch): negligible on GPUs at these sizes, but
     dominant for small models on a CPU, where calibrate measures it."""
-    optimizer_tensor_us: float = 0.0
-    """Fixed cost per parameter tensor of a step's gradient norm and optimizer update beyond
-    their memory traffic: what tessera's per-parameter loops cost on a CPU, which calibrate
-    measures. 0: OPS_PER_TENSOR_ADAMW kernels at op_overhead_us each."""
-    zero_unit_us: float = 0.0
-    """tessera's ZeRO-3 work per unit per micro-batch besides its collectives, the part that
-    does not grow with the unit (hooks, views, bookkeeping), which calibrate measures on a CPU;
-    0 for the catalog's GPUs (other engines, and kernels too short to matter)."""
-    zero_unit_passes: float = 0.0
-    """The part that grows with the unit, as passes over its parameter bytes at the memory
-    bandwidth (fresh buffers for the gathered parameters and the flattened gradient, the
-    copy into it, and on a CPU what gloo's thread takes from the rank's core while the
-    prefetched gathers and the reduce-scatters are in flight); calibrate measures it on
-    several ranks from whole forward + backward passes less their waits
-    (``calibrate.zero_step_passes``), 0 in the catalog."""
-    ddp_tensor_us: float = 0.0
-    """tessera's DataParallel gradient hook per parameter tensor beyond its copy's traffic
-    (the slot lookup, the re-pointed gradient, the used flag), which calibrate measures on a
-    CPU. 0: OPS_PER_TENSOR_BUCKET kernels at op_overhead_us each."""
-    ddp_copy_passes: float = 2.0
-    """Passes over the gradient bytes, at the memory bandwidth, of the rest of what
-    DataParallel adds to a step besides its waits and the division by dp (each fresh
-    gradient's copy into its bucket slot and what that copy slows the backward around it,
-    the launch, the all-reduce in flight, the work after the wait): 2 (a read and a write)
-    for a plain copy; calibrate measures it on a CPU as what DataParallel adds to whole
-    training steps at the user's micro-batch, less the waits (``calibrate.ddp_copy_passes``),
-    where the copy of a gradient just written by backward runs slower than a streaming copy,
-    and slower the larger the micro-batch."""
     elementwise_passes: float = 2.0
     """Times a memory-bound kernel moves each stored activation byte in a forward pass: 2 (one
     write, one read) with fused kernels as in Megatron-LM; calibrate measures tessera's
@@ -152,37 +135,9 @@ class Hardware:
     (the catalog GPUs, whose elementwise_passes are fused kernels'): what a workload that
     tessera's engine runs (``Workload.tessera_engine``) is priced with. None: a calibrated
     machine, whose elementwise_passes were measured on tessera's block."""
-    cores: int = 0
-    """CPU cores that the ranks of one machine share (0: one device per rank, as on GPUs).
-    With more ranks on a machine than cores, ranks time-share the cores and every rank's
-    compute stretches by ranks / cores."""
-    jitter: float = 0.0
-    """Noise of compute that adds up independently, in s^½: a stretch of T seconds of kernels
-    takes T ± σ with σ = jitter·√T (plus the two terms below). Ranks reach a collective that
-    far apart, so each collective waits for the slowest
-    (:func:`tessera.planner.comm.straggler_time`). 0 for the catalog's GPUs; a file that gives
-    neither of the two terms below holds its whole σ here."""
-    jitter_fixed_us: float = 0.0
-    """σ's part that does not grow with the stretch (µs): how far apart ranks released
-    together start, and a collective's own wake-up; calibrate measures it on a CPU."""
-    jitter_rate: float = 0.0
-    """σ's part that grows with the stretch, per second of it: ranks that run at different
-    speeds for a whole stretch (a shared host's cores) finish it a fraction of T apart, so
-    σ = jitter_fixed_us + jitter·√T + jitter_rate·T. calibrate measures it on a CPU (with
-    jitter_fixed_us, from stretches of one and four blocks; benchmarks/straggler_scaling.py
-    shows the wait growing as T^0.86-0.91 here, not √T)."""
-    dp_overlap: float = 1.0
-    """Seconds of a data-parallel collective (a ZeRO gather or reduce-scatter, a DDP bucket)
-    that one second of compute beside it hides: 1 on GPUs, where NCCL runs on its own
-    stream; on CPU ranks with a core each, the share ``calibrate.in_step_overlap`` reads off
-    calibrate's ZeRO-3 steps at micro-batch 2 (their waits), at most what
-    ``calibrate.collective_overlap`` gives for the machine's shape beside plain compute (0.5:
-    gloo's thread and the compute thread share the core); 0 where ranks time-share fewer
-    cores."""
-    calibrated_micro_batch: int = 0
-    """The micro-batch `tessera plan calibrate` measured at (matmul shapes, the DDP hooks'
-    copy, the jitter's stretches all depend on it); 0: not known (a catalog GPU, or a
-    file written before the field)."""
+    local: LocalTerms | None = None
+    """What ranks that compute on one machine's CPU cores add (:mod:`tessera.planner.local`):
+    None for the catalog's GPUs; a hardware file holds its fields as flat keys."""
     source: str = ""
     """Where the figures come from."""
 
@@ -191,31 +146,19 @@ class Hardware:
             raise ConfigError("hardware.fp32_tflops", self.fp32_tflops,
                               "must be a positive number")
         for f in ("peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gbs",
-                  "inter_node_gbs", "matmul_efficiency", "link_efficiency",
-                  "gather_efficiency"):
+                  "inter_node_gbs", "matmul_efficiency", "link_efficiency"):
             value = getattr(self, f)
             if not (isinstance(value, int | float) and value > 0):
                 raise ConfigError(f"hardware.{f}", value, "must be a positive number")
         if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
             raise ConfigError("hardware.gpus_per_node", self.gpus_per_node,
                               "must be a positive integer")
-        for f in ("cores", "calibrated_micro_batch"):
-            if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 0):
-                raise ConfigError(f"hardware.{f}", getattr(self, f), "must be an integer >= 0")
-        if not 0.0 <= self.dp_overlap <= 1.0:
-            raise ConfigError("hardware.dp_overlap", self.dp_overlap, "must be in [0, 1]")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
-                  "optimizer_tensor_us", "zero_unit_us", "zero_unit_passes", "ddp_tensor_us",
-                  "ddp_copy_passes", "elementwise_passes", "jitter", "jitter_fixed_us",
-                  "jitter_rate", "matmul_tail_us", "eager_elementwise_passes"):
+                  "elementwise_passes", "matmul_tail_us", "eager_elementwise_passes"):
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
-
-    @property
-    def cpu_ranks(self) -> bool:
-        """Ranks compute on CPU cores (a calibrated CPU machine: ``cores`` > 0), not one
-        accelerator each."""
-        return self.cores > 0
+        if self.local == GPU_TERMS:  # the GPU values: no local terms
+            object.__setattr__(self, "local", None)
 
     def for_precision(self, precision: str) -> Hardware:
         """This hardware as a run in `precision` computes on it: in fp32, matrix multiplies
@@ -250,17 +193,22 @@ class Hardware:
 
     def link(self, intra_node: bool) -> Link:
         """The α–β parameters of the intra-node or the inter-node link."""
+        gather = local_terms(self).gather_efficiency
         if intra_node:
             return Link(alpha=self.intra_node_alpha_us * 1e-6,
                         bandwidth=self.intra_node_gbs * 1e9 * self.link_efficiency,
-                        gather_efficiency=self.gather_efficiency)
+                        gather_efficiency=gather)
         return Link(alpha=self.inter_node_alpha_us * 1e-6,
                     bandwidth=self.inter_node_gbs * 1e9 * self.link_efficiency,
-                    gather_efficiency=self.gather_efficiency)
+                    gather_efficiency=gather)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) is not None}
+        """The hardware file's flat fields (the local terms beside the others, the GPU values
+        where there are none), in FILE_KEYS order; None values left out."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "local"}
+        terms = local_terms(self)
+        flat.update((k, getattr(terms, k)) for k in LOCAL_KEYS)
+        return {k: flat[k] for k in FILE_KEYS if flat[k] is not None}
 
 
 @dataclass(frozen=True)
@@ -270,7 +218,7 @@ class Link:
     alpha: float
     bandwidth: float
     gather_efficiency: float = 1.0
-    """All-gather and reduce-scatter speed relative to the ring form (Hardware's field)."""
+    """All-gather and reduce-scatter speed relative to the ring form (``LocalTerms``)."""
 
     @property
     def beta(self) -> float:
@@ -311,12 +259,6 @@ CALIBRATED = Path("runs/local_hardware.toml")
 git ignores runs/); a training run's summary prices its layout with it."""
 
 
-def ranks_time_share(cores: int, ranks: int) -> bool:
-    """Whether `ranks` ranks on one machine with `cores` CPU cores take turns on them: more
-    ranks than cores. Never for devices (``cores`` 0: a GPU each)."""
-    return 0 < cores < ranks
-
-
 def calibrated_path(ranks: int, default: Path = CALIBRATED) -> Path:
     """The hardware file of a calibration with `ranks` processes measuring at once, beside
     `default` (the two-rank file): `default` itself for 2 ranks or fewer, else
@@ -347,15 +289,17 @@ def load_hardware(name_or_file: str | Path) -> Hardware:
 
 
 def hardware_from_dict(raw: dict[str, Any], where: str = "hardware") -> Hardware:
+    """The Hardware of a file's flat table (FILE_KEYS; the LocalTerms keys go into ``local``)."""
     raw = dict(raw.get("hardware", raw))
-    known = {f.name for f in fields(Hardware)}
+    known = set(FILE_KEYS)
     for key in raw:
         if key not in known:
             raise ConfigError(f"hardware.{key}", raw[key],
                               f"unknown field in {where}; known: {', '.join(sorted(known))}")
     raw.setdefault("name", Path(where).stem)
     try:
-        return Hardware(**raw)
+        rest, local = terms_from_flat(raw)
+        return Hardware(**rest, local=local)
     except TypeError as e:  # a required field is missing
         raise ConfigError("hardware", where, str(e).split(": ", 1)[-1]) from None
 
@@ -389,4 +333,8 @@ def save_hardware(hw: Hardware, path: str | Path) -> Path:
 
 
 def replace(hw: Hardware, **changes: Any) -> Hardware:
+    """`hw` with `changes`, which may name the local terms' fields as a file does."""
+    mine = {k: changes.pop(k) for k in list(changes) if k in LOCAL_KEYS}
+    if mine:
+        changes["local"] = dataclasses.replace(local_terms(hw), **mine)
     return dataclasses.replace(hw, **changes)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from tessera.planner import engine
 from tessera.planner.compute import ChunkCosts
 from tessera.planner.hardware import Hardware
+from tessera.planner.local.terms import cpu_ranks, local_terms
 from tessera.planner.workload import Layout, Workload
 
 OPS_PER_TENSOR_ADAMW = 12
@@ -56,11 +57,12 @@ def optimizer_traffic(stepped: float, normed: float, nbytes: tuple[int, int, int
 def optimizer_step_time(hw: Hardware, stepped: float, normed: float, tensors: int,
                         nbytes: tuple[int, int, int, int], tessera: bool) -> float:
     """Seconds of one rank's gradient norm and optimizer step: memory-bound traffic plus a
-    fixed cost per parameter tensor (``hw.optimizer_tensor_us`` where calibrate measured
+    fixed cost per parameter tensor (``LocalTerms.optimizer_tensor_us`` where calibrate measured
     tessera's per-parameter loops, else OPS_PER_TENSOR_ADAMW kernels at ``op_overhead_us``)."""
-    per_tensor = (hw.optimizer_tensor_us if hw.optimizer_tensor_us > 0
+    calibrated = local_terms(hw).optimizer_tensor_us
+    per_tensor = (calibrated if calibrated > 0
                   else OPS_PER_TENSOR_ADAMW * hw.op_overhead_us) * 1e-6
-    return (optimizer_traffic(stepped, normed, nbytes, tessera, hw.cpu_ranks) / hw.memory_bw
+    return (optimizer_traffic(stepped, normed, nbytes, tessera, cpu_ranks(hw)) / hw.memory_bw
             + tensors * per_tensor)
 
 

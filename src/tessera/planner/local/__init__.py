@@ -1,0 +1,1 @@
+"""The planner's model of the local machine: CPU ranks measured by ``tessera plan calibrate``."""
