@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from tessera.layout import validate
 from tessera.model import cross_entropy
 from tessera.optim import adamw
 from tessera.pipeline.partition import Chunk, partition
@@ -278,7 +279,7 @@ def bench_rank(s: Setup, layout: tuple[int, int, int], pairs: int, steps: int,
                warmup: int) -> dict:
     dp, tp, pp = layout
     cfg = s.config(dp, tp, pp)
-    cfg.validate(dist.get_world_size())
+    validate(cfg, dist.get_world_size())
     runners = {"ours": Ours(cfg), "peer": Peer(cfg)}
     coords = runners["ours"].executor.topo.coords()
     dp_rank = coords["dp"]

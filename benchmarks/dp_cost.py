@@ -313,6 +313,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     import gc
 
     from tessera.config import make_config
+    from tessera.layout import validate
     from tessera.parallelize import parallelize
     from tessera.step import Executor
     from tessera.topology import Topology
@@ -325,7 +326,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
         cfg = make_config("demo", parallel=dict(dp=dp, zero_stage=zero_stage if dp > 1 else 0),
                           train=dict(micro_batch_size=micro_batch, grad_accum=1,
                                      precision="fp32"))
-        cfg.validate(dp)
+        validate(cfg, dp)
         return cfg
 
     cfg = config(dp_world)

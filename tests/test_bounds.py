@@ -21,11 +21,11 @@ from tessera.cli import app, resolve_config
 from tessera.config import (
     INT64_MAX,
     LIMITS,
-    MAX_PIPELINE_PAIRS,
-    PRESETS,
-    ConfigError,
     make_config,
 )
+from tessera.errors import ConfigError
+from tessera.layout import MAX_PIPELINE_PAIRS, validate
+from tessera.presets import PRESETS
 
 runner = CliRunner()
 
@@ -72,14 +72,14 @@ def test_ten_million_microbatches_refused_without_building_a_schedule(tiny_data,
 def test_pipeline_pairs_bound_is_the_product_of_microbatches_stages_and_chunks():
     at_bound = make_config("tiny", overrides=[
         "parallel.pp=2", f"train.grad_accum={MAX_PIPELINE_PAIRS // 2}"])
-    at_bound.validate()  # exactly the bound: allowed (checked without generating it)
+    validate(at_bound)  # exactly the bound: allowed (checked without generating it)
     over = make_config("tiny", overrides=["parallel.pp=2", "parallel.virtual_stages=1",
                                           f"train.grad_accum={MAX_PIPELINE_PAIRS // 2 + 1}"])
     with pytest.raises(ConfigError, match="train.grad_accum"):
-        over.validate()
+        validate(over)
     one_rank = make_config("tiny", overrides=[f"train.grad_accum={MAX_PIPELINE_PAIRS + 1}"])
     with pytest.raises(ConfigError, match="pairs exceed"):  # pp 1 runs them all too
-        one_rank.validate()
+        validate(one_rank)
 
 
 def test_global_batch_larger_than_the_train_split_is_refused(tiny_data, tmp_path, no_launch):
@@ -408,7 +408,7 @@ NO_EFFECT = [
 @pytest.mark.parametrize("sets,warning", NO_EFFECT, ids=[" ".join(s) for s, _ in NO_EFFECT])
 def test_an_option_without_effect_warns(sets, warning):
     cfg = make_config("tiny", overrides=sets)
-    cfg.validate()
+    validate(cfg)
     assert any(w.startswith(warning) for w in cfg.warnings()), cfg.warnings()
 
 
@@ -427,7 +427,7 @@ def test_an_option_without_effect_warns(sets, warning):
 ], ids=lambda s: " ".join(s))
 def test_the_same_option_where_it_acts_does_not_warn(sets):
     cfg = make_config("tiny", overrides=sets)
-    cfg.validate()
+    validate(cfg)
     assert cfg.ignored() == []
 
 
@@ -447,7 +447,7 @@ def test_make_demo_layout_warns_of_nothing():
     cfg = resolve_config("demo", None, None, {
         "parallel": {"dp": 1, "tp": 2, "pp": 2, "schedule": "1f1b"},
         "train": {"grad_accum": 4, "micro_batch_size": 8}}, nproc=4)
-    assert cfg.validate(4).warnings() == []
+    assert validate(cfg, 4).warnings() == []
 
 
 def test_a_no_effect_warning_is_printed_at_start(tiny_data, tmp_path, monkeypatch):

@@ -235,12 +235,13 @@ def _save_two_ranks(data: str, out: str) -> None:
 
 
 def test_asynchronous_parameter_server_cannot_checkpoint():
-    from tessera.config import ConfigError
+    from tessera.errors import ConfigError
+    from tessera.layout import validate
 
     cfg = make_config("tiny", parallel=dict(dp=2, dp_mode="ps-async"),
                       train=dict(checkpoint_interval=2))
     with pytest.raises(ConfigError, match="parallel.dp_mode='ps-async': cannot checkpoint"):
-        cfg.validate(2)
+        validate(cfg, 2)
 
 
 def test_inspect_and_export(saved, tmp_path):

@@ -265,7 +265,7 @@ def test_preset_help_names_every_preset(command):
     # Before: the help listed tiny, demo, gpt2-124m and llama-1b, four of the seven.
     import re
 
-    from tessera.config import PRESETS
+    from tessera.presets import PRESETS
 
     r = runner.invoke(app, [command, "--help"], terminal_width=200)
     assert r.exit_code == 0, r.output

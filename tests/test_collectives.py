@@ -19,7 +19,7 @@ from tessera.collectives import algorithms as A
 from tessera.collectives.algorithms import fold_layout
 from tessera.collectives.p2p import PeerGroup
 from tessera.collectives.rooted import binomial_reduce_
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.testing import assert_close_summed, run_ranks
 
 BIG = 1 << 20  # 4 MiB in float32: the "few MB" case, float32 all-reduce only (keeps tests fast)

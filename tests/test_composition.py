@@ -57,9 +57,10 @@ import pytest
 import torch
 
 from dp_parity import ADAM_ROUNDINGS, Shadow
-from tessera.config import Config, ConfigError, make_config
+from tessera.config import Config, make_config
 from tessera.data.loader import cp_shard
-from tessera.layout import check_layout
+from tessera.errors import ConfigError
+from tessera.layout import validate
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw
 from tessera.step import build_executor
@@ -296,10 +297,10 @@ def test_parameter_server_with_tensor_parallelism_is_refused():
     cfg = _cfg(2, 2, 1, dp_mode="ps")
     with pytest.raises(ConfigError, match=r"^parallel.tp=2: dp_mode='ps' composes only with "
                                           r"data parallelism"):
-        check_layout(cfg)
+        validate(cfg)
 
 
 def test_the_matrix_layouts_pass_the_layout_check():
     for name, cfg in MATRIX.items():
-        check_layout(cfg)
+        validate(cfg)
         assert cfg.parallel.world_size in GROUPS, name

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 
 from tessera.config import (
-    PRESETS,
     Config,
-    ConfigError,
     DataConfig,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
     make_config,
 )
+from tessera.errors import ConfigError
+from tessera.layout import validate
+from tessera.presets import PRESETS
 
 # (section class, kwargs, field named in the message, a fragment of the rule)
 FIELD_RULES = [
@@ -36,15 +37,8 @@ FIELD_RULES = [
     (ParallelConfig, dict(bucket_mb=0), "parallel.bucket_mb", "> 0"),
     (ParallelConfig, dict(allreduce_algorithm="x"), "parallel.allreduce_algorithm", "ring"),
     (ParallelConfig, dict(recompute="some"), "parallel.recompute", "selective"),
-    (ParallelConfig, dict(dp=4, ep=3), "parallel.ep", "divide parallel.dp=4"),
-    (ParallelConfig, dict(dp=2, zero_stage=1, dp_mode="ps"), "parallel.zero_stage", "allreduce"),
-    (ParallelConfig, dict(dp=1, dp_mode="ps"), "parallel.dp_mode", "dp >= 2"),
-    (ParallelConfig, dict(virtual_stages=2, schedule="1f1b"), "parallel.virtual_stages",
-     "interleaved"),
     (ParallelConfig, dict(max_staleness=0), "parallel.max_staleness", "positive integer"),
     (ParallelConfig, dict(microbatch_group=-1), "parallel.microbatch_group", "non-negative"),
-    (ParallelConfig, dict(pp=2, microbatch_group=3), "parallel.microbatch_group",
-     "needs schedule interleaved"),
     (DataConfig, dict(seq_len=0), "data.seq_len", "positive integer"),
     (DataConfig, dict(val_tokens=0), "data.val_tokens", "positive integer"),
     (DataConfig, dict(path=""), "data.path", "empty"),
@@ -82,6 +76,16 @@ def _cfg(model=None, parallel=None, data=None, train=None) -> Config:
 
 
 CROSS_RULES = [
+    # Inside the parallel section.
+    (dict(parallel=dict(dp=4, ep=3)), None, "parallel.ep=3", "divide parallel.dp=4"),
+    (dict(parallel=dict(dp=2, zero_stage=1, dp_mode="ps")), None, "parallel.zero_stage=1",
+     "allreduce"),
+    (dict(parallel=dict(dp=1, dp_mode="ps")), None, "parallel.dp_mode='ps'", "dp >= 2"),
+    (dict(parallel=dict(virtual_stages=2, schedule="1f1b")), None, "parallel.virtual_stages=2",
+     "needs schedule interleaved"),
+    (dict(parallel=dict(pp=2, microbatch_group=3)), None, "parallel.microbatch_group=3",
+     "needs schedule interleaved"),
+    # Between sections.
     (dict(parallel=dict(dp=2, tp=2)), 2, "parallel=", "must equal the world size 2"),
     (dict(model=dict(n_heads=4, d_model=64), parallel=dict(tp=3)), None, "parallel.tp=3",
      "must divide model.n_heads=4"),
@@ -126,20 +130,20 @@ def test_warnings_for_legal_but_unlikely_settings():
 @pytest.mark.parametrize("sections, world, field_name, rule", CROSS_RULES)
 def test_cross_rule(sections, world, field_name, rule):
     with pytest.raises(ConfigError) as e:
-        _cfg(**sections).validate(world)
+        validate(_cfg(**sections), world)
     assert str(e.value).startswith(field_name), str(e.value)
     assert rule in str(e.value)
 
 
 def test_valid_layouts_pass():
-    _cfg(model=dict(n_heads=8, n_kv_heads=2, d_model=64), parallel=dict(dp=2, tp=4)).validate(8)
-    _cfg(model=dict(n_layers=4), parallel=dict(pp=2, dp=2)).validate(4)
+    validate(_cfg(model=dict(n_heads=8, n_kv_heads=2, d_model=64), parallel=dict(dp=2, tp=4)), 8)
+    validate(_cfg(model=dict(n_layers=4), parallel=dict(pp=2, dp=2)), 4)
 
 
 def test_presets_build_and_validate():
     for name, preset in PRESETS.items():
         cfg = make_config(name)
-        cfg.validate(cfg.parallel.world_size)
+        validate(cfg, cfg.parallel.world_size)
         assert cfg.model.d_model == preset["model"]["d_model"]
 
 

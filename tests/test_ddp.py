@@ -16,7 +16,7 @@ from dp_parity import (
     distributed_run,
     tiny_config,
 )
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.parallel.ddp import DataParallel, build_buckets
 from tessera.testing import assert_close_summed, run_ranks
 

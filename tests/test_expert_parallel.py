@@ -30,8 +30,9 @@ from typing import Any
 import pytest
 import torch
 
-from tessera.config import Config, ConfigError, make_config
-from tessera.layout import check_layout
+from tessera.config import Config, make_config
+from tessera.errors import ConfigError
+from tessera.layout import validate
 from tessera.model import build_model, cross_entropy
 from tessera.moe import collect_stats
 from tessera.optim import adamw
@@ -163,7 +164,7 @@ def test_expert_groups_are_blocks_of_dp_and_their_replicas():
 
 def test_layouts_pass_the_layout_check_and_experts_are_named():
     for cfg in LAYOUTS.values():
-        check_layout(cfg)
+        validate(cfg)
     assert is_expert_param("layers.1.feed_forward.experts.w2")
     assert not is_expert_param("layers.1.feed_forward.router.weight")
 
@@ -186,7 +187,7 @@ def test_bad_moe_layouts_are_refused_with_the_reason(overrides, field, rule):
     for k, v in overrides.items():
         sections[k] = {**sections.get(k, {}), **v}
     with pytest.raises(ConfigError) as e:
-        make_config(None, **sections).validate()
+        validate(make_config(None, **sections))
     assert e.value.field_name == field and rule in str(e.value), str(e.value)
 
 

@@ -152,7 +152,8 @@ def test_llama3_rope_scaling_bands():
     factor, a continuous blend between (L = the original context); None leaves plain RoPE."""
     import math
 
-    from tessera.config import ConfigError, RopeScaling
+    from tessera.config import RopeScaling
+    from tessera.errors import ConfigError
     from tessera.model import rope_frequencies
 
     plain = rope_frequencies(128, 500000.0)

@@ -19,8 +19,9 @@ from dp_parity import (
     tiny_config,
 )
 from tessera.collectives import CommStats, all_reduce
-from tessera.config import ConfigError, make_config
-from tessera.layout import check_layout
+from tessera.config import make_config
+from tessera.errors import ConfigError
+from tessera.layout import validate
 from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy, param_count
 from tessera.optim import adamw
@@ -172,9 +173,9 @@ def test_async_server_scales_a_stale_gradient_by_one_over_one_plus_staleness():
 
 def test_parameter_server_needs_two_ranks():
     with pytest.raises(ConfigError, match=r"parallel.dp_mode='ps'.*dp >= 2"):
-        tiny_config(dp=1, dp_mode="ps")
+        validate(tiny_config(dp=1, dp_mode="ps"))
     with pytest.raises(ConfigError, match=r"parallel.dp_mode='ps-async'.*dp >= 2"):
-        tiny_config(dp=1, dp_mode="ps-async")
+        validate(tiny_config(dp=1, dp_mode="ps-async"))
 
 
 def test_parameter_server_refuses_model_parallel_layouts():
@@ -182,10 +183,10 @@ def test_parameter_server_refuses_model_parallel_layouts():
     cfg.parallel.tp = 2
     with pytest.raises(ConfigError, match=r"parallel.tp=2: dp_mode='ps' composes only with "
                                           r"data parallelism"):
-        check_layout(cfg)
+        validate(cfg)
     cfg.parallel.tp, cfg.parallel.pp = 1, 2
     with pytest.raises(ConfigError, match=r"parallel.pp=2: dp_mode='ps' composes only"):
-        check_layout(cfg)
+        validate(cfg)
 
 
 def test_reference_is_deterministic():

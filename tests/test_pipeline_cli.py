@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from cli_errors import cli_error
 from tessera.cli import app
-from tessera.config import ConfigError, make_config
-from tessera.layout import check_layout
+from tessera.config import make_config
+from tessera.errors import ConfigError
+from tessera.layout import validate
 from tessera.testing import run_ranks
 from tessera.trainer import train
 
@@ -95,10 +96,10 @@ def test_check_layout_names_the_config_field():
     cfg = make_config("tiny", model=dict(n_layers=4),
                       parallel=dict(pp=2, schedule="interleaved", virtual_stages=2),
                       train=dict(grad_accum=2))
-    check_layout(cfg)
+    validate(cfg)
     cfg.train.grad_accum = 3
     with pytest.raises(ConfigError, match=r"train.grad_accum=3: interleaved needs"):
-        check_layout(cfg)
+        validate(cfg)
 
 
 def _train_pp2_dp2(data: str, out: str):

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from tessera.config import ConfigError, ModelConfig
+from tessera.config import ModelConfig
+from tessera.errors import ConfigError
 from tessera.model import build_model
 from tessera.pipeline import validator
 from tessera.pipeline.partition import Chunk, balance, partition
@@ -300,7 +301,8 @@ def test_config_accepts_exactly_the_registered_schedules():
     """The config checks `parallel.schedule` against the registry: every built-in name is
     accepted, a schedule added with register() becomes trainable by name, and once removed it
     is refused naming the field and the registered names."""
-    from tessera.config import ConfigError, ParallelConfig
+    from tessera.config import ParallelConfig
+    from tessera.errors import ConfigError
 
     for name in SCHEDULES:
         ParallelConfig(schedule=name, virtual_stages=SCHEDULES[name].min_virtual)

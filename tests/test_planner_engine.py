@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tessera.config import DP_MODES, Config, ConfigError, ParallelConfig, make_config
+from tessera.layout import validate
 from tessera.pipeline.schedules import SCHEDULES
 from tessera.planner import engine
 from tessera.planner.estimate import PlanError, estimate, memory_by_rank
@@ -65,8 +66,8 @@ def tessera_accepts(preset: str, precision: str) -> set[tuple]:
                 train = type(base.train)(micro_batch_size=BATCH // (dp * m), grad_accum=m,
                                          precision=precision)
                 try:
-                    Config(model=base.model, parallel=parallel, train=train,
-                           data=base.data).validate(WORLD)
+                    validate(Config(model=base.model, parallel=parallel, train=train,
+                                    data=base.data), WORLD)
                 except ConfigError:
                     continue
                 accepted.add(canonical(dp, tp, pp, cp, v, schedule, zero, sp, recompute,
@@ -172,12 +173,13 @@ MICROBATCHES, MICRO_BATCH, SEQ = 4, 2, 32
 def memory_config(dp: int, tp: int, pp: int, zero: int, precision: str, tied: bool) -> Config:
     """A small model whose vocabulary (255) is padded to a multiple of tp = 2 and whose single
     key/value head is replicated on both tp ranks; 1F1B over m = 4 micro-batches."""
-    return make_config("tiny", model=dict(vocab_size=255, d_model=64, n_layers=4, n_heads=4,
-                                          n_kv_heads=1, max_seq_len=SEQ, tie_embeddings=tied),
-                       parallel=dict(dp=dp, tp=tp, pp=pp, zero_stage=zero, schedule="1f1b"),
-                       train=dict(precision=precision, grad_accum=MICROBATCHES,
-                                  micro_batch_size=MICRO_BATCH),
-                       data=dict(seq_len=SEQ)).validate(dp * tp * pp)
+    cfg = make_config("tiny", model=dict(vocab_size=255, d_model=64, n_layers=4, n_heads=4,
+                                         n_kv_heads=1, max_seq_len=SEQ, tie_embeddings=tied),
+                      parallel=dict(dp=dp, tp=tp, pp=pp, zero_stage=zero, schedule="1f1b"),
+                      train=dict(precision=precision, grad_accum=MICROBATCHES,
+                                 micro_batch_size=MICRO_BATCH),
+                      data=dict(seq_len=SEQ))
+    return validate(cfg, dp * tp * pp)
 
 
 def _measure_memory(cases: list[tuple]) -> list[dict]:

@@ -16,7 +16,9 @@ from typer.testing import CliRunner
 
 from cli_errors import cli_error
 from tessera.cli import app, resolve_config
-from tessera.config import ConfigError, make_config
+from tessera.config import make_config
+from tessera.errors import ConfigError
+from tessera.layout import validate
 from tessera.pipeline.partition import partition
 from tessera.pipeline.split import first_last_fewer, parse_stage_layout
 
@@ -52,7 +54,7 @@ def test_megatron_layout_with_virtual_stages():
     """v=2: the chunk order is Megatron's (virtual stage 0 of every rank, then 1), tessera's
     too, so chunk c runs on rank c mod pp; Llama 3 405B at pp 16, v 2 is '3,4*30,3'."""
     cfg = _virtual_config("Et|tt|t|ttL")
-    cfg.validate(world_size=2)
+    validate(cfg, world_size=2)
     sizes = parse_stage_layout(cfg.parallel.stage_layout)
     assert sizes == parse_stage_layout("1,2,1,2")
     specs = partition(cfg.model, 4, split=sizes)
@@ -87,7 +89,7 @@ REFUSALS = {
 @pytest.mark.parametrize("text,rule", REFUSALS.values(), ids=REFUSALS.keys())
 def test_megatron_layout_refusals_name_field_value_and_rule(text: str, rule: str):
     with pytest.raises(ConfigError, match=re.escape(f"parallel.stage_layout={text!r}: {rule}")):
-        _virtual_config(text).validate(world_size=2)
+        validate(_virtual_config(text), world_size=2)
 
 
 def test_megatron_layout_chunk_count_and_total_are_checked():
@@ -95,14 +97,14 @@ def test_megatron_layout_chunk_count_and_total_are_checked():
     with pytest.raises(ConfigError, match=re.escape(
             "parallel.stage_layout='Et|t*4L': gives 2 chunks; needs one per chunk, "
             "pp*virtual_stages=4")):
-        _virtual_config("Et|t*4L").validate(world_size=2)
+        validate(_virtual_config("Et|t*4L"), world_size=2)
     with pytest.raises(ConfigError, match=re.escape(
             "parallel.stage_layout='Et|t|t|tL': holds 4 blocks; must add up to "
             "model.n_layers=6")):
-        _virtual_config("Et|t|t|tL").validate(world_size=2)
+        validate(_virtual_config("Et|t|t|tL"), world_size=2)
     # The block-count syntax and its messages are unchanged (the planner's keyword too).
     with pytest.raises(ConfigError, match="comma-separated block counts"):
-        _virtual_config("first-last-fewer").validate(world_size=2)
+        validate(_virtual_config("first-last-fewer"), world_size=2)
 
 
 def test_plan_layout_takes_megatron_stages():
@@ -132,7 +134,7 @@ def test_train_config_takes_megatron_layout(tmp_path, tiny_data):
     run.write_text('[parallel]\npp = 2\nschedule = "1f1b"\nstage_layout = "Et|t*4L"\n'
                    '[model]\nn_layers = 5\n')
     cfg = resolve_config("tiny", str(run), [], {"train": {"grad_accum": 2}})
-    cfg.validate(world_size=2)
+    validate(cfg, world_size=2)
     specs = partition(cfg.model, 2, split=parse_stage_layout(cfg.parallel.stage_layout))
     assert [list(s.layers) for s in specs] == [[0], [1, 2, 3, 4]]
     line = cli_error(["train", "--preset", "tiny", "--data", tiny_data, "--pp", "2",

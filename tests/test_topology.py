@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.config import ConfigError, ParallelConfig
+from tessera.config import ParallelConfig
+from tessera.errors import ConfigError
 from tessera.testing import run_ranks
 from tessera.topology import Topology, axis_groups, rank_grid
 

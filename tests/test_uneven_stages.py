@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from cli_errors import cli_error
-from tessera.config import ConfigError, make_config
+from tessera.config import make_config
+from tessera.errors import ConfigError
+from tessera.layout import validate
 from tessera.model import build_model, cross_entropy
 from tessera.pipeline.split import first_last_fewer, parse_stage_layout
 from tessera.planner.estimate import PlanError, estimate
@@ -46,17 +48,17 @@ def test_stage_layout_parses_and_names_the_rule():
     assert parse_stage_layout("7,8*14,7") == (7,) + (8,) * 14 + (7,)
     assert first_last_fewer(126, 16) == parse_stage_layout("7,8*14,7")
     assert stage_layout_text(first_last_fewer(126, 16)) == "7,8*14,7"
-    uneven_config().validate(world_size=2)
+    validate(uneven_config(), world_size=2)
     with pytest.raises(ConfigError, match=r"parallel.stage_layout='1,3'.*add up to "
                                           r"model.n_layers=5"):
-        uneven_config("1,3").validate()
+        validate(uneven_config("1,3"))
     with pytest.raises(ConfigError, match=r"gives 3 chunks; needs one per chunk, "
                                           r"pp\*virtual_stages=2"):
-        uneven_config("1,2,2").validate()
+        validate(uneven_config("1,2,2"))
     with pytest.raises(ConfigError, match="at least one block"):
-        uneven_config("0,5").validate()
+        validate(uneven_config("0,5"))
     with pytest.raises(ConfigError, match="comma-separated block counts"):
-        uneven_config("one,four").validate()
+        validate(uneven_config("one,four"))
 
 
 def test_train_refuses_a_bad_stage_layout_before_launch(tiny_data):

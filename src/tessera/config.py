@@ -1,12 +1,13 @@
 """Typed configuration: model, parallel layout, training and data.
 
 Every config is a keyword-only dataclass; each field carries a docstring right under it, and
-``__post_init__`` validates the field on its own. Rules that tie two configs together (``tp``
-must divide ``n_heads``, the layout must multiply to the world size) live in
-:meth:`Config.validate`, which every rank calls before any collective runs.
+``__post_init__`` validates each field on its own (its range, its type, a name in a registry).
+Rules that tie two fields together (``tp`` must divide ``n_heads``, the layout must multiply to
+the world size) live in ``tessera.layout.validate``, which the preflight runs on every rank
+before any collective.
 
-Every failure raises :class:`ConfigError`, whose message names the field, the value and the
-rule, e.g. ``parallel.tp=3: must divide model.n_heads=8``.
+Every failure raises :class:`~tessera.errors.ConfigError`, whose message names the field, the
+value and the rule, e.g. ``parallel.tp=3: must divide model.n_heads=8``.
 """
 
 from __future__ import annotations
@@ -22,46 +23,15 @@ from typing import Any
 
 import yaml
 
+from tessera.errors import ConfigError, Verbatim, shown
+from tessera.errors import require as _require
+from tessera.pipeline.schedules import SCHEDULES, is_breadth_first
+from tessera.presets import PRESETS
+
 INT64_MAX = 2**63 - 1
 """The largest integer any field takes: torch, numpy and the collectives hold sizes and seeds
 as 64-bit integers (a larger one fails deep inside them, e.g. "Overflow when unpacking long
 long")."""
-SHOWN_CHARS = 200
-"""A value longer than this is cut in an error message, which stays one readable line."""
-
-
-def shown(value: Any) -> str:
-    """`value` as an error message shows it: its repr, an integer beyond 2^100 (31 digits) by its
-    digit count (Python refuses to print one of more than 4300), long text cut."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
-        try:
-            digits = str(len(str(abs(value))))
-        except ValueError:  # beyond sys.get_int_max_str_digits()
-            digits = f"more than {sys.get_int_max_str_digits()}"
-        return f"<integer of {digits} digits>"
-    text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
-
-
-class Verbatim(str):
-    """A value an error message shows as it is, without quotes (a description of a value that
-    cannot be shown itself)."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-class ConfigError(ValueError):
-    """A configuration value breaks a rule. The message is one line meant for the user."""
-
-    def __init__(self, field_name: str, value: Any, rule: str):
-        self.field_name, self.value, self.rule = field_name, value, rule
-        super().__init__(f"{field_name}={shown(value)}: {rule}")
-
-
-def _require(ok: bool, field_name: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ConfigError(field_name, value, rule)
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -297,12 +267,9 @@ class ParallelConfig:
                  "must be 0, 1, 2 or 3")
         _require(self.dp_mode in DP_MODES, "parallel.dp_mode", self.dp_mode,
                  f"must be one of {', '.join(DP_MODES)}")
-        # The pipeline's registry (imported here: it imports ConfigError from this module), so
-        # a schedule added with register() is trainable by name.
-        from tessera.pipeline.schedules import SCHEDULES as REGISTERED
-
-        _require(self.schedule in REGISTERED, "parallel.schedule", self.schedule,
-                 f"must be one of {', '.join(REGISTERED)}")
+        # The pipeline's registry, so a schedule added with register() is trainable by name.
+        _require(self.schedule in SCHEDULES, "parallel.schedule", self.schedule,
+                 f"must be one of {', '.join(SCHEDULES)}")
         _require(self.bucket_mb > 0, "parallel.bucket_mb", self.bucket_mb, "must be > 0")
         _require(self.allreduce_algorithm in ALLREDUCE_ALGORITHMS,
                  "parallel.allreduce_algorithm", self.allreduce_algorithm,
@@ -313,24 +280,9 @@ class ParallelConfig:
                  self.recompute, "must be one of none, selective, full")
         _require(self.ep_alltoall in ("backend", "pairwise"), "parallel.ep_alltoall",
                  self.ep_alltoall, "must be one of backend, pairwise")
-        _require(self.dp % self.ep == 0, "parallel.ep", self.ep,
-                 f"must divide parallel.dp={self.dp}")
-        _require(not (self.zero_stage > 0 and self.dp_mode != "allreduce"), "parallel.zero_stage",
-                 self.zero_stage, f"needs parallel.dp_mode='allreduce', not {self.dp_mode!r}")
-        _require(self.dp_mode == "allreduce" or self.dp >= 2, "parallel.dp_mode", self.dp_mode,
-                 f"a parameter server needs parallel.dp >= 2 (server and workers), got {self.dp}")
-        spec = REGISTERED[self.schedule]
-        _require(self.virtual_stages == 1 or spec.virtual,
-                 "parallel.virtual_stages", self.virtual_stages,
-                 f"needs schedule {', '.join(n for n, s in REGISTERED.items() if s.virtual)}, "
-                 f"not {self.schedule!r}")
         _require(isinstance(self.microbatch_group, int) and self.microbatch_group >= 0,
                  "parallel.microbatch_group", self.microbatch_group,
                  "must be a non-negative integer (0: pp)")
-        _require(self.microbatch_group == 0 or spec.grouped,
-                 "parallel.microbatch_group", self.microbatch_group,
-                 f"needs schedule {' or '.join(n for n, s in REGISTERED.items() if s.grouped)}, "
-                 f"not {self.schedule!r}")
 
     @property
     def world_size(self) -> int:
@@ -512,32 +464,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
-    def validate(self, world_size: int | None = None) -> Config:
-        """Check the rules that tie sections together; call on every rank before any collective."""
-        m, p, d = self.model, self.parallel, self.data
-        _require(d.seq_len <= m.max_seq_len, "data.seq_len", d.seq_len,
-                 f"must be <= model.max_seq_len={m.max_seq_len}")
-        # Before the layout rules: the schedule's size alone, without generating it.
-        pairs = self.train.grad_accum * p.pp * p.virtual_stages
-        _require(pairs <= MAX_PIPELINE_PAIRS, "train.grad_accum", self.train.grad_accum,
-                 f"grad_accum*pp*virtual_stages={pairs:,} (micro-batch, chunk) pairs exceed "
-                 f"{MAX_PIPELINE_PAIRS:,}: each rank's schedule would hold and check a forward "
-                 "and a backward action for each, every step; use a larger "
-                 "train.micro_batch_size instead")
-        from tessera.layout import check_layout  # the layout rules, shared with the planner
-
-        check_layout(self)
-        _require(not (p.dp_mode == "ps-async" and (self.train.checkpoint_interval
-                                                     or self.train.resume)),
-                 "parallel.dp_mode", p.dp_mode, "cannot checkpoint or resume: gradients in "
-                 "flight to the asynchronous parameter server are not saved")
-        # Last: a layout that cannot split the model is the more useful message.
-        if world_size is not None:
-            _require(p.world_size == world_size, "parallel", f"dp={p.dp} tp={p.tp} pp={p.pp} "
-                     f"cp={p.cp}", f"dp*tp*pp*cp={p.world_size} must equal the world size "
-                     f"{world_size}")
-        return self
-
     def warnings(self) -> list[str]:
         """Legal but probably unintended settings, one line each, for the user to read: the
         ones below and :meth:`ignored`, options set that do nothing in this layout."""
@@ -621,91 +547,16 @@ class Config:
         return out
 
     def _breadth_first(self) -> bool:
-        from tessera.pipeline.schedules import is_breadth_first
-
         return is_breadth_first(self.parallel.schedule)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-MAX_PIPELINE_PAIRS = 2**16
-"""Most (micro-batch, chunk) pairs, grad_accum*pp*virtual_stages, a step may run. Each is a
-forward and a backward action that every rank's schedule generates, validates and keeps:
-building 2^17 pairs takes 8-11 s and ~200 MB in one process (1f1b at pp 2, interleaved at pp
-8, v 4), 2^16 about half, and ten million never finishes. A run wanting more micro-batches of
-the same global batch gets the same step with fewer, larger ones."""
-
-
 def _get(cfg: Config, dotted: str) -> Any:
     section, name = dotted.split(".")
     return getattr(getattr(cfg, section), name)
 
-
-# ---------------------------------------------------------------------------------------------
-# Presets
-
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    # For tests: a few thousand parameters, runs in milliseconds.
-    "tiny": {
-        "model": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
-        "data": dict(seq_len=32, val_tokens=4096),
-        "train": dict(steps=30, micro_batch_size=8, lr=3e-3, warmup_steps=3, eval_interval=0,
-                      log_interval=5, sample_tokens=32),
-    },
-    # The main job: 2 CPU ranks, under five minutes, below 2 nats/byte on the stdlib corpus.
-    "demo": {
-        "model": dict(d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256),
-        "data": dict(seq_len=128, val_tokens=65536),
-        "parallel": dict(dp=2),
-        "train": dict(steps=400, micro_batch_size=16, lr=3e-3, warmup_steps=30,
-                      eval_interval=100, log_interval=25, sample_tokens=300),
-    },
-    # GPT-2 small's shape in Llama form; SwiGLU inner size 2048 keeps its 124M parameters.
-    "gpt2-124m": {
-        "model": dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, ffn_hidden=2048,
-                      max_seq_len=1024, tie_embeddings=True),
-        "data": dict(seq_len=1024),
-        "train": dict(lr=6e-4, warmup_steps=700, steps=20000),
-    },
-    # Llama 3.2 1B.
-    "llama-1b": {
-        "model": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                      ffn_hidden=8192, max_seq_len=8192, rope_theta=500000.0,
-                      rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
-                      rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
-                      tie_embeddings=True),
-        "data": dict(seq_len=2048),
-        "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
-    },
-    # The demo model with 16 fine-grained experts of a quarter of its MLP width, top-4
-    # (DeepSeekMoE, OLMoE): the same active parameters per token as "demo" (4 x 128 = 512
-    # SwiGLU units), 4x its MLP parameters; experts split over the two ranks (ep 2).
-    "moe-demo": {
-        "model": dict(d_model=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256,
-                      moe_experts=16, moe_top_k=4, moe_ffn_hidden=128, moe_aux_loss_coef=0.01),
-        "data": dict(seq_len=128, val_tokens=65536),
-        "parallel": dict(dp=2, ep=2),
-        "train": dict(steps=400, micro_batch_size=16, lr=3e-3, warmup_steps=30,
-                      eval_interval=100, log_interval=25, sample_tokens=300),
-    },
-    # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2, every layer (for the planner).
-    "mixtral-8x7b": {
-        "model": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                      ffn_hidden=14336, max_seq_len=32768, rope_theta=1e6, moe_experts=8,
-                      moe_top_k=2, moe_capacity_factor=0.0, moe_aux_loss_coef=0.02),
-        "data": dict(seq_len=4096),
-        "train": dict(lr=3e-4, warmup_steps=2000, steps=100000),
-    },
-    # OLMoE-1B-7B (Muennighoff et al. 2024): 64 experts of width 1024, top-8, z-loss.
-    "olmoe-1b-7b": {
-        "model": dict(vocab_size=50304, d_model=2048, n_layers=16, n_heads=16,
-                      ffn_hidden=1024, max_seq_len=4096, moe_experts=64, moe_top_k=8,
-                      moe_ffn_hidden=1024, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001),
-        "data": dict(seq_len=4096),
-        "train": dict(lr=4e-4, warmup_steps=2000, steps=100000),
-    },
-}
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
              "data": DataConfig}

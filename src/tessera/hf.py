@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from tessera.config import ConfigError, ModelConfig
+from tessera.config import ModelConfig
+from tessera.errors import ConfigError
 
 
 class HFError(ValueError):

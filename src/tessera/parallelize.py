@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.config import Config, ConfigError, TrainConfig
-from tessera.layout import check_layout
+from tessera.config import Config, TrainConfig
+from tessera.errors import ConfigError
 from tessera.model import Transformer, init_tensor, rope_tables
 from tessera.moe import materialize_buffers
 from tessera.optim import adamw, add_sums_of_squares
@@ -497,8 +497,13 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
     tensor-parallel layers (``TPContext``): whether SP re-gathers inputs in backward, and where
     the TP collectives are counted (benchmarks and tests); `cp_stats`, `ep_stats` likewise for
     context and expert parallelism (ep_stats counts our pairwise all-to-all only; the token
-    all-to-alls of every algorithm are also counted in ``ParallelModel.ep.stats``)."""
-    check_layout(cfg)
+    all-to-alls of every algorithm are also counted in ``ParallelModel.ep.stats``).
+
+    `cfg` is a layout ``tessera.layout.validate`` accepted (the preflight checks it on every
+    rank before any collective); here only `topo` is checked to be that layout."""
+    p = cfg.parallel
+    assert (topo.pp, topo.dp, topo.cp, topo.tp) == (p.pp, p.dp, p.cp, p.tp), (
+        f"topology {topo.describe()} is not cfg.parallel's layout")
     if schedule is None:
         schedule = training_schedule(cfg)  # validated by build_schedule
     else:
@@ -509,7 +514,6 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
         cfg.train.grad_accum = schedule.n_microbatches
     tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel,
                    regather=regather, stats=tp_stats)
-    p = cfg.parallel
     cp = None
     if topo.cp > 1:
         ulysses = ring = None

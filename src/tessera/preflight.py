@@ -4,8 +4,9 @@
 before its first collective), what ``tessera train --dry-run`` and ``tessera config --check``
 report on:
 
-- the configuration's rules and the layout for the world size (``Config.validate``, which also
-  bounds the pipeline's (micro-batch, chunk) pairs);
+- the rules that tie the configuration's fields together, the layout for the world size
+  included (``tessera.layout.validate``, run here once per process; it also bounds the
+  pipeline's (micro-batch, chunk) pairs);
 - the prepared data (:func:`check_data`: the vocabulary, a step's global batch against the
   train split, the validation windows against the val split);
 - the observability options this machine serves;
@@ -33,8 +34,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from tessera.config import Config, ConfigError, Verbatim
+from tessera.config import Config
 from tessera.data.loader import TokenDataset
+from tessera.errors import ConfigError, Verbatim
+from tessera.layout import validate as validate_layout
 from tessera.metrics import memory_snapshot_refusal, tensorboard_missing
 from tessera.run_dir import RunStart, check_run_dir, run_start, with_out_dir
 
@@ -255,7 +258,7 @@ def check_run(cfg: Config, world: int, device_type: str, data: bool = True,
     machine (a launched rank skips it: its launcher checked)."""
     from tessera.checkpoint import verify
 
-    cfg.validate(world)
+    validate_layout(cfg, world)
     dataset = None
     if data or Path(cfg.data.path).exists():
         dataset = check_data(cfg)

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera import checkpoint
-from tessera.config import Config, ConfigError
+from tessera.config import Config
+from tessera.errors import ConfigError
 
 RUNS = Path("runs")
 LATEST = RUNS / "latest"

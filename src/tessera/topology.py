@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.config import ConfigError, ParallelConfig
+from tessera.config import ParallelConfig
+from tessera.errors import ConfigError
 
 AXES = ("pp", "dp", "cp", "tp")
 

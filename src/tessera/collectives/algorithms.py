@@ -45,7 +45,7 @@ from tessera.collectives.p2p import (
     shard_bounds,
     wide_accumulator,
 )
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.collectives.p2p import PeerGroup, check_choice
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("naive", "parallel", "ring", "rabenseifner"),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 SEGMENT_BYTES = 1 << 20

@@ -33,7 +33,7 @@ from tessera.collectives.p2p import (
     shard_bounds,
     wide_accumulator,
 )
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 
 BROADCAST_ALGORITHMS = ("binomial", "scatter_allgather", "backend")
 REDUCE_ALGORITHMS = ("binomial", "backend")

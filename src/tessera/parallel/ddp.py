@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.config import ALLREDUCE_ALGORITHMS, ConfigError
+from tessera.config import ALLREDUCE_ALGORITHMS
+from tessera.errors import ConfigError
 from tessera.parallel.comm_timing import CommLog
 
 MIB = 2**20

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.pipeline.schedule import Kind, Schedule, add_sharding_actions, parse
 from tessera.pipeline.schedules import build_schedule, closed_form_bubble, is_breadth_first
 from tessera.pipeline.simulator import StageCosts, peak_unsharded, simulate, unshard_counts

@@ -43,7 +43,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.pipeline.schedule import Action, B, F, Schedule
 from tessera.pipeline.validator import validate
 
@@ -113,8 +113,9 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
                    group: int = 0) -> None:
     """Raise ConfigError ('field=value: rule') unless schedule `name` exists for pp ranks, m
     micro-batches, v chunks per rank and micro-batch groups of `group` (0: the schedule's
-    default): the rules, without generating the schedule (the layout check and the planner ask
-    this of many layouts)."""
+    default), without generating it. These are the schedule's *shape* rules, on its own
+    arguments; ``tessera.layout.validate`` asks them of a config and names its fields (the
+    layout check and the planner ask this of many layouts)."""
     if name not in SCHEDULES:
         raise ConfigError("schedule", name, f"must be one of {', '.join(SCHEDULES)}")
     spec = SCHEDULES[name]

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tessera.config import ConfigError, ModelConfig
+from tessera.config import ModelConfig
+from tessera.errors import ConfigError
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
@@ -219,20 +220,34 @@ def first_last_fewer(layers: int, n_chunks: int) -> tuple[int, ...]:
     return (per - 1,) + (per,) * (n_chunks - 2) + (per - 1,)
 
 
+def check_split(n_layers: int, n_chunks: int, sizes: Sequence[int] | None = None, *,
+                field: str = "split", value: object = None, pp: int | None = None) -> None:
+    """Raise ConfigError unless n_layers blocks split into n_chunks chunks (pp*virtual_stages),
+    as `sizes` (blocks per chunk) if given: a split's shape rules. ``tessera.layout.validate``
+    asks them of ``parallel.stage_layout`` (`field`, `value`; `pp` names parallel.pp's value),
+    :func:`block_split` of its `split` argument."""
+    if n_chunks > n_layers:
+        raise ConfigError("parallel.pp", n_chunks if pp is None else pp,
+                          f"pp*virtual_stages={n_chunks} stages exceed model.n_layers={n_layers} "
+                          "(each stage needs a block)")
+    if sizes is None:
+        return
+    value = sizes if value is None else value
+    if len(sizes) != n_chunks:
+        raise ConfigError(field, value, f"gives {len(sizes)} chunks; needs one per chunk, "
+                          f"pp*virtual_stages={n_chunks}")
+    if any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise ConfigError(field, value, "every stage needs at least one block")
+    if sum(sizes) != n_layers:
+        raise ConfigError(field, value, f"holds {sum(sizes)} blocks; must add up to "
+                          f"model.n_layers={n_layers}")
+
+
 def block_split(cfg: ModelConfig, n_chunks: int, seq_len: int | None = None,
                 split: Sequence[int] | None = None) -> list[int]:
     """Blocks in each of the n_chunks chunks: balanced by estimated cost, or `split`."""
-    if n_chunks > cfg.n_layers:
-        raise ConfigError("parallel.pp", n_chunks, f"pp*virtual_stages={n_chunks} stages exceed "
-                          f"model.n_layers={cfg.n_layers} (each stage needs a block)")
+    check_split(cfg.n_layers, n_chunks, split)
     if split is not None:
-        split = list(split)
-        if len(split) != n_chunks:
-            raise ConfigError("split", split, f"needs one entry per stage ({n_chunks})")
-        if any(not isinstance(s, int) or s < 1 for s in split):
-            raise ConfigError("split", split, "every stage needs at least one block")
-        if sum(split) != cfg.n_layers:
-            raise ConfigError("split", split, f"must add up to model.n_layers={cfg.n_layers}")
-        return split
+        return list(split)
     embed, blocks, head = layer_costs(cfg, seq_len or cfg.max_seq_len)
     return balance(blocks, n_chunks, embed, head)

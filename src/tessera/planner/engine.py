@@ -30,6 +30,7 @@ import math
 from functools import lru_cache
 
 from tessera.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig
+from tessera.layout import validate
 from tessera.pipeline.split import block_split, parse_stage_layout
 from tessera.planner.models import ModelSpec, model_config
 from tessera.planner.workload import PARALLEL_FIELDS, Layout, Workload, stage_layout_text
@@ -75,7 +76,7 @@ def layout_of(cfg: Config) -> Layout:
 def refusal(w: Workload, L: Layout) -> str | None:
     """Why tessera would refuse `L` on `w` (``Config.validate``'s one-line message), or None."""
     try:
-        to_config(w, L).validate(world_size=w.gpus)
+        validate(to_config(w, L), w.gpus)
     except ConfigError as e:
         return str(e)
     return None

@@ -56,6 +56,7 @@ from collections.abc import Callable
 
 import torch
 
+from tessera.layout import validate
 from tessera.planner.hardware import Hardware, replace
 from tessera.planner.local.chains import extra_per_layer, zero_unit_costs
 from tessera.planner.local.links import collective_link, jitter
@@ -191,7 +192,7 @@ def wrapped_step_extra(spec: ModelSpec, seq: int, micro_batch: int, zero_stage: 
                      train=TrainConfig(micro_batch_size=micro_batch, grad_accum=1,
                                        precision="fp32"),
                      data=DataConfig(seq_len=seq))
-        return cfg.validate(dp)
+        return validate(cfg, dp)
 
     topo = Topology.build(config(world).parallel, "cpu")
     batch = rank_batch(spec.vocab_size, micro_batch, seq, dist.get_rank())

@@ -1,0 +1,49 @@
+"""The error a bad configuration value raises, and how its message shows the value.
+
+A leaf module (it imports nothing from tessera), so that every module can raise
+:class:`ConfigError` without importing the configuration it checks.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+SHOWN_CHARS = 200
+"""A value longer than this is cut in an error message, which stays one readable line."""
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message shows it: its repr, an integer beyond 2^100 (31 digits) by its
+    digit count (Python refuses to print one of more than 4300), long text cut."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        try:
+            digits = str(len(str(abs(value))))
+        except ValueError:  # beyond sys.get_int_max_str_digits()
+            digits = f"more than {sys.get_int_max_str_digits()}"
+        return f"<integer of {digits} digits>"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
+class Verbatim(str):
+    """A value an error message shows as it is, without quotes (a description of a value that
+    cannot be shown itself)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule. The message is one line meant for the user:
+    ``field=value: rule``."""
+
+    def __init__(self, field_name: str, value: Any, rule: str):
+        self.field_name, self.value, self.rule = field_name, value, rule
+        super().__init__(f"{field_name}={shown(value)}: {rule}")
+
+
+def require(ok: bool, field_name: str, value: Any, rule: str) -> None:
+    """Raise ConfigError(field_name, value, rule) unless `ok`."""
+    if not ok:
+        raise ConfigError(field_name, value, rule)
