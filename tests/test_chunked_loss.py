@@ -216,3 +216,28 @@ def test_loss_chunks_refused_under_zero3():
         validate(cfg)
     cfg.parallel.zero_stage = 2
     validate(cfg)
+
+
+def _train_rank(cfg) -> None:
+    from tessera.trainer import train
+
+    train(cfg, progress=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_training_with_loss_chunks_matches_at_tp2(tiny_data, tmp_path):
+    """tp=2 with tied embeddings (the head reads the vocabulary-parallel embedding's rows):
+    the same losses with and without chunks."""
+    tied = "model.tie_embeddings=true"
+    runs = {}
+    for name, sets in (("plain", ()), ("chunked", ("train.loss_chunk_tokens=48",))):
+        cfg = _train_cfg(tiny_data, tmp_path / name, tied, "parallel.tp=2", "train.steps=4",
+                         *sets)
+        run_ranks(_train_rank, 2, args=(cfg,))
+        runs[name] = _losses(tmp_path / name)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    assert len(runs["plain"]) == 4
+    for k, (got, want) in enumerate(zip(runs["chunked"], runs["plain"], strict=True), 1):
+        assert_close_summed(got, want, terms=k * (tokens + cfg.model.vocab_size),
+                            msg=f"step {k}")
