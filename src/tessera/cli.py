@@ -150,6 +150,7 @@ TRAIN_FLAGS: dict[str, str] = {
     "profile-steps": "train.profile_steps", "tensorboard": "train.tensorboard",
     "memory-snapshot": "train.memory_snapshot",
     "collective-timeout": "train.collective_timeout_s",
+    "loss-chunk-tokens": "train.loss_chunk_tokens",
     "data": "data.path", "out": "train.out_dir",
 }
 """`tessera train`'s config flags: flag name -> the config field it sets. A flag takes its

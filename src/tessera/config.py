@@ -401,6 +401,10 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars under <out_dir>/tensorboard (rank 0;
     needs the tensorboard package: pip install 'tessera[tensorboard]')."""
+    loss_chunk_tokens: int = 0
+    """Compute the LM head and the loss this many tokens at a time, so that a micro-batch's
+    fp32 logits (micro_batch_size x seq_len x vocab_size x 4 bytes) are never held whole:
+    each chunk's logits are computed again in backward. 0: the whole micro-batch at once."""
     memory_snapshot: bool = False
     """CUDA only: record the caching allocator's history from the first step and write
     <out_dir>/memory/rank-NNNNN.pickle after the last (its newest 100,000 events), for
@@ -444,6 +448,8 @@ class TrainConfig:
                  f"must be a finite number of seconds >= 1 and <= {MAX_TIMEOUT_S:,}")
         _require(self.sample_tokens >= 0, "train.sample_tokens", self.sample_tokens,
                  "must be >= 0")
+        _require(self.loss_chunk_tokens >= 0, "train.loss_chunk_tokens",
+                 self.loss_chunk_tokens, "must be >= 0")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "train.peak_tflops",
                  self.peak_tflops, "must be > 0")
         _require(not self.profile_steps or re.fullmatch(r"\d+:\d+", self.profile_steps)

@@ -195,3 +195,8 @@ def _check_pipeline(cfg: Config) -> None:
                           "ZeRO-3 with tied embeddings needs the first and last chunks on "
                           f"different ranks or in one chunk (pp=1 with virtual_stages="
                           f"{p.virtual_stages} puts both on one rank)")
+    # The chunked loss reads the head's weight outside the chunk's forward, where ZeRO-3 has
+    # already released it.
+    require(not (t.loss_chunk_tokens and p.zero_stage == 3), "train.loss_chunk_tokens",
+            t.loss_chunk_tokens, "needs parallel.zero_stage < 3 (ZeRO-3 gathers the head's "
+            "weight only while the head module runs)")

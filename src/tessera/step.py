@@ -6,7 +6,9 @@ runtime. One step:
 
 1. **micro-batches through the schedule** (``pipeline.runtime``): each loss is scaled by 1/m,
    so the m micro-batches' gradients accumulate to the gradient of the whole batch's mean loss.
-   The loss is the reference cross-entropy, or its vocabulary-parallel form under tp.
+   The loss is the reference cross-entropy, or its vocabulary-parallel form under tp; with
+   ``train.loss_chunk_tokens`` the last chunk returns the head's input and the loss applies the
+   head a chunk of tokens at a time (``parallel.chunked_loss``).
 2. **data-parallel reduction, overlapped**: each chunk's backwards run under its wrapper's
    ``no_sync()`` except the chunk's last one of the step, during which the reduction starts
    (DDP buckets launch from gradient hooks as they fill; ZeRO-1 all-reduces and ZeRO-2/3
@@ -50,6 +52,7 @@ import torch.distributed as dist
 from tessera.config import Config
 from tessera.model import cross_entropy
 from tessera.moe import set_loss_scale, update_router_bias
+from tessera.parallel.chunked_loss import chunked_head_cross_entropy
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.parallelize import ParallelModel, sync_context, training_schedule
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
@@ -122,6 +125,11 @@ class Executor:
             self.cfg.model.d_model, measure_memory=measure_memory,
             activation_dtype=model.compute_dtype,
             seq_divisor=tp.size if tp.sequence_parallel else 1)
+        self.head_chunk = None  # the last chunk, on its rank, when the loss applies the head
+        if self.cfg.train.loss_chunk_tokens:
+            for chunk in model.chunks.values():
+                if chunk.spec.has_head:
+                    chunk.head_in_loss, self.head_chunk = True, chunk
         self.last_record: StepRecord | None = None
         self.last_comm_wait_s = 0.0
         """The last step's measured exposed data-parallel communication: seconds this rank
@@ -152,7 +160,13 @@ class Executor:
 
     # -- the step ------------------------------------------------------------------------------
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy of the last chunk's logits (vocabulary-split under tp)."""
+        """Mean token cross-entropy of the last chunk's logits (vocabulary-split under tp); with
+        ``train.loss_chunk_tokens`` the last chunk's output is the head's input, and the head
+        and the loss run that many tokens at a time."""
+        if self.head_chunk is not None:
+            return chunked_head_cross_entropy(
+                logits, self.head_chunk.head_weight(), targets, self.cfg.model.vocab_size,
+                self.cfg.train.loss_chunk_tokens, self.model.tp)
         if self.model.tp.size > 1:
             return vocab_parallel_cross_entropy(logits, targets, self.cfg.model.vocab_size,
                                                 self.model.tp)

@@ -72,7 +72,9 @@ class Chunk(nn.Module):
       bf16 inputs; activations may arrive in another dtype from another rank);
     - the head is ``self.output`` (a plain or column-parallel linear), or the embedding of
       another chunk on this rank when embeddings are tied (``shared_head``; kept in a list so
-      that the weight is registered, and reduced, in one chunk only).
+      that the weight is registered, and reduced, in one chunk only);
+    - ``head_in_loss``: the last chunk returns the normed hidden states (B, T, h) and the loss
+      applies the head (``train.loss_chunk_tokens``: the head's matmul chunked with the loss).
     """
 
     def __init__(self, cfg: ModelConfig, spec: ChunkSpec, seed: int | None = None,
@@ -86,6 +88,7 @@ class Chunk(nn.Module):
         self.seq_scale = 1
         self.context_parallel: tuple[int, int] | None = None
         self.compute_dtype: torch.dtype | None = None
+        self.head_in_loss = False
         if spec.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in spec.layers})
@@ -151,7 +154,8 @@ class Chunk(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Chunk 0: tokens (B, T) int64; otherwise the residual stream (B, T_local, h).
-        Returns the residual stream, or logits (B, T, V[/t]) from the last chunk."""
+        Returns the residual stream, or from the last chunk logits (B, T, V[/t]) (with
+        ``head_in_loss``: the normed hidden states, the head's input)."""
         if self.spec.has_embedding:
             T = x.shape[1]
             x = self.tok_embeddings(x)  # (B, T[/t under SP], h)
@@ -170,7 +174,8 @@ class Chunk(nn.Module):
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.spec.has_head:
-            return self.head(self.norm(x))  # (B, T, V[/t])
+            x = self.norm(x)
+            return x if self.head_in_loss else self.head(x)  # (B, T, V[/t])
         return x
 
 
