@@ -97,3 +97,18 @@ def test_run_without_scaling_says_nothing(tiny_data, tmp_path, capsys):
     rows = _run(tiny_data, tmp_path, lr_scaling="none", reference_batch=1)
     assert "lr scaling" not in capsys.readouterr().out
     assert "lr_scale" not in rows[0] and rows[1]["lr"] == pytest.approx(1e-3)
+
+
+def test_resume_keeps_scaled_schedule(tiny_data, tmp_path):
+    """A run resumed from its step-2 checkpoint logs the scaled rates of the whole run."""
+    from tessera.checkpoint import step_dir
+
+    extra = dict(steps=4, checkpoint_interval=2, keep_checkpoints=0, warmup_steps=3,
+                 lr_scaling="sqrt", reference_batch=16)  # k = 1/4: half the rate
+    a = [r for r in _run(tiny_data, tmp_path / "a", **extra) if "loss" in r]
+    b = _run(tiny_data, tmp_path / "b", resume=str(step_dir(tmp_path / "a" / "checkpoints", 2)),
+             **extra)
+    b = [r for r in b if "loss" in r]
+    assert [r["lr"] for r in a] == pytest.approx([5e-4 * 2 / 3, 5e-4, 5e-4, 5e-5])
+    assert [(r["step"], r["lr"], r["loss"]) for r in b] == [
+        (r["step"], r["lr"], r["loss"]) for r in a[2:]]
