@@ -190,6 +190,8 @@ OUT_OF_RANGE: dict[tuple[str, str], list] = {
     ("train", "lr"): [0.0, -3e-3],
     ("train", "min_lr_ratio"): [-0.1, 1.5],
     ("train", "warmup_steps"): [-1],
+    ("train", "lr_scaling"): ["", "cubic", "Linear"],
+    ("train", "reference_batch"): [-1, -64],
     ("train", "weight_decay"): [-0.1],
     ("train", "beta1"): [1.0, -0.1, 1.5],
     ("train", "beta2"): [1.0, -0.5],

@@ -38,6 +38,7 @@ from tessera.config import (
     CP_METHODS,
     DP_MODES,
     INT64_MAX,
+    LR_SCALINGS,
     PRESETS,
     Config,
     ConfigError,
@@ -151,6 +152,7 @@ TRAIN_FLAGS: dict[str, str] = {
     "memory-snapshot": "train.memory_snapshot",
     "collective-timeout": "train.collective_timeout_s",
     "loss-chunk-tokens": "train.loss_chunk_tokens",
+    "lr-scaling": "train.lr_scaling", "reference-batch": "train.reference_batch",
     "data": "data.path", "out": "train.out_dir",
 }
 """`tessera train`'s config flags: flag name -> the config field it sets. A flag takes its
@@ -158,7 +160,8 @@ field's type (a bool field's flag has a --no- form unless it is in ONE_WAY_FLAGS
 is the first sentence of the field's docstring."""
 ONE_WAY_FLAGS = {"overwrite"}
 CHOICES = {"parallel.schedule": SCHEDULES, "parallel.dp_mode": DP_MODES,
-           "parallel.cp_method": CP_METHODS, "parallel.allreduce_algorithm": ALLREDUCE_ALGORITHMS}
+           "parallel.cp_method": CP_METHODS, "parallel.allreduce_algorithm": ALLREDUCE_ALGORITHMS,
+           "train.lr_scaling": LR_SCALINGS}
 """Fields whose value names an entry of a registry: their flag's help lists the names."""
 
 

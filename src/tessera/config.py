@@ -199,6 +199,8 @@ class RopeScaling:
 
 
 DP_MODES = ("allreduce", "ps", "ps-async")
+LR_SCALINGS = ("none", "linear", "sqrt")
+"""train.lr_scaling's rules (``tessera.optim.scaled``)."""
 CP_METHODS = ("ring", "allgather", "ulysses", "hybrid")
 ALLREDUCE_ALGORITHMS = ("backend", "auto", "naive", "parallel", "ring", "rabenseifner")
 
@@ -330,6 +332,16 @@ class TrainConfig:
     """The cosine decays to lr * min_lr_ratio at the last step."""
     warmup_steps: int = 10
     """Linear warm-up steps from 0 to lr."""
+    lr_scaling: str = "none"
+    """How lr follows the global batch (dp x grad_accum x micro_batch_size) against
+    reference_batch, with k = global batch / reference_batch: 'none' keeps lr; 'linear' uses
+    k * lr (Goyal et al. 2017, "Accurate, Large Minibatch SGD"); 'sqrt' uses sqrt(k) * lr (the
+    square-root rule for Adam, Malladi et al. 2022). Goyal et al. warm up the k-times larger
+    rate over 5 of their 90 epochs, so under 'linear' with k > 1 the warm-up lasts at least
+    ceil(steps / 18) steps (the same fraction of the run); otherwise warmup_steps is kept."""
+    reference_batch: int = 0
+    """Sequences per optimizer step at which lr (and warmup_steps) were tuned; 0: the run's own
+    global batch (no scaling)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not applied to norms)."""
     beta1: float = 0.9
@@ -434,6 +446,10 @@ class TrainConfig:
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
                  "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.lr_scaling in LR_SCALINGS, "train.lr_scaling", self.lr_scaling,
+                 f"must be one of {', '.join(LR_SCALINGS)}")
+        _require(self.reference_batch >= 0, "train.reference_batch", self.reference_batch,
+                 "must be >= 0")
         _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
         _require(0 <= self.beta1 < 1, "train.beta1", self.beta1, "must be in [0, 1)")
         _require(0 <= self.beta2 < 1, "train.beta2", self.beta2, "must be in [0, 1)")

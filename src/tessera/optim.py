@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -43,6 +44,38 @@ def lr_lambda(cfg: TrainConfig):
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
 
     return factor
+
+
+GOYAL_WARMUP_PARTS = 18
+"""Goyal et al. 2017 warm up a linearly scaled rate over 5 of their 90 epochs: 1/18 of the
+run."""
+
+
+def scaled(cfg: TrainConfig, global_batch: int) -> tuple[TrainConfig, dict | None]:
+    """`cfg` with lr and warmup_steps as train.lr_scaling sets them for `global_batch`
+    sequences per step, and what changed: {"lr_scale": s, "scaled_lr": s * lr,
+    "scaled_warmup_steps": w}; (cfg, None) when nothing changes (lr_scaling 'none',
+    reference_batch 0 or equal to the global batch).
+
+    With k = global_batch / reference_batch: 'linear' s = k, 'sqrt' s = sqrt(k). Under
+    'linear' with k > 1, w = max(warmup_steps, ceil(steps / 18)); otherwise w =
+    warmup_steps."""
+    if cfg.lr_scaling == "none" or cfg.reference_batch in (0, global_batch):
+        return cfg, None
+    k = global_batch / cfg.reference_batch
+    scale = k if cfg.lr_scaling == "linear" else math.sqrt(k)
+    warmup = cfg.warmup_steps
+    if cfg.lr_scaling == "linear" and k > 1:
+        warmup = max(warmup, -(-cfg.steps // GOYAL_WARMUP_PARTS))  # ceil, in integers
+    note = {"lr_scale": scale, "scaled_lr": cfg.lr * scale, "scaled_warmup_steps": warmup}
+    return dataclasses.replace(cfg, lr=cfg.lr * scale, warmup_steps=warmup), note
+
+
+def scaling_line(cfg: TrainConfig, global_batch: int, note: dict) -> str:
+    """The start-up line that says how train.lr_scaling changed lr and warm-up."""
+    return (f"lr scaling: {cfg.lr_scaling}, global batch {global_batch} vs reference "
+            f"{cfg.reference_batch}: lr {cfg.lr:g} x {note['lr_scale']:g} = "
+            f"{note['scaled_lr']:g}, warm-up {note['scaled_warmup_steps']} steps")
 
 
 SQUARES_PIECE = 1 << 24

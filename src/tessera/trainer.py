@@ -39,7 +39,7 @@ from tessera.metrics import (
 )
 from tessera.model import Transformer, flops_per_token
 from tessera.moe import reduce_stats, summarize_load
-from tessera.optim import lr_lambda
+from tessera.optim import lr_lambda, scaled, scaling_line
 from tessera.parallelize import parallelize
 from tessera.preflight import check_run
 from tessera.report import gather_memory, step_line, summary_lines
@@ -172,6 +172,9 @@ class Run:
     watchdog: Watchdog | None
     start: int
     """The step the run starts after: a resumed run's restored step, else 0."""
+    lr_scaling: dict | None = None
+    """How train.lr_scaling changed lr and warm-up (``optim.scaled``), None if it did not;
+    written in the step-0 record."""
 
 
 def open_run(cfg: Config) -> Run:
@@ -197,8 +200,10 @@ def open_run(cfg: Config) -> Run:
 
     model = parallelize(cfg, topo, device)
     executor = Executor(model)
-    optimizer = model.optimizer(cfg.train)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    # The optimizer and schedule use lr and warm-up as train.lr_scaling sets them.
+    schedule, lr_scaling = scaled(cfg.train, checkpoint.global_batch(cfg))
+    optimizer = model.optimizer(schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule))
     loader = BatchLoader(checked.dataset.train, cfg.data.seq_len, cfg.train.micro_batch_size,
                          cfg.train.grad_accum, topo.coords()["dp"], topo.dp, cfg.data.seed,
                          cp_rank=topo.coords()["cp"], cp_size=topo.cp)
@@ -225,8 +230,10 @@ def open_run(cfg: Config) -> Run:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         print(f"tessera: {topo.describe()} device={device} backend={backend}", flush=True)
+        if lr_scaling is not None:
+            print(scaling_line(cfg.train, checkpoint.global_batch(cfg), lr_scaling), flush=True)
     return Run(cfg, topo, device, checked.dataset, executor, optimizer, scheduler, loader, out,
-               logger, saver, origin, watchdog, start)
+               logger, saver, origin, watchdog, start, lr_scaling)
 
 
 def every(step: int, interval: int) -> bool:
@@ -305,7 +312,7 @@ def first_validation(run: Run, result: RunResult) -> None:
     """Validation before the first step: where the loss starts (~ln V for a fresh model)."""
     val0 = evaluate(run.executor, run.cfg, run.dataset, run.topo)
     result.val_losses.append((0, val0))
-    run.logger.log({"step": 0, "val_loss": val0})
+    run.logger.log({"step": 0, "val_loss": val0} | (run.lr_scaling or {}))
     if run.topo.rank == 0:
         print(f"step     0 | val {val0:.4f} (uniform would be ln V = "
               f"{math.log(run.cfg.model.vocab_size):.4f})", flush=True)
