@@ -97,6 +97,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from tessera.config import Config, ModelConfig
 from tessera.data.loader import val_batch_size, val_window_count
+from tessera.errors import UserError
 from tessera.sharded_state import Piece, model_pieces
 
 FORMAT = 2
@@ -104,7 +105,7 @@ META = "meta.json"
 EXTRA = "extra.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint is missing, malformed, corrupt or from another model. Names the path."""
 
 

@@ -45,20 +45,26 @@ from tessera.config import (
     make_config,
     shown,
 )
+from tessera.errors import UserError
 from tessera.pipeline.schedules import SCHEDULES
 
 EXIT_BAD_INPUT = 2
 
 
 class OneLineErrors(TyperGroup):
-    """Click's own usage errors (a flag's value of the wrong type, an unknown flag, a flag
-    without its value) as one line, ``error: ...``, exit status 2, like every other bad input;
-    Click would print the usage and a hint around its message."""
+    """Bad input as one line, ``error: ...``, exit status 2: a :class:`UserError` any command
+    raises, and Click's own usage errors (a flag's value of the wrong type, an unknown flag, a
+    flag without its value), around which Click would print the usage and a hint."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except UserError as e:
+            if not standalone_mode:
+                raise
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
         except OSError as e:
             # A path the kernel refuses by its name (too long), given to any command: the
             # user's input, not a bug. Every other OSError keeps its traceback.
@@ -228,29 +234,23 @@ def train(
     for name, value in config_flags.items():
         section, field = TRAIN_FLAGS[name.replace("_", "-")].split(".")
         flags.setdefault(section, {})[field] = value
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError
     from tessera.preflight import check_run, report_lines
     from tessera.run_dir import begin_out_dir
 
     under_launcher = "RANK" in os.environ
-    try:
-        if nproc is not None and nproc < 1:
-            raise ConfigError("--nproc", nproc, "must be >= 1")
-        # Under a launcher the world is known; dp fills it unless given, as with --nproc.
-        world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
-        cfg = resolve_config(preset, config, set_, flags, world_hint)
-        cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config,
-                                                                                 set_)
-        world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
-            nproc or cfg.parallel.world_size)
-        check_max_restarts(max_restarts, under_launcher)
-        defaulted_out = not cfg.train.out_dir
-        # A rank this command launched skips the memory check: its launcher made it.
-        checked = check_run(cfg, world, "cuda" if torch_cuda_available() else "cpu",
-                            memory=RELAUNCHED not in os.environ)
-    except (ConfigError, DataError, CheckpointError) as e:
-        raise fail(str(e)) from None
+    if nproc is not None and nproc < 1:
+        raise ConfigError("--nproc", nproc, "must be >= 1")
+    # Under a launcher the world is known; dp fills it unless given, as with --nproc.
+    world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
+    cfg = resolve_config(preset, config, set_, flags, world_hint)
+    cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config, set_)
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
+        nproc or cfg.parallel.world_size)
+    check_max_restarts(max_restarts, under_launcher)
+    defaulted_out = not cfg.train.out_dir
+    # A rank this command launched skips the memory check: its launcher made it.
+    checked = check_run(cfg, world, "cuda" if torch_cuda_available() else "cpu",
+                        memory=RELAUNCHED not in os.environ)
     if dry_run:
         print("\n".join(report_lines(checked, "tessera train --dry-run")))
         return
@@ -287,8 +287,6 @@ def train(
 
     try:
         run(cfg, progress=not no_progress)
-    except (ConfigError, DataError, CheckpointError) as e:
-        raise fail(str(e)) from None
     except PeerLostError as e:  # not bad input: exit 1, as a failed rank does
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(1) from None
@@ -380,27 +378,23 @@ def schedule_cmd(
 ) -> None:
     """Print a pipeline schedule's grid, bubble and in-flight memory; draw its timeline."""
     from tessera.pipeline.cli import describe, load_schedule
-    from tessera.pipeline.schedule import ScheduleError
 
-    try:
-        if backward_ratio <= 0:
-            raise ConfigError("--backward-ratio", backward_ratio, "must be > 0")
-        for flag, value in (("--dp-reduce", dp_reduce), ("--gather", gather)):
-            if value < 0:
-                raise ConfigError(flag, value, "must be >= 0")
-        if zero_stage not in (0, 1, 2, 3):
-            raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
-        if gather and zero_stage != 3:
-            raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
-        least = SCHEDULES[schedule].min_virtual if schedule in SCHEDULES else 1
-        if virtual < least and file is None:
-            raise ConfigError("--virtual", virtual, f"{schedule} needs --virtual >= {least} "
-                              "(with one chunk per rank it is plain 1f1b)")
-        print(describe(load_schedule(schedule, pp, microbatches, virtual, file,
-                                     microbatch_group),
-                       backward_ratio, dp_reduce, out, zero_stage, gather, microbatch_group))
-    except (ConfigError, ScheduleError) as e:
-        raise fail(str(e)) from None
+    if backward_ratio <= 0:
+        raise ConfigError("--backward-ratio", backward_ratio, "must be > 0")
+    for flag, value in (("--dp-reduce", dp_reduce), ("--gather", gather)):
+        if value < 0:
+            raise ConfigError(flag, value, "must be >= 0")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
+    if gather and zero_stage != 3:
+        raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
+    least = SCHEDULES[schedule].min_virtual if schedule in SCHEDULES else 1
+    if virtual < least and file is None:
+        raise ConfigError("--virtual", virtual, f"{schedule} needs --virtual >= {least} "
+                          "(with one chunk per rank it is plain 1f1b)")
+    print(describe(load_schedule(schedule, pp, microbatches, virtual, file,
+                                 microbatch_group),
+                   backward_ratio, dp_reduce, out, zero_stage, gather, microbatch_group))
 
 
 @app.command("config")
@@ -412,24 +406,16 @@ def show_config(
                         "per rank; print the memory estimate and the warnings.")] = False,
 ) -> None:
     """Print the resolved configuration as YAML (exit 2 with one line if --check fails)."""
-    try:
-        cfg = resolve_config(preset, config, set_, {})
-    except ConfigError as e:
-        raise fail(str(e)) from None
+    cfg = resolve_config(preset, config, set_, {})
     if not check:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError
     from tessera.preflight import check_run, report_lines
 
-    try:  # as train does, with the data checked only where it exists
-        cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config,
-                                                                                 set_)
-        checked = check_run(cfg, cfg.parallel.world_size,
-                            "cuda" if torch_cuda_available() else "cpu", data=False)
-    except (ConfigError, DataError, CheckpointError) as e:
-        raise fail(str(e)) from None
+    # As train does, with the data checked only where it exists.
+    cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config, set_)
+    checked = check_run(cfg, cfg.parallel.world_size,
+                        "cuda" if torch_cuda_available() else "cpu", data=False)
     print("\n".join(report_lines(checked, "tessera config --check")))
 
 
@@ -484,8 +470,6 @@ def generate_cmd(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
 ) -> None:
     """Continue a prompt with a checkpoint's model, printed to stdout."""
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError
     from tessera.generate import generate
 
     try:
@@ -503,7 +487,7 @@ def generate_cmd(
                               f"exceeds the model's {model.cfg.vocab_size}")
         ids = generate(model, tok.encode(prompt), tokens, temperature, top_k or None, seed,
                        top_p, stop=getattr(tok, "eot_id", None))
-    except (ConfigError, CheckpointError, DataError, FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
     print(prompt + tok.decode(ids))
 
@@ -515,14 +499,11 @@ def export_hf_cmd(
                                           "model.safetensors to.")],
 ) -> None:
     """Write a checkpoint's model as a Hugging Face Llama directory (LlamaForCausalLM reads it)."""
-    from tessera.checkpoint import CheckpointError, load_model
-    from tessera.hf import HFError, save_hf
+    from tessera.checkpoint import load_model
+    from tessera.hf import save_hf
 
-    try:
-        model_cfg, state, path = load_model(checkpoint)
-        written = save_hf(model_cfg, state, out)
-    except (CheckpointError, HFError) as e:
-        raise fail(str(e)) from None
+    model_cfg, state, path = load_model(checkpoint)
+    written = save_hf(model_cfg, state, out)
     print(f"{path} -> {written} (config.json, model.safetensors)")
 
 
@@ -533,12 +514,9 @@ def checkpoint_inspect_cmd(
 ) -> None:
     """Step, the layout that wrote it, the model, and every tensor (global shape, dtype, boxes
     saved, bytes). Reads no tensor data; checks every file's checksum first."""
-    from tessera.checkpoint import CheckpointError, describe
+    from tessera.checkpoint import describe
 
-    try:
-        lines = describe(path)
-    except CheckpointError as e:
-        raise fail(str(e)) from None
+    lines = describe(path)
     print("\n".join(lines))
 
 
@@ -559,29 +537,26 @@ def checkpoint_export_cmd(
 
     import torch
 
-    from tessera.checkpoint import CheckpointError, load_model
-    from tessera.hf import HFError, save_hf
+    from tessera.checkpoint import load_model
+    from tessera.hf import save_hf
 
-    try:
-        if format_ not in ("hf", "torch"):
-            raise ConfigError("--format", format_, "must be hf or torch")
-        model_cfg, state, found = load_model(path)
-        if format_ == "hf":
-            try:
-                import safetensors  # noqa: F401
-            except ImportError:
-                raise ConfigError("--format", format_, "needs safetensors: pip install -c "
-                                  "constraints.txt -e '.[hf]' (or use --format torch)") from None
-            written = save_hf(model_cfg, state, to)
-            what = "config.json, model.safetensors"
-        else:
-            written = Path(to)
-            written.mkdir(parents=True, exist_ok=True)
-            torch.save(state, written / "model.pt")
-            (written / "model.json").write_text(json.dumps(asdict(model_cfg), indent=1))
-            what = "model.pt, model.json"
-    except (ConfigError, CheckpointError, HFError) as e:
-        raise fail(str(e)) from None
+    if format_ not in ("hf", "torch"):
+        raise ConfigError("--format", format_, "must be hf or torch")
+    model_cfg, state, found = load_model(path)
+    if format_ == "hf":
+        try:
+            import safetensors  # noqa: F401
+        except ImportError:
+            raise ConfigError("--format", format_, "needs safetensors: pip install -c "
+                              "constraints.txt -e '.[hf]' (or use --format torch)") from None
+        written = save_hf(model_cfg, state, to)
+        what = "config.json, model.safetensors"
+    else:
+        written = Path(to)
+        written.mkdir(parents=True, exist_ok=True)
+        torch.save(state, written / "model.pt")
+        (written / "model.json").write_text(json.dumps(asdict(model_cfg), indent=1))
+        what = "model.pt, model.json"
     print(f"{found} -> {written} ({what})")
 
 
@@ -604,8 +579,7 @@ def eval_cmd(
 ) -> None:
     """Validation loss (nats per token) and perplexity of a checkpoint's model; by default on
     the windows the training run validated on."""
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError, TokenDataset
+    from tessera.data.loader import TokenDataset
     from tessera.evaluate import evaluate, trained_validation, windows_held
 
     try:
@@ -651,7 +625,7 @@ def eval_cmd(
             notes.append(f"the {split} split holds {held} windows of {seq} ({held * seq:,} "
                          f"targets), fewer than --tokens={tokens:,}: scoring all of them")
         result = evaluate(model, dataset, seq, tokens, batch_size, split)
-    except (ConfigError, CheckpointError, DataError, ValueError) as e:
+    except ValueError as e:
         raise fail(str(e)) from None
     for note in notes:
         print(f"note: {note}")

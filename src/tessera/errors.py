@@ -1,7 +1,8 @@
-"""The error a bad configuration value raises, and how its message shows the value.
+"""The errors meant for the user, and how their messages show a value.
 
 A leaf module (it imports nothing from tessera), so that every module can raise
-:class:`ConfigError` without importing the configuration it checks.
+:class:`ConfigError` without importing the configuration it checks, and derive its own error
+for the user from :class:`UserError`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ class Verbatim(str):
         return str(self)
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """Bad input from the user (a config value, a path, a checkpoint, a schedule): its message
+    is one line, which the command line prints as ``error: <message>`` with exit status 2 and
+    no traceback."""
+
+
+class ConfigError(UserError):
     """A configuration value breaks a rule. The message is one line meant for the user:
     ``field=value: rule``."""
 
