@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from cli_errors import cli_error
 from tessera.checkpoint import CheckpointError, latest, load_model, step_dir
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.testing import run_ranks
 

@@ -46,7 +46,8 @@ from tessera.checkpoint import (
     read_metadata,
     step_dir,
 )
-from tessera.config import Config, make_config
+from tessera.config import Config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.testing import assert_curves_close, run_ranks
 

@@ -194,7 +194,7 @@ def test_the_spy_would_see_an_admitted_name_run(tmp_path):
 
 
 def _save_tiny(data: str, out: Path, *overrides: str) -> Path:
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.trainer import run
 
     cfg = make_config("tiny", overrides=[

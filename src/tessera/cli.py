@@ -38,17 +38,15 @@ from tessera.config import (
     CP_METHODS,
     DP_MODES,
     INT64_MAX,
-    PRESETS,
     Config,
-    ConfigError,
-    load_file,
-    make_config,
-    shown,
 )
+from tessera.config_io import load_file, make_config
+from tessera.config_warnings import config_warnings
 from tessera.data.cli import data_app
-from tessera.errors import UserError
+from tessera.errors import ConfigError, UserError, shown
 from tessera.pipeline.schedules import SCHEDULES
 from tessera.planner.cli import plan_app
+from tessera.presets import PRESETS
 from tessera.weights_cli import checkpoint_app, eval_cmd, export_hf_cmd, generate_cmd
 
 EXIT_BAD_INPUT = 2
@@ -251,7 +249,7 @@ def train(
     if checked.new_out:  # every check passed: the new directory is made (once) and linked
         cfg = begin_out_dir(cfg)
     if not under_launcher or (os.environ["RANK"] == "0" and RELAUNCHED not in os.environ):
-        for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
+        for line in config_warnings(cfg):  # once: by us before a relaunch, else by rank 0
             print(f"warning: {line}", file=sys.stderr, flush=True)
 
     if not under_launcher and (world > 1 or max_restarts):
