@@ -43,9 +43,9 @@ from tessera.checkpoint import (
     load_model,
     load_tensors,
     read_manifest,
-    read_metadata,
     step_dir,
 )
+from tessera.checkpoint_read import read_metadata
 from tessera.config import Config
 from tessera.config_io import make_config
 from tessera.metrics import read_metrics
