@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.metrics import device_peak_tflops
 from tessera.model import build_model, cross_entropy, flops_per_token
 from tessera.optim import adamw

@@ -43,7 +43,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from tessera.config import Config, make_config  # noqa: E402
+from tessera.config import Config  # noqa: E402
+from tessera.config_io import make_config  # noqa: E402
 from tessera.model import active_param_count, param_count  # noqa: E402
 from tessera.step import build_executor  # noqa: E402
 from tessera.testing import run_ranks  # noqa: E402

@@ -312,7 +312,7 @@ def paired_rank(zero_stage: int, micro_batch: int, blocks: int, block: int,
     `aa` (with `same`): AA_MODES, what the second one-rank model is."""
     import gc
 
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.layout import validate
     from tessera.parallelize import parallelize
     from tessera.step import Executor

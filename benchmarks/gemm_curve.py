@@ -38,7 +38,7 @@ KORTHIKANTI_SHAPES = [(f"{row.model.name} t{row.tp}", row.model, row.tp, 2048)
 
 
 def workloads() -> list[tuple[str, ModelSpec, int, int]]:
-    from tessera.config import make_config
+    from tessera.config_io import make_config
 
     # bench_gpu_step.py's default model (its make_config), one block of it
     cfg = make_config(None, model=dict(vocab_size=256, d_model=1024, n_layers=1, n_heads=16,

@@ -34,7 +34,7 @@ SIZES = (1, 2, 4, 8, 16)
 def _worker(micro_batch: int, rounds: int) -> dict[int, list[tuple[float, float]]]:
     """Per size k, per round: (the slowest rank's wall seconds minus the ranks' mean, the
     mean). Every rank returns the same lists."""
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.planner.local.links import side_by_side
     from tessera.planner.local.rates import block_step
     from tessera.planner.models import from_model_config

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.config import Config, make_config
+from tessera.config import Config
+from tessera.config_io import make_config
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw, lr_lambda
 from tessera.step import Executor, build_executor

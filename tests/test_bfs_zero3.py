@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from dp_parity import ADAM_ROUNDINGS, Shadow
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw
 from tessera.pipeline.schedule import (

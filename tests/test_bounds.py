@@ -18,11 +18,9 @@ import tessera.preflight
 import tessera.trainer
 from cli_errors import cli_error
 from tessera.cli import app, resolve_config
-from tessera.config import (
-    INT64_MAX,
-    LIMITS,
-    make_config,
-)
+from tessera.config import INT64_MAX, LIMITS
+from tessera.config_io import make_config
+from tessera.config_warnings import config_warnings, ignored_options
 from tessera.errors import ConfigError
 from tessera.layout import MAX_PIPELINE_PAIRS, validate
 from tessera.presets import PRESETS
@@ -409,7 +407,7 @@ NO_EFFECT = [
 def test_an_option_without_effect_warns(sets, warning):
     cfg = make_config("tiny", overrides=sets)
     validate(cfg)
-    assert any(w.startswith(warning) for w in cfg.warnings()), cfg.warnings()
+    assert any(w.startswith(warning) for w in config_warnings(cfg)), config_warnings(cfg)
 
 
 @pytest.mark.parametrize("sets", [
@@ -428,18 +426,18 @@ def test_an_option_without_effect_warns(sets, warning):
 def test_the_same_option_where_it_acts_does_not_warn(sets):
     cfg = make_config("tiny", overrides=sets)
     validate(cfg)
-    assert cfg.ignored() == []
+    assert ignored_options(cfg) == []
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_warn_of_nothing(preset):
-    assert make_config(preset).ignored() == []
+    assert ignored_options(make_config(preset)) == []
 
 
 def test_a_short_run_of_a_preset_warns_of_nothing_the_user_did_not_set():
     # The presets' intervals differ from the defaults; a short run does not make them warn.
     cfg = make_config("tiny", overrides=["train.steps=2", "train.warmup_steps=0"])
-    assert cfg.warnings() == []
+    assert config_warnings(cfg) == []
 
 
 def test_make_demo_layout_warns_of_nothing():
@@ -447,7 +445,7 @@ def test_make_demo_layout_warns_of_nothing():
     cfg = resolve_config("demo", None, None, {
         "parallel": {"dp": 1, "tp": 2, "pp": 2, "schedule": "1f1b"},
         "train": {"grad_accum": 4, "micro_batch_size": 8}}, nproc=4)
-    assert validate(cfg, 4).warnings() == []
+    assert config_warnings(validate(cfg, 4)) == []
 
 
 def test_a_no_effect_warning_is_printed_at_start(tiny_data, tmp_path, monkeypatch):

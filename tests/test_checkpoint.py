@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from cli_errors import cli_error
 from tessera.checkpoint import CheckpointError, latest, load_model, step_dir
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.testing import run_ranks
 
@@ -288,7 +288,8 @@ def test_background_save_writes_what_a_blocking_one_writes(tiny_data, tmp_path):
     step's files are written, so each rank must write the copies it took at the save: every
     tensor of both kept checkpoints equals the blocking run's, bit for bit; pruning and the
     manifest still happen (in the saver's thread), and nothing unfinished is left behind."""
-    from tessera.checkpoint import load_tensors, read_manifest, read_metadata
+    from tessera.checkpoint import load_tensors, read_manifest
+    from tessera.checkpoint_read import read_metadata
 
     run_ranks(_sync_and_async, 2, args=(tiny_data, str(tmp_path)))
     assert _records(tmp_path / "sync") == _records(tmp_path / "async")
@@ -345,7 +346,8 @@ def _save_then_mutate(data: str, root: str) -> None:
 def test_background_save_writes_the_state_at_the_save(tiny_data, tmp_path):
     """The writing thread starts only after every live weight and moment has changed: what it
     writes must still be the state at the save (each rank's copy), bit for bit."""
-    from tessera.checkpoint import load_tensors, read_manifest, read_metadata
+    from tessera.checkpoint import load_tensors, read_manifest
+    from tessera.checkpoint_read import read_metadata
 
     run_ranks(_save_then_mutate, 2, args=(tiny_data, str(tmp_path)))
     got = {}
@@ -405,7 +407,8 @@ def test_rng_states_saved_and_restored_per_device(tiny_data, tmp_path, monkeypat
     so what is checked is which state is saved under which key and that resuming hands it back
     to the set function with the rank's device."""
     from tessera import checkpoint
-    from tessera.checkpoint import load_tensors, read_metadata
+    from tessera.checkpoint import load_tensors
+    from tessera.checkpoint_read import read_metadata
 
     cfg, executor, optimizer, scheduler, loader = _one_process_state(tiny_data, tmp_path)
     args = (cfg, executor, optimizer, scheduler, loader, 0, 1)

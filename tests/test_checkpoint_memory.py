@@ -53,7 +53,7 @@ def _growth(fn) -> int:
 
 def _measure(data: str, root: str) -> dict[str, int]:
     from tessera import checkpoint
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.data.loader import BatchLoader, TokenDataset
     from tessera.optim import lr_lambda
     from tessera.parallelize import parallelize

@@ -43,10 +43,11 @@ from tessera.checkpoint import (
     load_model,
     load_tensors,
     read_manifest,
-    read_metadata,
     step_dir,
 )
-from tessera.config import Config, make_config
+from tessera.checkpoint_read import read_metadata
+from tessera.config import Config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.testing import assert_curves_close, run_ranks
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tessera.step
-from tessera.config import ConfigError, make_config
+from tessera.config_io import make_config
+from tessera.errors import ConfigError
 from tessera.metrics import read_metrics
 from tessera.model import cross_entropy
 from tessera.parallel.chunked_loss import chunked_head_cross_entropy

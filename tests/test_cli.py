@@ -281,7 +281,8 @@ def test_each_config_flag_sets_its_field_and_an_absent_flag_sets_nothing(monkeyp
     import typing
 
     import tessera.cli as cli
-    from tessera.config import Config, ConfigError
+    from tessera.config import Config
+    from tessera.errors import ConfigError
 
     seen = {}
 
@@ -318,3 +319,19 @@ def test_config_flag_help_is_the_fields_docstring():
     assert "--tensorboard / --no-tensorboard Also write" in text
     assert "--overwrite Let a run start" in text and "--no-overwrite" not in text
     assert "Choices: allreduce, ps, ps-async. (parallel.dp_mode)" in text
+
+
+def test_every_error_for_the_user_is_a_user_error_the_cli_prints_in_one_line(tmp_path):
+    from tessera.checkpoint import CheckpointError
+    from tessera.data.loader import DataError
+    from tessera.errors import ConfigError, UserError
+    from tessera.hf import HFError
+    from tessera.pipeline.schedule import ScheduleError
+    from tessera.planner.estimate import PlanError
+
+    for cls in (ConfigError, CheckpointError, DataError, HFError, ScheduleError, PlanError):
+        assert issubclass(cls, UserError), cls
+    # A CheckpointError raised inside a command (no try of its own): one line, exit 2.
+    r = CliRunner().invoke(app, ["checkpoint", "inspect", str(tmp_path / "none")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1
+    assert r.output.startswith("error: ") and "none" in r.output

@@ -9,7 +9,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology

@@ -57,7 +57,8 @@ import pytest
 import torch
 
 from dp_parity import ADAM_ROUNDINGS, Shadow
-from tessera.config import Config, make_config
+from tessera.config import Config
+from tessera.config_io import make_config
 from tessera.data.loader import cp_shard
 from tessera.errors import ConfigError
 from tessera.layout import validate

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.config import (
-    Config,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainConfig,
-    make_config,
-)
+from tessera.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from tessera.config_io import make_config
+from tessera.config_warnings import config_warnings
 from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.presets import PRESETS
@@ -119,12 +114,12 @@ CROSS_RULES = [
 def test_warnings_for_legal_but_unlikely_settings():
     # Before: one micro-batch under pp=2 and a warm-up longer than the run said nothing.
     cfg = _cfg(model=dict(n_layers=4), parallel=dict(pp=2), train=dict(steps=5, warmup_steps=9))
-    pipeline, warmup = cfg.warnings()
+    pipeline, warmup = config_warnings(cfg)
     assert pipeline.startswith("train.grad_accum=1 micro-batches with parallel.pp=2: pipeline "
                                "ranks idle about 50% of each step; use --microbatches 8")
     assert warmup == "train.warmup_steps=9 > train.steps=5: the learning rate never reaches " \
                      "train.lr=0.003"
-    assert _cfg(parallel=dict(pp=2), train=dict(grad_accum=2)).warnings() == []
+    assert config_warnings(_cfg(parallel=dict(pp=2), train=dict(grad_accum=2))) == []
 
 
 @pytest.mark.parametrize("sections, world, field_name, rule", CROSS_RULES)

@@ -162,7 +162,7 @@ def test_attention_activations_fall_as_one_over_cp(cp):
 
 
 def _executor_bytes(method: str) -> dict:
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.step import build_executor
     from tessera.topology import Topology
 
@@ -196,7 +196,7 @@ def test_bytes_per_layer_in_a_training_step(method):
 
 
 def _model_activation_bytes(cp: int, method: str) -> int:
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.data.loader import cp_shard
     from tessera.step import build_executor
     from tessera.topology import Topology

@@ -15,7 +15,7 @@ import pytest
 
 from cli_errors import cli_error
 from tessera.checkpoint import load_model
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.data.loader import TokenDataset
 from tessera.evaluate import evaluate
 from tessera.metrics import read_metrics

@@ -241,7 +241,7 @@ def test_altered_shard_refused_with_path(tiny_data, tmp_path):
         val_windows(ds.val, 16, 64, 4)
     with pytest.raises(DataError, match=f"{shard}: checksum mismatch"):
         TokenDataset(d).verify()
-    from tessera.cli import is_prepared  # `data prepare --if-missing` hashes everything
+    from tessera.data.cli import is_prepared  # `data prepare --if-missing` hashes everything
 
     assert is_prepared(tiny_data) and not is_prepared(str(d))
 

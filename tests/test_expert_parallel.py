@@ -30,7 +30,8 @@ from typing import Any
 import pytest
 import torch
 
-from tessera.config import Config, make_config
+from tessera.config import Config
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.model import build_model, cross_entropy

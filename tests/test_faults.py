@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from cli_errors import cli_error
 from tessera.checkpoint import latest
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.metrics import read_log, read_metrics
 from tessera.testing import run_ranks
 from tessera.watchdog import Watchdog

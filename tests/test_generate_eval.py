@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from cli_errors import cli_error
 from tessera.checkpoint import step_dir
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.data.loader import TokenDataset
 from tessera.data.prepare import prepare
 from tessera.data.tokenizer import ByteTokenizer

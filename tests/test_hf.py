@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from cli_errors import cli_error
 from tessera.checkpoint import load_model
 from tessera.cli import app
-from tessera.config import ModelConfig, make_config
+from tessera.config import ModelConfig
+from tessera.config_io import make_config
 from tessera.hf import from_hf_rows, hf_config, load_hf, model_config_from_hf, to_hf_rows
 from tessera.metrics import read_metrics
 from tessera.model import Transformer

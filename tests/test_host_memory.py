@@ -10,7 +10,7 @@ import resource
 import pytest
 
 import tessera.trainer
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.host_memory import keep_freed_memory
 from tessera.testing import run_ranks
 from tessera.trainer import run

@@ -12,7 +12,8 @@ import torch
 
 import tessera.errors
 import tessera.layout
-from tessera.config import ParallelConfig, make_config
+from tessera.config import ParallelConfig
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.parallelize import parallelize

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cli_errors import cli_error
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.metrics import read_metrics
 from tessera.optim import lr_lambda, scaled

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tessera.config import ModelConfig, make_config
+from tessera.config import ModelConfig
+from tessera.config_io import make_config
 from tessera.model import (
     RMSNorm,
     apply_rope,

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.config import ModelConfig, make_config
+from tessera.config import ModelConfig
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.model import (
     active_param_count,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.data.loader import BatchLoader, TokenDataset
 from tessera.moe import moe_layers
 from tessera.step import build_executor

@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from cli_errors import cli_error
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.parallelize import parallelize
 from tessera.report import summary_lines

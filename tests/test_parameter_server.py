@@ -19,7 +19,7 @@ from dp_parity import (
     tiny_config,
 )
 from tessera.collectives import CommStats, all_reduce
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.metrics import read_metrics

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from cli_errors import cli_error
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.testing import run_ranks

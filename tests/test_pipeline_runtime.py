@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dp_parity import ADAM_ROUNDINGS, Shadow, clip_like_engine
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw
 from tessera.pipeline.runtime import PipelineRuntime, _tag

@@ -86,7 +86,7 @@ def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkey
 
     import torch
 
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.planner.hardware import save_hardware
     from tessera.report import SHIPPED_HARDWARE, planner_prediction
 
@@ -116,7 +116,7 @@ def test_training_summary_prices_with_the_runs_rank_count(tmp_path, monkeypatch)
     import torch
 
     import tessera.planner.local.calibrate as calibrate_module
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.planner.hardware import save_hardware
     from tessera.report import SHIPPED_HARDWARE, planner_prediction
 
@@ -277,7 +277,7 @@ def test_training_summary_names_a_calibration_at_another_micro_batch(tmp_path, m
 
     import torch
 
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.planner.hardware import save_hardware
     from tessera.report import planner_prediction
 

@@ -19,7 +19,9 @@ import itertools
 import pytest
 import torch
 
-from tessera.config import DP_MODES, Config, ConfigError, ParallelConfig, make_config
+from tessera.config import DP_MODES, Config, ParallelConfig
+from tessera.config_io import make_config
+from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.pipeline.schedules import SCHEDULES
 from tessera.planner import engine

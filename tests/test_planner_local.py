@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.planner.hardware import FILE_KEYS, load_hardware, replace, save_hardware
 from tessera.planner.local.terms import (
     GPU_TERMS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.model import active_param_count, param_count
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import from_model_config

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tessera.cli import app
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
 from tessera.planner.comm import allreduce_time
 from tessera.planner.compute import block_costs

@@ -37,7 +37,7 @@ from dp_parity import (
     tiny_config,
 )
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tessera import report
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.report import host_load_note, summary_lines
 
 

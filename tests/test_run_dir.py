@@ -25,7 +25,7 @@ from cli_errors import cli_error
 from tessera import checkpoint, run_dir
 from tessera.checkpoint import config_hash, latest, prune, run_id_of, step_dir
 from tessera.cli import app
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 
 SMALL = ["--preset", "tiny", "--no-progress", "--set", "data.seq_len=16", "--set",

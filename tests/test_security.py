@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cli_errors import cli_error
-from tessera.checkpoint import CheckpointError, read_metadata
+from tessera.checkpoint import CheckpointError
+from tessera.checkpoint_read import read_metadata
 from tessera.config import ModelConfig
 
 
@@ -117,7 +118,7 @@ def _offered_names(module_name: str) -> list[str]:
     __getattr__ answers (lazy submodules, deprecated functions), which dir() does not list."""
     import importlib
 
-    from tessera.checkpoint import _METADATA_CLASSES
+    from tessera.checkpoint_read import _METADATA_CLASSES
 
     module = importlib.import_module(module_name)
     names = set(dir(module))
@@ -142,7 +143,7 @@ def test_every_other_name_of_an_admitted_module_is_refused(tmp_path):
     import importlib
     import io
 
-    from tessera.checkpoint import _METADATA_CLASSES, _MetadataUnpickler
+    from tessera.checkpoint_read import _METADATA_CLASSES, _MetadataUnpickler
 
     index = tmp_path / ".metadata"
     offered, calls = 0, []
@@ -179,7 +180,7 @@ def test_the_spy_would_see_an_admitted_name_run(tmp_path):
     # The check above proves something: an admitted name bound to a spy is looked up and called.
     import io
 
-    from tessera.checkpoint import _MetadataUnpickler
+    from tessera.checkpoint_read import _MetadataUnpickler
 
     calls: list[str] = []
     module = torch.serialization
@@ -194,7 +195,7 @@ def test_the_spy_would_see_an_admitted_name_run(tmp_path):
 
 
 def _save_tiny(data: str, out: Path, *overrides: str) -> Path:
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.trainer import run
 
     cfg = make_config("tiny", overrides=[
@@ -209,7 +210,8 @@ def test_every_admitted_name_is_needed(tiny_data, tmp_path):
     # The names the indexes of real checkpoints ask for, fp32 and bf16 (bf16 weights beside
     # fp32 masters): together exactly the allow-list. (MoE, tied embeddings and multi-rank
     # layouts ask for the same names.)
-    from tessera.checkpoint import _METADATA_CLASSES, _MetadataUnpickler, load_model
+    from tessera.checkpoint import load_model
+    from tessera.checkpoint_read import _METADATA_CLASSES, _MetadataUnpickler
 
     asked: set[tuple[str, str]] = set()
 

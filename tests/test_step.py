@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.moe import update_router_bias
 from tessera.optim import lr_lambda
 from tessera.step import build_executor

@@ -102,7 +102,7 @@ def test_layout_must_match_world():
 def _solo_model_grads():
     """Each rank trains the tiny model alone on its own batch inside a 2-rank world (and a
     data-parallel model beside it, to be sure the world's groups exist and are not used)."""
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.parallelize import parallelize
     from tessera.step import Executor
 
@@ -120,7 +120,7 @@ def test_solo_topology_reaches_no_other_rank():
     """Topology.solo: a model built on it inside a 2-rank world is the single-process model:
     each rank's loss and gradients on its own batch equal one process's on that batch,
     bitwise (the same kernels on the same shapes, and nothing averaged with the other rank)."""
-    from tessera.config import make_config
+    from tessera.config_io import make_config
     from tessera.model import build_model, cross_entropy
 
     cfg = make_config("tiny", parallel=dict(dp=1), train=dict(grad_accum=1, micro_batch_size=2))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cli_errors import cli_error
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.testing import assert_close_summed, assert_curves_close
 from tessera.trainer import run

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy
 from tessera.optim import lr_lambda

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cli_errors import cli_error
-from tessera.config import make_config
+from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.model import build_model, cross_entropy

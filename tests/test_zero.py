@@ -16,7 +16,8 @@ from cli_errors import cli_error
 from dp_parity import ADAM_ROUNDINGS, Shadow
 from tessera.cli import app
 from tessera.collectives.algorithms import all_gather_single
-from tessera.config import Config, make_config
+from tessera.config import Config
+from tessera.config_io import make_config
 from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy
 from tessera.optim import lr_lambda

@@ -39,27 +39,34 @@ from tessera.config import (
     DP_MODES,
     INT64_MAX,
     LR_SCALINGS,
-    PRESETS,
     Config,
-    ConfigError,
-    load_file,
-    make_config,
-    shown,
 )
+from tessera.config_io import load_file, make_config
+from tessera.config_warnings import config_warnings
+from tessera.data.cli import data_app
+from tessera.errors import ConfigError, UserError, shown
 from tessera.pipeline.schedules import SCHEDULES
+from tessera.planner.cli import plan_app
+from tessera.presets import PRESETS
+from tessera.weights_cli import checkpoint_app, eval_cmd, export_hf_cmd, generate_cmd
 
 EXIT_BAD_INPUT = 2
 
 
 class OneLineErrors(TyperGroup):
-    """Click's own usage errors (a flag's value of the wrong type, an unknown flag, a flag
-    without its value) as one line, ``error: ...``, exit status 2, like every other bad input;
-    Click would print the usage and a hint around its message."""
+    """Bad input as one line, ``error: ...``, exit status 2: a :class:`UserError` any command
+    raises, and Click's own usage errors (a flag's value of the wrong type, an unknown flag, a
+    flag without its value), around which Click would print the usage and a hint."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except UserError as e:
+            if not standalone_mode:
+                raise
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
         except OSError as e:
             # A path the kernel refuses by its name (too long), given to any command: the
             # user's input, not a bug. Every other OSError keeps its traceback.
@@ -84,22 +91,12 @@ class OneLineErrors(TyperGroup):
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, cls=OneLineErrors,
                   help="tessera: train transformers across devices.")
-data_app = typer.Typer(no_args_is_help=True, help="Prepare training data.")
 app.add_typer(data_app, name="data")
-checkpoint_app = typer.Typer(no_args_is_help=True, help="Look into and convert checkpoints.")
 app.add_typer(checkpoint_app, name="checkpoint")
-
-from tessera.planner.cli import plan_app  # noqa: E402  (the planner's commands, tessera plan)
-
 app.add_typer(plan_app, name="plan")
 
 DEFAULT_PRESET = "demo"
 RELAUNCHED = "TESSERA_RELAUNCHED"  # set for the ranks `train --nproc` launches
-
-
-def fail(message: str) -> typer.Exit:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return typer.Exit(EXIT_BAD_INPUT)
 
 
 Preset = Annotated[str | None, typer.Option(
@@ -232,29 +229,23 @@ def train(
     for name, value in config_flags.items():
         section, field = TRAIN_FLAGS[name.replace("_", "-")].split(".")
         flags.setdefault(section, {})[field] = value
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError
     from tessera.preflight import check_run, report_lines
     from tessera.run_dir import begin_out_dir
 
     under_launcher = "RANK" in os.environ
-    try:
-        if nproc is not None and nproc < 1:
-            raise ConfigError("--nproc", nproc, "must be >= 1")
-        # Under a launcher the world is known; dp fills it unless given, as with --nproc.
-        world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
-        cfg = resolve_config(preset, config, set_, flags, world_hint)
-        cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config,
-                                                                                 set_)
-        world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
-            nproc or cfg.parallel.world_size)
-        check_max_restarts(max_restarts, under_launcher)
-        defaulted_out = not cfg.train.out_dir
-        # A rank this command launched skips the memory check: its launcher made it.
-        checked = check_run(cfg, world, "cuda" if torch_cuda_available() else "cpu",
-                            memory=RELAUNCHED not in os.environ)
-    except (ConfigError, DataError, CheckpointError) as e:
-        raise fail(str(e)) from None
+    if nproc is not None and nproc < 1:
+        raise ConfigError("--nproc", nproc, "must be >= 1")
+    # Under a launcher the world is known; dp fills it unless given, as with --nproc.
+    world_hint = int(os.environ["WORLD_SIZE"]) if under_launcher else nproc
+    cfg = resolve_config(preset, config, set_, flags, world_hint)
+    cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config, set_)
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else (
+        nproc or cfg.parallel.world_size)
+    check_max_restarts(max_restarts, under_launcher)
+    defaulted_out = not cfg.train.out_dir
+    # A rank this command launched skips the memory check: its launcher made it.
+    checked = check_run(cfg, world, "cuda" if torch_cuda_available() else "cpu",
+                        memory=RELAUNCHED not in os.environ)
     if dry_run:
         print("\n".join(report_lines(checked, "tessera train --dry-run")))
         return
@@ -262,7 +253,7 @@ def train(
     if checked.new_out:  # every check passed: the new directory is made (once) and linked
         cfg = begin_out_dir(cfg)
     if not under_launcher or (os.environ["RANK"] == "0" and RELAUNCHED not in os.environ):
-        for line in cfg.warnings():  # once: by us before a relaunch, else by rank 0
+        for line in config_warnings(cfg):  # once: by us before a relaunch, else by rank 0
             print(f"warning: {line}", file=sys.stderr, flush=True)
 
     if not under_launcher and (world > 1 or max_restarts):
@@ -291,8 +282,6 @@ def train(
 
     try:
         run(cfg, progress=not no_progress)
-    except (ConfigError, DataError, CheckpointError) as e:
-        raise fail(str(e)) from None
     except PeerLostError as e:  # not bad input: exit 1, as a failed rank does
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(1) from None
@@ -384,27 +373,23 @@ def schedule_cmd(
 ) -> None:
     """Print a pipeline schedule's grid, bubble and in-flight memory; draw its timeline."""
     from tessera.pipeline.cli import describe, load_schedule
-    from tessera.pipeline.schedule import ScheduleError
 
-    try:
-        if backward_ratio <= 0:
-            raise ConfigError("--backward-ratio", backward_ratio, "must be > 0")
-        for flag, value in (("--dp-reduce", dp_reduce), ("--gather", gather)):
-            if value < 0:
-                raise ConfigError(flag, value, "must be >= 0")
-        if zero_stage not in (0, 1, 2, 3):
-            raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
-        if gather and zero_stage != 3:
-            raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
-        least = SCHEDULES[schedule].min_virtual if schedule in SCHEDULES else 1
-        if virtual < least and file is None:
-            raise ConfigError("--virtual", virtual, f"{schedule} needs --virtual >= {least} "
-                              "(with one chunk per rank it is plain 1f1b)")
-        print(describe(load_schedule(schedule, pp, microbatches, virtual, file,
-                                     microbatch_group),
-                       backward_ratio, dp_reduce, out, zero_stage, gather, microbatch_group))
-    except (ConfigError, ScheduleError) as e:
-        raise fail(str(e)) from None
+    if backward_ratio <= 0:
+        raise ConfigError("--backward-ratio", backward_ratio, "must be > 0")
+    for flag, value in (("--dp-reduce", dp_reduce), ("--gather", gather)):
+        if value < 0:
+            raise ConfigError(flag, value, "must be >= 0")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
+    if gather and zero_stage != 3:
+        raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
+    least = SCHEDULES[schedule].min_virtual if schedule in SCHEDULES else 1
+    if virtual < least and file is None:
+        raise ConfigError("--virtual", virtual, f"{schedule} needs --virtual >= {least} "
+                          "(with one chunk per rank it is plain 1f1b)")
+    print(describe(load_schedule(schedule, pp, microbatches, virtual, file,
+                                 microbatch_group),
+                   backward_ratio, dp_reduce, out, zero_stage, gather, microbatch_group))
 
 
 @app.command("config")
@@ -416,302 +401,22 @@ def show_config(
                         "per rank; print the memory estimate and the warnings.")] = False,
 ) -> None:
     """Print the resolved configuration as YAML (exit 2 with one line if --check fails)."""
-    try:
-        cfg = resolve_config(preset, config, set_, {})
-    except ConfigError as e:
-        raise fail(str(e)) from None
+    cfg = resolve_config(preset, config, set_, {})
     if not check:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError
     from tessera.preflight import check_run, report_lines
 
-    try:  # as train does, with the data checked only where it exists
-        cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config,
-                                                                                 set_)
-        checked = check_run(cfg, cfg.parallel.world_size,
-                            "cuda" if torch_cuda_available() else "cpu", data=False)
-    except (ConfigError, DataError, CheckpointError) as e:
-        raise fail(str(e)) from None
+    # As train does, with the data checked only where it exists.
+    cfg = model_from_weights(cfg) if cfg.train.init_from else vocab_from_data(cfg, config, set_)
+    checked = check_run(cfg, cfg.parallel.world_size,
+                        "cuda" if torch_cuda_available() else "cpu", data=False)
     print("\n".join(report_lines(checked, "tessera config --check")))
 
 
-EVAL_TOKENS = 65536
-"""`tessera eval`'s targets when the checkpoint does not record its validation's."""
-
-Checkpoint = Annotated[str, typer.Option(
-    help="A checkpoint step directory, a checkpoint root, a run's --out (its newest), or a "
-         "Hugging Face Llama directory (config.json + *.safetensors).")]
-
-
-def load_checkpoint_model(checkpoint: str, device: str):
-    """The reference model with the weights at `checkpoint` loaded (a checkpoint's, consolidated
-    from its shards, or a Hugging Face Llama directory's), and the directory read."""
-    from pathlib import Path
-
-    from tessera.checkpoint import find
-    from tessera.model import Transformer
-    from tessera.weights import is_hf_dir, load_weights
-
-    path = Path(checkpoint) if is_hf_dir(checkpoint) else find(checkpoint)
-    model_cfg, state = load_weights(path)
-    model = Transformer(model_cfg)
-    model.load_state_dict(state)
-    return model.to(device), path
-
-
-def tokenizer_for(spec: str):
-    """'byte', a tokenizer.json, or a prepared data directory (the tokenizer it was made with)."""
-    from tessera.data.loader import TokenDataset
-    from tessera.data.tokenizer import load_tokenizer
-
-    if os.path.isdir(spec):
-        spec = TokenDataset(spec, verify=False).tokenizer
-    return load_tokenizer(spec)
-
-
-@app.command("generate")
-def generate_cmd(
-    checkpoint: Checkpoint,
-    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
-    tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 200,
-    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 is greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option(help="Sample from the k likeliest tokens; 0: all.")] = 40,
-    top_p: Annotated[float, typer.Option(
-        help="Sample from the smallest set of tokens whose probability reaches p; 1: all.")
-    ] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    tokenizer: Annotated[str, typer.Option(
-        help="'byte', a tokenizer.json, or the prepared data directory the model trained on.")
-    ] = "byte",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-) -> None:
-    """Continue a prompt with a checkpoint's model, printed to stdout."""
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError
-    from tessera.generate import generate
-
-    try:
-        for flag, value, ok, rule in (
-                ("--tokens", tokens, tokens >= 0, "must be >= 0"),
-                ("--temperature", temperature, temperature >= 0, "must be >= 0"),
-                ("--top-k", top_k, top_k >= 0, "must be >= 0"),
-                ("--top-p", top_p, 0 < top_p <= 1, "must be in (0, 1]")):
-            if not ok:
-                raise ConfigError(flag, value, rule)
-        tok = tokenizer_for(tokenizer)
-        model, _ = load_checkpoint_model(checkpoint, device)
-        if tok.vocab_size > model.cfg.vocab_size:
-            raise ConfigError("--tokenizer", tokenizer, f"its vocabulary {tok.vocab_size} "
-                              f"exceeds the model's {model.cfg.vocab_size}")
-        ids = generate(model, tok.encode(prompt), tokens, temperature, top_k or None, seed,
-                       top_p, stop=getattr(tok, "eot_id", None))
-    except (ConfigError, CheckpointError, DataError, FileNotFoundError, ValueError) as e:
-        raise fail(str(e)) from None
-    print(prompt + tok.decode(ids))
-
-
-@app.command("export-hf")
-def export_hf_cmd(
-    checkpoint: Checkpoint,
-    out: Annotated[str, typer.Option(help="Directory to write config.json and "
-                                          "model.safetensors to.")],
-) -> None:
-    """Write a checkpoint's model as a Hugging Face Llama directory (LlamaForCausalLM reads it)."""
-    from tessera.checkpoint import CheckpointError, load_model
-    from tessera.hf import HFError, save_hf
-
-    try:
-        model_cfg, state, path = load_model(checkpoint)
-        written = save_hf(model_cfg, state, out)
-    except (CheckpointError, HFError) as e:
-        raise fail(str(e)) from None
-    print(f"{path} -> {written} (config.json, model.safetensors)")
-
-
-@checkpoint_app.command("inspect")
-def checkpoint_inspect_cmd(
-    path: Annotated[str, typer.Argument(help="A checkpoint step directory, a checkpoint root "
-                                              "or a run's --out (its newest).")],
-) -> None:
-    """Step, the layout that wrote it, the model, and every tensor (global shape, dtype, boxes
-    saved, bytes). Reads no tensor data; checks every file's checksum first."""
-    from tessera.checkpoint import CheckpointError, describe
-
-    try:
-        lines = describe(path)
-    except CheckpointError as e:
-        raise fail(str(e)) from None
-    print("\n".join(lines))
-
-
-@checkpoint_app.command("export")
-def checkpoint_export_cmd(
-    path: Annotated[str, typer.Argument(help="A checkpoint step directory, a checkpoint root "
-                                              "or a run's --out (its newest).")],
-    to: Annotated[str, typer.Option("--to", help="Directory to write.")],
-    format_: Annotated[str, typer.Option(
-        "--format", help="hf: config.json + model.safetensors (LlamaForCausalLM reads it); "
-                         "torch: model.pt (reference names, fp32) + model.json.")] = "hf",
-) -> None:
-    """Consolidated fp32 weights in reference names from every rank's shards, in one process
-    (any training layout)."""
-    import json
-    from dataclasses import asdict
-    from pathlib import Path
-
-    import torch
-
-    from tessera.checkpoint import CheckpointError, load_model
-    from tessera.hf import HFError, save_hf
-
-    try:
-        if format_ not in ("hf", "torch"):
-            raise ConfigError("--format", format_, "must be hf or torch")
-        model_cfg, state, found = load_model(path)
-        if format_ == "hf":
-            try:
-                import safetensors  # noqa: F401
-            except ImportError:
-                raise ConfigError("--format", format_, "needs safetensors: pip install -c "
-                                  "constraints.txt -e '.[hf]' (or use --format torch)") from None
-            written = save_hf(model_cfg, state, to)
-            what = "config.json, model.safetensors"
-        else:
-            written = Path(to)
-            written.mkdir(parents=True, exist_ok=True)
-            torch.save(state, written / "model.pt")
-            (written / "model.json").write_text(json.dumps(asdict(model_cfg), indent=1))
-            what = "model.pt, model.json"
-    except (ConfigError, CheckpointError, HFError) as e:
-        raise fail(str(e)) from None
-    print(f"{found} -> {written} ({what})")
-
-
-@app.command("eval")
-def eval_cmd(
-    checkpoint: Checkpoint,
-    data: Annotated[str | None, typer.Option(
-        help="Prepared data directory; default: the one the checkpoint's run trained on.")
-    ] = None,
-    seq_len: Annotated[int | None, typer.Option(
-        help="Tokens per window; default: the training windows' (data.seq_len), else the "
-             "model's max_seq_len.")] = None,
-    tokens: Annotated[int | None, typer.Option(
-        help="Targets to score (all the split's windows if it holds fewer); default: what the "
-             f"training validation scored, else {EVAL_TOKENS}.")] = None,
-    split: Annotated[str, typer.Option(help="val or train.")] = "val",
-    batch_size: Annotated[int | None, typer.Option(
-        help="Windows per forward pass; default: the training validation's, else 16.")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-) -> None:
-    """Validation loss (nats per token) and perplexity of a checkpoint's model; by default on
-    the windows the training run validated on."""
-    from tessera.checkpoint import CheckpointError
-    from tessera.data.loader import DataError, TokenDataset
-    from tessera.evaluate import evaluate, trained_validation, windows_held
-
-    try:
-        if split not in ("val", "train"):
-            raise ConfigError("--split", split, "must be val or train")
-        for flag, value in (("--tokens", tokens), ("--batch-size", batch_size),
-                            ("--seq-len", seq_len)):
-            if value is not None and value < 1:
-                raise ConfigError(flag, value, "must be >= 1")
-        model, path = load_checkpoint_model(checkpoint, device)
-        trained = trained_validation(path)
-        notes = []
-        if data is None:
-            if "data" not in trained:
-                raise ConfigError("--data", None, f"required: {path} does not record the data "
-                                  "set its run trained on")
-            data = trained["data"]
-            if not os.path.isdir(data):
-                raise ConfigError("--data", None, f"required: the data set {path} trained on, "
-                                  f"{data}, is not there")
-        dataset = TokenDataset(data)
-        if dataset.vocab_size > model.cfg.vocab_size:
-            raise ConfigError("--data", data, f"its vocabulary {dataset.vocab_size} exceeds "
-                              f"the model's {model.cfg.vocab_size}")
-        if seq_len is None and "seq_len" not in trained:
-            notes.append(f"windows of the model's max_seq_len={model.cfg.max_seq_len}: {path} "
-                         "records no training windows (--seq-len sets them)")
-        seq = seq_len or trained.get("seq_len", model.cfg.max_seq_len)
-        if seq > model.cfg.max_seq_len:
-            raise ConfigError("--seq-len", seq, f"must be <= the model's max_seq_len="
-                              f"{model.cfg.max_seq_len}")
-        if tokens is None and "tokens" not in trained:
-            notes.append(f"{EVAL_TOKENS:,} targets: {path} does not record how many its "
-                         "training validation scored (--tokens sets them)")
-        tokens = tokens or trained.get("tokens", EVAL_TOKENS)
-        batch_size = batch_size or trained.get("batch_size", 16)
-        held = windows_held(getattr(dataset, split), seq)
-        if held < 1:
-            raise ConfigError("--seq-len", seq, f"the {split} split of {data} holds "
-                              f"{len(getattr(dataset, split))} tokens, fewer than one window "
-                              f"of --seq-len + 1")
-        if held * seq < tokens:
-            notes.append(f"the {split} split holds {held} windows of {seq} ({held * seq:,} "
-                         f"targets), fewer than --tokens={tokens:,}: scoring all of them")
-        result = evaluate(model, dataset, seq, tokens, batch_size, split)
-    except (ConfigError, CheckpointError, DataError, ValueError) as e:
-        raise fail(str(e)) from None
-    for note in notes:
-        print(f"note: {note}")
-    print(f"{path}: {split} loss {result.loss:.4f} nats/token, perplexity "
-          f"{result.perplexity:.2f} ({result.tokens:,} tokens of {data}, {result.windows} "
-          f"windows of {seq})")
-
-
-@data_app.command("prepare")
-def data_prepare(
-    source: Annotated[list[str] | None, typer.Option(
-        help="'stdlib' (this Python's standard library), or a text, .jsonl or .parquet file, "
-             "or a directory of them; repeatable.")
-    ] = None,
-    out: Annotated[str, typer.Option(help="Output directory.")] = "data/stdlib",
-    tokenizer: Annotated[str, typer.Option(help="'byte' or a path to a tokenizer.json.")
-                         ] = "byte",
-    val_percent: Annotated[float, typer.Option(help="Percent of tokens held out.")] = 2.0,
-    text_field: Annotated[str, typer.Option(
-        help="The text field of .jsonl records and the text column of .parquet files.")
-    ] = "text",
-    if_missing: Annotated[bool, typer.Option(
-        "--if-missing", help="Do nothing if OUT already holds a valid prepared set.")] = False,
-    workers: Annotated[int, typer.Option(
-        help="Tokenizing processes; the output is the same for any number.")] = 1,
-) -> None:
-    """Tokenize text into memory-mapped shards with a train/val split by tokens."""
-    from tessera.data.prepare import prepare
-    from tessera.data.tokenizer import load_tokenizer
-
-    if if_missing and is_prepared(out):
-        print(f"{out}: already prepared")
-        return
-    if not 0 < val_percent < 100:
-        raise fail(f"--val-percent={val_percent}: must be in (0, 100)")
-    if workers < 1:
-        raise fail(f"--workers={workers}: must be >= 1")
-    try:
-        tok = load_tokenizer(tokenizer)
-        manifest = prepare(source or ["stdlib"], out, tok, val_percent, text_field=text_field,
-                           workers=workers)
-    except (FileNotFoundError, ValueError) as e:
-        raise fail(str(e)) from None
-    counts = {k: sum(s["tokens"] for s in v) for k, v in manifest["splits"].items()}
-    print(f"{out}: {counts['train']:,} train and {counts['val']:,} val tokens "
-          f"({manifest['tokenizer']} tokenizer, vocab {manifest['vocab_size']})")
-
-
-def is_prepared(path: str) -> bool:
-    from tessera.data.loader import DataError, TokenDataset
-
-    try:
-        TokenDataset(path).verify()
-    except DataError:
-        return False
-    return True
+app.command("generate")(generate_cmd)
+app.command("export-hf")(export_hf_cmd)
+app.command("eval")(eval_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

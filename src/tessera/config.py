@@ -4,7 +4,8 @@ Every config is a keyword-only dataclass; each field carries a docstring right u
 ``__post_init__`` validates each field on its own (its range, its type, a name in a registry).
 Rules that tie two fields together (``tp`` must divide ``n_heads``, the layout must multiply to
 the world size) live in ``tessera.layout.validate``, which the preflight runs on every rank
-before any collective.
+before any collective. ``tessera.config_io`` builds a config from a preset, a file and
+overrides (``make_config``); ``tessera.config_warnings`` lists its likely unintended settings.
 
 Every failure raises :class:`~tessera.errors.ConfigError`, whose message names the field, the
 value and the rule, e.g. ``parallel.tp=3: must divide model.n_heads=8``.
@@ -15,18 +16,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import sys
-import tomllib
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from tessera.errors import ConfigError, Verbatim, shown
+from tessera.errors import check_path
 from tessera.errors import require as _require
-from tessera.pipeline.schedules import SCHEDULES, is_breadth_first
-from tessera.presets import PRESETS
+from tessera.pipeline.schedules import SCHEDULES
 
 INT64_MAX = 2**63 - 1
 """The largest integer any field takes: torch, numpy and the collectives hold sizes and seeds
@@ -41,26 +36,6 @@ def _positive(section: str, obj: Any, *names: str) -> None:
                  "must be a positive integer")
         _require(value <= INT64_MAX, f"{section}.{name}", value,
                  f"must be at most {INT64_MAX} (a 64-bit integer)")
-
-
-NAME_MAX, PATH_MAX = 255, 4096
-"""Linux's limits on one path component and a whole path, in bytes (POSIX's NAME_MAX and
-PATH_MAX): a longer path fails in the kernel (ENAMETOOLONG) wherever it is first used."""
-
-
-def check_path(field_name: str, value: str) -> None:
-    """A path the run will open or create: no NUL byte, no component over NAME_MAX bytes, at
-    most PATH_MAX bytes in all (ConfigError naming the field)."""
-    if not isinstance(value, str):
-        return  # the field's type check names it
-    if "\0" in value:
-        raise ConfigError(field_name, value, "must not contain a NUL byte")
-    encoded = value.encode("utf-8", "surrogateescape")
-    _require(len(encoded) <= PATH_MAX, field_name, value,
-             f"a path of {len(encoded)} bytes; this system takes at most {PATH_MAX}")
-    longest = max((len(part) for part in encoded.split(b"/")), default=0)
-    _require(longest <= NAME_MAX, field_name, value,
-             f"a path component of {longest} bytes; this system takes at most {NAME_MAX}")
 
 
 @dataclass(kw_only=True)
@@ -486,152 +461,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
-    def warnings(self) -> list[str]:
-        """Legal but probably unintended settings, one line each, for the user to read: the
-        ones below and :meth:`ignored`, options set that do nothing in this layout."""
-        p, t = self.parallel, self.train
-        out = self.ignored()
-        if p.pp > 1 and t.grad_accum < p.pp:
-            # p stages and m micro-batches idle (p-1)/(m+p-1) of a step (GPipe, Huang et al.
-            # 2019; 1F1B keeps it, Narayanan et al. 2021); v chunks per rank divide it by v.
-            out.append(f"train.grad_accum={t.grad_accum} micro-batches with parallel.pp={p.pp}: "
-                       f"pipeline ranks idle about "
-                       f"{(p.pp - 1) / (t.grad_accum + p.pp - 1) / p.virtual_stages:.0%} of "
-                       f"each step; use --microbatches {4 * p.pp} (4*pp) or more")
-        if t.warmup_steps > t.steps:
-            out.append(f"train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the "
-                       f"learning rate never reaches train.lr={t.lr:g}")
-        return out
-
-    def ignored(self) -> list[str]:
-        """One line per option set away from its default that this layout never reads (a
-        field that differs from its default stands for one the user set)."""
-        m, p, t = self.model, self.parallel, self.train
-        changed = {f"{section}.{f.name}" for section, obj in (("model", m), ("parallel", p),
-                                                              ("train", t))
-                   for f in fields(obj) if f.default is not dataclasses.MISSING
-                   and getattr(obj, f.name) != f.default}
-        out = []
-
-        def unused(names: list[str], why: str) -> None:
-            named = [n for n in names if n in changed]
-            if named:
-                values = ", ".join(f"{n}={shown(_get(self, n))}" for n in named)
-                out.append(f"{values}: no effect, {why}")
-
-        if not m.moe_experts:
-            unused([f"model.{f.name}" for f in fields(m) if f.name.startswith("moe_")
-                    and f.name != "moe_experts"], "the model is dense (model.moe_experts=0)")
-        elif m.moe_every > m.n_layers:
-            out.append(f"model.moe_every={m.moe_every} > model.n_layers={m.n_layers}: no block "
-                       "is a mixture of experts")
-        if m.rope_scaling_factor is None:
-            unused(["model.rope_low_freq_factor", "model.rope_high_freq_factor",
-                    "model.rope_original_max_seq_len"],
-                   "RoPE is not scaled (model.rope_scaling_factor is null)")
-        if p.cp == 1:
-            unused(["parallel.cp_method", "parallel.cp_ulysses"],
-                   "no context parallelism (parallel.cp=1)")
-        elif p.cp_method != "hybrid":
-            unused(["parallel.cp_ulysses"], f"only cp_method='hybrid' reads it, not "
-                                            f"{p.cp_method!r}")
-        if p.tp == 1:
-            unused(["parallel.sequence_parallel"], "no tensor parallelism (parallel.tp=1)")
-        if p.ep == 1:
-            unused(["parallel.ep_alltoall"], "no expert parallelism (parallel.ep=1)")
-        if p.dp_mode != "ps-async":
-            unused(["parallel.max_staleness"], f"only dp_mode='ps-async' reads it, not "
-                                               f"{p.dp_mode!r}")
-        if p.pp == 1 and p.virtual_stages == 1:
-            unused(["parallel.schedule", "parallel.microbatch_group", "parallel.stage_layout"],
-                   "one pipeline stage (parallel.pp=1, virtual_stages=1) runs its micro-batches "
-                   "one after the other")
-        elif p.pp == 1 and not (p.zero_stage == 3 and self._breadth_first()):
-            unused(["parallel.virtual_stages"], "one pipeline rank (parallel.pp=1) runs its "
-                   "chunks one after the other, as one (only breadth-first ZeRO-3 gathers by "
-                   "chunk)")
-        if p.dp * p.cp == 1:
-            unused(["parallel.zero_stage", "parallel.bucket_mb", "parallel.allreduce_algorithm"],
-                   "one data-parallel rank (parallel.dp*cp=1) has nothing to shard or reduce")
-        elif p.dp_mode != "allreduce" or p.zero_stage > 0 or t.precision == "bf16":
-            user = (f"dp_mode={p.dp_mode!r}" if p.dp_mode != "allreduce" else
-                    f"ZeRO (zero_stage={p.zero_stage}, precision={t.precision})")
-            unused(["parallel.bucket_mb", "parallel.allreduce_algorithm"],
-                   f"only the all-reduce data parallelism (DDP) reads it, not {user}")
-        if not t.checkpoint_interval:
-            unused(["train.keep_checkpoints", "train.async_checkpoint"],
-                   "no checkpoints are saved (train.checkpoint_interval=0)")
-            if not t.resume:
-                unused(["train.checkpoint_dir"], "no checkpoints are saved or resumed "
-                                                 "(train.checkpoint_interval=0, no train.resume)")
-        if not t.sample_tokens:
-            unused(["train.sample_prompt"], "no sample is generated (train.sample_tokens=0)")
-        return out
-
-    def _breadth_first(self) -> bool:
-        return is_breadth_first(self.parallel.schedule)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _get(cfg: Config, dotted: str) -> Any:
-    section, name = dotted.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-             "data": DataConfig}
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = {k: dict(v) for k, v in base.items()}
-    for section, values in extra.items():
-        _require(section in _SECTIONS, "config", section,
-                 f"unknown section; known: {', '.join(_SECTIONS)}")
-        _require(isinstance(values, dict), section, values, "must be a table of fields")
-        out.setdefault(section, {}).update(values)
-    return out
-
-
-def _build(raw: dict[str, dict[str, Any]]) -> Config:
-    sections = {}
-    for name, cls in _SECTIONS.items():
-        values = raw.get(name, {})
-        known = {f.name: f.type for f in fields(cls)}
-        for key in values:
-            _require(key in known, f"{name}.{key}", values[key],
-                     f"unknown field; known: {', '.join(sorted(known))}")
-        sections[name] = cls(**{k: _coerce(f"{name}.{k}", str(known[k]), v)
-                                for k, v in values.items()})
-    return Config(**sections)
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """Parse ``section.field=value``; the value is read as YAML (numbers, bools, null, strings)."""
-    key, sep, value = text.partition("=")
-    section, dot, name = key.strip().partition(".")
-    _require(bool(sep) and bool(dot) and bool(name), "--set", text,
-             "must look like section.field=value, e.g. train.lr=1e-3")
-    value = value.strip()
-    if _INTEGER.fullmatch(value) and len(value) > sys.get_int_max_str_digits():
-        # int() refuses it (and float() would read it as infinity): no field takes one.
-        raise ConfigError(key.strip(), Verbatim(f"<integer of {len(value.lstrip('+-'))} digits>"),
-                          f"must fit in a 64-bit integer (|value| <= {INT64_MAX})")
-    for convert in (int, float):
-        try:
-            return section, name, convert(value)
-        except ValueError:
-            continue
-    try:
-        return section, name, yaml.safe_load(value) if value else ""
-    except (yaml.YAMLError, ValueError) as e:
-        # ValueError: PyYAML's int() of a number beyond Python's digit limit, inside a list
-        raise ConfigError("--set", text, "the value cannot be read as a number, true/false, "
-                          f"null or a string ({str(e).splitlines()[0]})") from None
-
-
-_INTEGER = re.compile(r"[-+]?[0-9]+")
 
 
 MAX_STEPS = 10**9
@@ -653,105 +484,3 @@ LIMITS: dict[str, tuple[int, str]] = {
     # The batch sampler seeds each step with seed * 1,000,003 + step in 64 bits (data.loader).
     "data.seed": (2**43, "the batch sampler's per-step seed must fit in 64 bits"),
 }
-
-
-def _bounded(name: str, value: int) -> int:
-    """An integer field's value within int64 and the field's LIMITS."""
-    _require(-INT64_MAX - 1 <= value <= INT64_MAX, name, value,
-             f"must fit in a 64-bit integer (|value| <= {INT64_MAX})")
-    limit = LIMITS.get(name)
-    if limit is not None:
-        _require(abs(value) <= limit[0], name, value, f"must be at most {limit[0]:,}: {limit[1]}")
-    return value
-
-
-def _coerce(name: str, annotation: str, value: Any) -> Any:
-    """Check a value read from a file or --set against the field's annotation (and an integer
-    against int64 and the field's LIMITS)."""
-    kinds = [k.strip() for k in annotation.split("|")]
-    if value is None and "None" in kinds:
-        return None
-    if "bool" in kinds:
-        _require(isinstance(value, bool), name, value, "must be true or false")
-        return value
-    if "int" in kinds and isinstance(value, int) and not isinstance(value, bool):
-        return _bounded(name, value)
-    if "float" in kinds and isinstance(value, (int, float)) and not isinstance(value, bool):
-        # No field means anything by infinity or NaN (TOML's inf/nan, YAML's .inf/.nan,
-        # --set x=1e400): a NaN would also slip through every range check (nan >= 0 is False,
-        # but so is nan < 0). An integer beyond a float's range is as infinite.
-        _require(not isinstance(value, int) or abs(value) <= sys.float_info.max, name, value,
-                 "must be finite")
-        _require(math.isfinite(value), name, value, "must be finite")
-        return float(value)
-    if "str" in kinds and isinstance(value, str):
-        return value
-    _require(False, name, value, f"must be of type {annotation}")
-
-
-class _YAMLLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading floats as YAML 1.2 does: `1e-3` is a float (YAML 1.1, and
-    so plain PyYAML, wants a dot, `1.0e-3`, and reads `1e-3` as a string)."""
-
-
-_YAMLLoader.yaml_implicit_resolvers = {k: list(v) for k, v in
-                                       yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_YAMLLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
-
-
-def load_yaml(text: str) -> Any:
-    """YAML as config files mean it: `lr: 1e-3` is a float."""
-    return yaml.load(text, Loader=_YAMLLoader)
-
-
-def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML or YAML config file into nested dicts (an optional top-level `preset` key)."""
-    check_path("--config", str(path))
-    path = Path(path)
-    _require(path.is_file(), "--config", str(path),
-             "is a directory, not a file" if path.is_dir() else "file does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError("--config", str(path), f"is not UTF-8 text ({e.reason} at byte "
-                          f"{e.start})") from None
-    try:
-        raw = (tomllib.loads(text) if path.suffix == ".toml"
-               else load_yaml(text))
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise ConfigError("--config", str(path), f"cannot be parsed: {e}".splitlines()[0]) from e
-    except ValueError as e:
-        # Both parsers call int(), which refuses over 4300 digits; PyYAML builds dates too.
-        limit = sys.get_int_max_str_digits()
-        raise ConfigError("--config", str(path), f"holds an integer of more than {limit} digits;"
-                          f" every field must fit in a 64-bit integer (|value| <= {INT64_MAX})"
-                          if f"({limit} digits)" in str(e)
-                          else f"cannot be parsed: {e}".splitlines()[0]) from e
-    _require(isinstance(raw, dict), "--config", str(path), "must hold a table of sections")
-    return raw
-
-
-def make_config(preset: str | None = "tiny", file: str | Path | None = None,
-                overrides: list[str] | tuple[str, ...] = (),
-                **sections: dict[str, Any]) -> Config:
-    """Preset, then config file, then keyword sections, then `section.field=value` overrides.
-
-    The file's own `preset` key applies only where `preset` is None: an explicit argument (the
-    command line's --preset) is the more specific choice."""
-    raw: dict[str, Any] = {}
-    file_raw = load_file(file) if file else {}
-    file_preset = file_raw.pop("preset", None)
-    preset = preset if preset is not None else file_preset
-    if preset is not None:
-        _require(isinstance(preset, str) and preset in PRESETS, "preset", preset,
-                 f"unknown; known: {', '.join(PRESETS)}")
-        raw = _merge(raw, PRESETS[preset])
-    raw = _merge(raw, file_raw)
-    raw = _merge(raw, {k: v for k, v in sections.items() if v})
-    for text in overrides:
-        section, name, value = parse_override(text)
-        raw = _merge(raw, {section: {name: value}})
-    return _build(raw)

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from tessera.config import ModelConfig
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, UserError
 
 
-class HFError(ValueError):
+class HFError(UserError):
     """A Hugging Face directory tessera cannot read or write. One line, naming the path."""
 
 

@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from tessera.config import Config
+from tessera.config_warnings import config_warnings
 from tessera.data.loader import TokenDataset
 from tessera.errors import ConfigError, Verbatim
 from tessera.layout import validate as validate_layout
@@ -305,5 +306,5 @@ def report_lines(pre: Preflight, command: str) -> list[str]:
                 row += f" {m.experts / MIB:10.2f}"
             lines.append(row + f" {m.total / MIB:10.2f}")
     lines.append(f"# memory: {pre.memory_note}" if pre.memory_note else "# memory: not checked")
-    lines += [f"# warning: {w}" for w in cfg.warnings()]
+    lines += [f"# warning: {w}" for w in config_warnings(cfg)]
     return lines

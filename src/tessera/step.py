@@ -1,6 +1,6 @@
 """The step executor: the one place a training step runs, for every layout.
 
-Every layout is a pipeline schedule (``tessera.parallelize.training_schedule``; pp = 1 is the
+Every layout is a pipeline schedule (``tessera.parallel_model.training_schedule``; pp = 1 is the
 one-rank schedule F0 B0 F1 B1 …), and ``Executor.forward_backward`` runs it with the pipeline
 runtime. One step:
 
@@ -54,7 +54,8 @@ from tessera.model import cross_entropy
 from tessera.moe import set_loss_scale, update_router_bias
 from tessera.parallel.chunked_loss import chunked_head_cross_entropy
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
-from tessera.parallelize import ParallelModel, sync_context, training_schedule
+from tessera.parallel_model import ParallelModel, training_schedule
+from tessera.parallelize import sync_context
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
 from tessera.pipeline.schedule import Action, F, Kind, Schedule, forward_only
 from tessera.pipeline.simulator import StageCosts, TimelineEvent, simulate

@@ -23,9 +23,10 @@ from tqdm import tqdm
 
 from tessera import checkpoint
 from tessera.checkpoint import CheckpointError
-from tessera.config import Config, ConfigError
+from tessera.config import Config
 from tessera.data.loader import BatchLoader, DataError, TokenDataset, val_batch_size, val_windows
 from tessera.data.tokenizer import load_tokenizer
+from tessera.errors import ConfigError
 from tessera.generate import generate
 from tessera.host_memory import keep_freed_memory
 from tessera.launch import loopback_store

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from tessera.data.prepare import FORMAT, VERSION
+from tessera.errors import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A prepared data directory or shard is missing, malformed or corrupt. Names the path."""
 
 

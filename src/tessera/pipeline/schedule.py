@@ -47,8 +47,10 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tessera.errors import UserError
 
-class ScheduleError(ValueError):
+
+class ScheduleError(UserError):
     """A schedule is malformed or cannot run. The message is one line meant for the user."""
 
 

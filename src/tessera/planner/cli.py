@@ -22,20 +22,13 @@ from typing import Annotated
 
 import typer
 
-from tessera.config import CP_METHODS, DP_MODES, ConfigError
+from tessera.config import CP_METHODS, DP_MODES
+from tessera.errors import ConfigError
 from tessera.planner.hardware import calibrated_path
 
 plan_app = typer.Typer(add_completion=False, invoke_without_command=True,
                        pretty_exceptions_enable=False, rich_markup_mode=None,
                        help="Predict speed and memory of parallel layouts and pick the best.")
-
-EXIT_BAD_INPUT = 2
-
-
-def _fail(message: str) -> typer.Exit:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return typer.Exit(EXIT_BAD_INPUT)
-
 
 def _degrees(text: str | None, name: str) -> tuple[int, ...] | None:
     if text is None:
@@ -187,7 +180,7 @@ def plan(
     """Rank the layouts of --model on --gpus x --hardware by predicted step time."""
     if ctx.invoked_subcommand is not None:
         return
-    from tessera.planner.estimate import PlanError, estimate
+    from tessera.planner.estimate import estimate
     from tessera.planner.hardware import load_hardware
     from tessera.planner.models import load_model
     from tessera.planner.moe import active_spec, ep_table, moe_for_model
@@ -197,38 +190,35 @@ def plan(
     from tessera.planner.search import Plan, SearchSpace, search
     from tessera.planner.workload import Workload
 
-    try:
-        for name, value in (("--model", model), ("--gpus", gpus),
-                            ("--global-batch", global_batch)):
-            if value is None:
-                raise ConfigError(name, None, "is required")
-        if top < 1:
-            raise ConfigError("--top", top, "must be a positive integer")
-        spec = load_model(model)
-        hw = load_hardware(hardware)
-        w = Workload(model=spec, hardware=hw, gpus=gpus, global_batch=global_batch,
-                     seq_len=seq or spec.max_seq_len, precision=precision,
-                     flash_attention=flash_attention, reserve_gb=reserve_gb, kernels=kernels)
-        if layout is not None:
-            if plot:
-                raise ConfigError("--plot", plot, "needs a search, not one --layout")
-            t0 = time.perf_counter()
-            est = estimate(w, parse_layout(layout, w.gpus, spec.layers))
-            result = Plan(workload=w, ranked=[est], considered=1, simulated=1,
-                          fitting=int(est.headroom >= 0), seconds=time.perf_counter() - t0)
-        else:
-            space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"),
-                                dp=_degrees(dp, "dp"), cp=_degrees(cp, "cp"),
-                                dp_mode=_modes(dp_mode), cp_method=_cp_methods(cp_method))
-            moe = moe_for_model(model)
-            if moe is not None:  # rank the active model's layouts with ep (tessera.planner.moe)
-                active = search(dataclasses.replace(w, model=active_spec(spec, moe)), space,
-                                top=max(top, 30))
-                print(ep_table(w, moe, [e.layout for e in active.ranked], top))
-                return
-            result = search(w, space, top=max(top, 30) if plot else top)
-    except (ConfigError, PlanError) as e:
-        raise _fail(str(e)) from None
+    for name, value in (("--model", model), ("--gpus", gpus),
+                        ("--global-batch", global_batch)):
+        if value is None:
+            raise ConfigError(name, None, "is required")
+    if top < 1:
+        raise ConfigError("--top", top, "must be a positive integer")
+    spec = load_model(model)
+    hw = load_hardware(hardware)
+    w = Workload(model=spec, hardware=hw, gpus=gpus, global_batch=global_batch,
+                 seq_len=seq or spec.max_seq_len, precision=precision,
+                 flash_attention=flash_attention, reserve_gb=reserve_gb, kernels=kernels)
+    if layout is not None:
+        if plot:
+            raise ConfigError("--plot", plot, "needs a search, not one --layout")
+        t0 = time.perf_counter()
+        est = estimate(w, parse_layout(layout, w.gpus, spec.layers))
+        result = Plan(workload=w, ranked=[est], considered=1, simulated=1,
+                      fitting=int(est.headroom >= 0), seconds=time.perf_counter() - t0)
+    else:
+        space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"),
+                            dp=_degrees(dp, "dp"), cp=_degrees(cp, "cp"),
+                            dp_mode=_modes(dp_mode), cp_method=_cp_methods(cp_method))
+        moe = moe_for_model(model)
+        if moe is not None:  # rank the active model's layouts with ep (tessera.planner.moe)
+            active = search(dataclasses.replace(w, model=active_spec(spec, moe)), space,
+                            top=max(top, 30))
+            print(ep_table(w, moe, [e.layout for e in active.ranked], top))
+            return
+        result = search(w, space, top=max(top, 30) if plot else top)
     shown = result.ranked[:top]
     if plot:
         path = plot_plan(result, plot)
@@ -297,17 +287,14 @@ def calibrate_cmd(
     from tessera.planner.local.calibrate import calibrate
     from tessera.planner.models import load_model
 
-    try:
-        spec = load_model(model)
-        if micro_batch < 1 or ranks < 2:
-            raise ConfigError("--micro-batch" if micro_batch < 1 else "--ranks",
-                              micro_batch if micro_batch < 1 else ranks,
-                              "must be >= 1 (ranks >= 2)")
-        device, backend = calibration_target(device, backend)
-        hw = calibrate(spec, seq or spec.max_seq_len, micro_batch, ranks=ranks, device=device,
-                       backend=backend)
-    except ConfigError as e:
-        raise _fail(str(e)) from None
+    spec = load_model(model)
+    if micro_batch < 1 or ranks < 2:
+        raise ConfigError("--micro-batch" if micro_batch < 1 else "--ranks",
+                          micro_batch if micro_batch < 1 else ranks,
+                          "must be >= 1 (ranks >= 2)")
+    device, backend = calibration_target(device, backend)
+    hw = calibrate(spec, seq or spec.max_seq_len, micro_batch, ranks=ranks, device=device,
+                   backend=backend)
     path = save_hardware(hw, out or calibrated_path(ranks))
     cores = os.cpu_count() or 1
     if os.getloadavg()[0] > cores:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from tessera.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig
+from tessera.config import Config, DataConfig, ParallelConfig, TrainConfig
+from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.pipeline.split import block_split, parse_stage_layout
 from tessera.planner.models import ModelSpec, model_config

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from tessera.errors import UserError
 from tessera.pipeline.simulator import StageCosts
 from tessera.planner.cost import LayoutCosts, layout_costs, zero3_by_actions
 from tessera.planner.formulas import hardware_flops_per_step, model_flops_per_step
@@ -30,7 +31,7 @@ from tessera.planner.state import RankState, rank_state
 from tessera.planner.workload import GB, Layout, Workload
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """No layout satisfies the request. The message is one line meant for the user."""
 
 

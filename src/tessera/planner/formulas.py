@@ -37,7 +37,7 @@ Memory (bytes per rank):
 
 from __future__ import annotations
 
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.planner.models import ModelSpec
 
 FLOP_CONVENTIONS = ("causal", "full")

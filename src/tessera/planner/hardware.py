@@ -40,7 +40,8 @@ from typing import Any
 
 import yaml
 
-from tessera.config import ConfigError, load_yaml
+from tessera.config_io import load_yaml
+from tessera.errors import ConfigError
 from tessera.planner.local.terms import (
     GPU_TERMS,
     LOCAL_KEYS,

@@ -32,7 +32,10 @@ from typing import Any
 
 import yaml
 
-from tessera.config import PRESETS, ConfigError, ModelConfig, load_yaml, make_config
+from tessera.config import ModelConfig
+from tessera.config_io import load_yaml, make_config
+from tessera.errors import ConfigError
+from tessera.presets import PRESETS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -164,7 +164,7 @@ def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout],
     ``estimate.estimate``); layouts it refuses (PlanError, ConfigError) are skipped."""
     if estimate is None:
         from tessera.planner.estimate import estimate
-    from tessera.config import ConfigError
+    from tessera.errors import ConfigError
     from tessera.planner.estimate import PlanError
 
     active = dataclasses.replace(w, model=active_spec(w.model, moe))
@@ -186,7 +186,8 @@ def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout],
 def moe_for_model(name: str | None) -> MoESpec | None:
     """The MoE part of a tessera preset named `name` (``tessera plan --model moe-demo``), or
     None for a dense or unknown model."""
-    from tessera.config import PRESETS, make_config
+    from tessera.config_io import make_config
+    from tessera.presets import PRESETS
 
     key = (name or "").lower()
     if key not in PRESETS:

@@ -7,7 +7,8 @@ catalog models the rules of Megatron-LM-style engines below.
 
 from __future__ import annotations
 
-from tessera.config import DP_MODES, ConfigError
+from tessera.config import DP_MODES
+from tessera.errors import ConfigError
 from tessera.planner import engine
 from tessera.planner.workload import RECOMPUTE, Layout, Workload, stage_layout_text
 

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 from tessera.pipeline.schedules import SCHEDULES
 from tessera.pipeline.split import first_last_fewer
 from tessera.planner.cost import LayoutCosts, zero3_by_actions

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import cached_property
 
-from tessera.config import Config, ConfigError
+from tessera.config import Config
+from tessera.errors import ConfigError
 from tessera.planner.hardware import Hardware
 from tessera.planner.models import ModelSpec, expressible, from_model_config
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
-from tessera.config import ConfigError
+from tessera.errors import ConfigError
 
 if TYPE_CHECKING:
     from tessera.planner.compute import ChunkCosts
