@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import Config
+from tessera.data.loader import shard_digest as _sha256
 from tessera.data.loader import val_batch_size, val_window_count
 from tessera.errors import UserError
 
@@ -29,14 +30,6 @@ class CheckpointError(UserError):
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:07d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "dp_mode", "schedule",

@@ -52,7 +52,7 @@ def _read_manifest(root: Path) -> dict:
 
 
 def shard_digest(path: Path) -> str:
-    """SHA-256 of a shard file, read 16 MiB at a time."""
+    """SHA-256 of a file (a data shard, a checkpoint's file), read 16 MiB at a time."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
