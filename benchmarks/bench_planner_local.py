@@ -10,7 +10,7 @@
    and with 4 (unless --hardware / --hardware4 give earlier calibrations), and writes
    benchmarks/results/local_hardware.toml and local_hardware_4.toml; each row is predicted
    with the calibration of its rank count.
-2. For each layout that this build's engines support (``tessera.layout.check_layout``), the
+2. For each layout that this build's engines support (``tessera.layout.validate``), the
    planner predicts the step time of the demo preset (fp32, micro-batch b, m micro-batches).
 3. ``tessera train --preset demo --nproc N ...`` runs it on the real corpus (prepared with
    ``tessera data prepare --out data/stdlib``); the measured step time is the median over all
@@ -147,7 +147,7 @@ def workload_and_layout(case: Case, hw_path) -> tuple:
 
 def supported(case: Case, hw_path: str) -> str | None:
     """Why this build cannot run `case`, or None: the planner's check, which for the demo
-    preset is tessera's own (``tessera.layout.check_layout``)."""
+    preset is tessera's own (``tessera.layout.validate``)."""
     from tessera.planner.rules import check_layout
 
     return check_layout(*workload_and_layout(case, hw_path))

@@ -1,7 +1,7 @@
 """The planner and tessera's engine agree (issue 11): on what exists, and on the bytes per rank.
 
 1. Every layout the planner's search space proposes for a small tessera model on 8 ranks is one
-   ``Config.validate`` (hence ``tessera train``) accepts, and every layout tessera accepts is
+   ``layout.validate`` (hence ``tessera train``) accepts, and every layout tessera accepts is
    one the planner proposes: the two sets are enumerated independently and compared.
 2. The planner evaluates and ranks parameter-server layouts, refused exactly where tessera
    refuses them.

@@ -33,7 +33,7 @@ r and 2·cp−1−r (**zig-zag**, the load balancing of Llama 3's context parall
 rank does the same number of causal block products (2·cp+1 chunk pairs per layer).
 ``layout='contiguous'`` (rank r holds chunks 2r, 2r+1) is kept to show the imbalance it causes
 (4r+3 pairs on rank r). Sequence lengths that are not a multiple of 2·cp are refused
-(``check_layout``); padding would change the loss normalization of every rank.
+(``tessera.layout.validate``); padding would change the loss normalization of every rank.
 A rank's tokens are identified by their global positions (``sequence_positions``), which also
 index the RoPE tables; the attention kernels take positions, not a layout.
 

@@ -4,8 +4,8 @@ A planner model is *tessera-expressible* when tessera's reference transformer ha
 (SwiGLU, RMSNorm, RoPE, no biases, no dropout, an even head size): the tessera presets and the
 Llama 3 family. For such a model the planner does not keep rules or byte counts of its own:
 
-- **feasibility** is ``tessera.layout.check_layout``: a planner ``Layout`` on a ``Workload``
-  becomes a tessera ``Config`` (:func:`to_config`) and ``Config.validate`` decides
+- **feasibility** is ``tessera.layout.validate``: a planner ``Layout`` on a ``Workload``
+  becomes a tessera ``Config`` (:func:`to_config`) and ``layout.validate`` decides
   (:func:`refusal`), so every layout the planner proposes is one ``tessera train`` runs, and
   the reverse (tests/test_planner_engine.py enumerates both sets on 8 ranks);
 - **the pipeline split** is ``tessera.pipeline.split``'s (balanced by cost: a heavy LM head
@@ -75,7 +75,7 @@ def layout_of(cfg: Config) -> Layout:
 
 @lru_cache(maxsize=65536)
 def refusal(w: Workload, L: Layout) -> str | None:
-    """Why tessera would refuse `L` on `w` (``Config.validate``'s one-line message), or None."""
+    """Why tessera would refuse `L` on `w` (``layout.validate``'s one-line message), or None."""
     try:
         validate(to_config(w, L), w.gpus)
     except ConfigError as e:
