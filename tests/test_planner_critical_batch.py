@@ -133,8 +133,21 @@ def test_from_run_reads_the_last_noise_scale(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run / "config.json").write_text(json.dumps({"train": {"lr_scaling": "sqrt",
                                                            "reference_batch": 32}}))
-    value, train = noise_scale_from_run(run)
-    assert value == 55.5 and train["lr_scaling"] == "sqrt"
+    value, where, train = noise_scale_from_run(run, 2048)
+    assert value == 55.5 and train["lr_scaling"] == "sqrt" and "step 3" in where
+    # With the tokens beside it, the noise scale is converted to the plan's sequence length.
+    records.append({"step": 5, "noise_scale": 60.0, "noise_scale_tokens": 61440.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert noise_scale_from_run(run, 2048)[0] == 30.0
+    records.pop()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = CliRunner().invoke(app, ["plan", "--model", "gpt3-125m", "--gpus", "8", "--tokens",
+                                 "1e9", "--from-run", str(run), "--gpu-counts", "8",
+                                 "--batch-per-gpu", "1,4", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["critical_batch"] == 55.5 and out["lr_scaling"] == "sqrt"
+    assert {p["lr_scale"] for p in out["points"]} == {0.5, 1.0}  # sqrt(8/32), sqrt(32/32)
     (run / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
     r = CliRunner().invoke(app, ["plan", "--model", "gpt3-350m", "--gpus", "8", "--tokens",
                                  "1e9", "--from-run", str(run)])

@@ -220,11 +220,13 @@ def plan_critical_batch(w: Workload, b_crit: float, tokens: float,
 # A run's measured noise scale
 
 
-def noise_scale_from_run(run_dir: str | Path) -> tuple[float, dict]:
-    """(B_crit, the run's train config as a dict, empty if absent) from a run directory: the
-    last positive ``noise_scale`` (sequences; McCandlish et al.'s B_simple, an estimate of
-    B_crit) that the trainer wrote into metrics.jsonl, and config.json's train section (its
-    lr_scaling rule and reference batch)."""
+def noise_scale_from_run(run_dir: str | Path, seq_len: int) -> tuple[float, str, dict]:
+    """(B_crit in sequences of `seq_len` tokens, where it came from, the run's train config as
+    a dict, empty if absent) from a run directory's metrics.jsonl: its last record with a
+    positive ``noise_scale`` (McCandlish et al.'s B_simple, an estimate of B_crit, in the
+    run's sequences). A record that also holds ``noise_scale_tokens`` is converted to this
+    plan's sequence length (the noise scale counts tokens when the sequence changes, as
+    Kaplan et al. 2020 measure B_crit); config.json's train section gives the lr rule."""
     import json
 
     from tessera.metrics import read_metrics
@@ -232,14 +234,23 @@ def noise_scale_from_run(run_dir: str | Path) -> tuple[float, dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError("--from-run", str(run_dir), "has no metrics.jsonl")
-    values = [r["noise_scale"] for r in read_metrics(path)
-              if isinstance(r.get("noise_scale"), int | float) and r["noise_scale"] > 0
-              and math.isfinite(r["noise_scale"])]
-    if not values:
+    records = [r for r in read_metrics(path) if _positive(r.get("noise_scale"))]
+    if not records:
         raise UserError(f"--from-run {run_dir}: metrics.jsonl holds no noise_scale record (the "
                         f"trainer measures it under dp >= 2); give --critical-batch B instead")
+    last = records[-1]
+    value, where = float(last["noise_scale"]), (f"noise scale {last['noise_scale']:.4g} "
+                                                f"sequences at step {last.get('step')} of "
+                                                f"{run_dir}")
+    if _positive(last.get("noise_scale_tokens")):
+        value = float(last["noise_scale_tokens"]) / seq_len
+        where += f" ({last['noise_scale_tokens']:.4g} tokens: {value:.4g} x {seq_len})"
     train: dict = {}
     config = Path(run_dir) / "config.json"
     if config.is_file():
         train = json.loads(config.read_text()).get("train", {}) or {}
-    return float(values[-1]), train
+    return value, where, train
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0

@@ -172,9 +172,12 @@ def run_critical_batch(*, model: str | None, gpus: int | None, hardware: str, se
     for name, value in (("--model", model), ("--gpus", gpus), ("--tokens", tokens)):
         if value is None:
             raise ConfigError(name, None, "is required with --critical-batch or --from-run")
+    spec = load_model(model)
+    seq_len = seq or spec.max_seq_len
     train: dict = {}
+    source = ""
     if from_run is not None:
-        critical_batch, train = noise_scale_from_run(from_run)
+        critical_batch, source, train = noise_scale_from_run(from_run, seq_len)
     rule = lr_scaling or train.get("lr_scaling", "none")
     if rule not in LR_SCALINGS:
         raise ConfigError("--lr-scaling", rule, f"must be one of {', '.join(LR_SCALINGS)}")
@@ -183,9 +186,8 @@ def run_critical_batch(*, model: str | None, gpus: int | None, hardware: str, se
     if reference < 0:
         raise ConfigError("--reference-batch", reference, "must be >= 0")
     assert critical_batch is not None and gpus is not None and tokens is not None
-    spec = load_model(model)
     w = Workload(model=spec, hardware=load_hardware(hardware), gpus=gpus, global_batch=1,
-                 seq_len=seq or spec.max_seq_len, precision=precision,
+                 seq_len=seq_len, precision=precision,
                  flash_attention=flash_attention, reserve_gb=reserve_gb, kernels=kernels)
     counts = _numbers(gpu_counts, "--gpu-counts", int) if gpu_counts else None
     betas = _numbers(batch_per_gpu, "--batch-per-gpu", float) if batch_per_gpu else DEFAULT_BETAS
@@ -202,8 +204,8 @@ def run_critical_batch(*, model: str | None, gpus: int | None, hardware: str, se
         print(json.dumps(out, indent=1))
         return
     print(describe(plan))
-    if from_run is not None:
-        print(f"critical batch: the noise scale {critical_batch:.4g} measured in {from_run}")
+    if source:
+        print(f"critical batch from the {source}")
     print()
     print(table(plan))
     for line in plan.skipped:
