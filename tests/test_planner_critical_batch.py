@@ -172,3 +172,6 @@ def test_cli_critical_batch_json_and_errors():
     r = runner.invoke(app, ["plan", "--model", "gpt3-125m", "--gpus", "8", "--critical-batch",
                             "64"])
     assert r.exit_code == 2 and "--tokens" in r.output
+    r = runner.invoke(app, ["plan", "--model", "gpt3-125m", "--gpus", "8", "--critical-batch",
+                            "64", "--tokens", "1e9", "--global-batch", "32"])
+    assert r.exit_code == 2 and "--global-batch=32: does not combine" in r.output

@@ -209,6 +209,12 @@ def plan(
     if critical_batch is not None or from_run is not None:
         from tessera.planner.critical_batch_report import run_critical_batch
 
+        for name, value in (("--layout", layout), ("--global-batch", global_batch)):
+            if value is not None:
+                raise ConfigError(name, value, "does not combine with --critical-batch or "
+                                  "--from-run, which try every layout and batch "
+                                  "(--batch-per-gpu)")
+
         return run_critical_batch(
             model=model, gpus=gpus, hardware=hardware, seq=seq, tokens=tokens,
             critical_batch=critical_batch, from_run=from_run, gpu_counts=gpu_counts,

@@ -18,7 +18,8 @@ def describe(plan: CriticalBatchPlan) -> str:
     return (f"{w.model.name} ({human_count(w.model.param_count)} parameters) on "
             f"{w.hardware.name}, sequence {w.seq_len}, {human_count(plan.tokens)} tokens at "
             f"small batch, critical batch {plan.b_crit:.4g} sequences\n"
-            f"samples needed = T/s x (1 + B/B_crit); cost = GPU-hours; a row is on its "
+            f"samples needed = T/s x (1 + B/B_crit); cost = GPU-hours; no pipeline counts as "
+            f"1F1B; a row is on its "
             f"family's time/cost frontier (* : on the frontier of all families)")
 
 
