@@ -2,6 +2,8 @@
 
     tessera plan --model NAME|FILE --gpus N --hardware NAME|FILE --global-batch B --seq S
                  [--top K] [--explain] [--json] [--plot PNG] [--tokens T]
+    tessera plan --model M --gpus N --critical-batch B|--from-run DIR --tokens T
+                 [--gpu-counts ..] [--batch-per-gpu ..] [--explain] [--plot PNG] [--json]
     tessera plan ... --layout "dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp"
                  [--explain]      (evaluate one layout instead of searching)
     tessera plan calibrate [--model NAME|FILE] [--ranks N] [--out FILE]
@@ -176,6 +178,20 @@ def plan(
              "parameter server needs fp32 and pure data parallelism).")] = "allreduce",
     reserve_gb: Annotated[float, typer.Option(
         help="Memory per GPU kept free for the framework.")] = 0.0,
+    critical_batch: Annotated[float | None, typer.Option(
+        help="Critical batch B_crit in sequences: plan the time/cost frontier over GPU "
+             "counts and batches (needs --tokens; --gpus is the largest count).")] = None,
+    from_run: Annotated[str | None, typer.Option(
+        help="Like --critical-batch, with the noise scale a run measured (its last "
+             "noise_scale in metrics.jsonl) and its train.lr_scaling.")] = None,
+    gpu_counts: Annotated[str | None, typer.Option(
+        help="Critical-batch plan: GPU counts (default: powers of two up to --gpus).")] = None,
+    batch_per_gpu: Annotated[str | None, typer.Option(
+        help="Critical-batch plan: sequences per GPU (default 0.125,...,8).")] = None,
+    lr_scaling: Annotated[str | None, typer.Option(
+        help="Critical-batch plan: the train.lr_scaling rule (none, linear, sqrt).")] = None,
+    reference_batch: Annotated[int | None, typer.Option(
+        help="Critical-batch plan: train.reference_batch of the lr rule.")] = None,
 ) -> None:
     """Rank the layouts of --model on --gpus x --hardware by predicted step time."""
     if ctx.invoked_subcommand is not None:
@@ -190,6 +206,22 @@ def plan(
     from tessera.planner.search import Plan, SearchSpace, search
     from tessera.planner.workload import Workload
 
+    if critical_batch is not None or from_run is not None:
+        from tessera.planner.critical_batch_report import run_critical_batch
+
+        for name, value in (("--layout", layout), ("--global-batch", global_batch)):
+            if value is not None:
+                raise ConfigError(name, value, "does not combine with --critical-batch or "
+                                  "--from-run, which try every layout and batch "
+                                  "(--batch-per-gpu)")
+
+        return run_critical_batch(
+            model=model, gpus=gpus, hardware=hardware, seq=seq, tokens=tokens,
+            critical_batch=critical_batch, from_run=from_run, gpu_counts=gpu_counts,
+            batch_per_gpu=batch_per_gpu, lr_scaling=lr_scaling, reference_batch=reference_batch,
+            precision=precision, kernels=kernels, flash_attention=flash_attention,
+            reserve_gb=reserve_gb, tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"),
+            in_words=explain, as_json=as_json, plot_path=plot)
     for name, value in (("--model", model), ("--gpus", gpus),
                         ("--global-batch", global_batch)):
         if value is None:
