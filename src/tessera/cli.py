@@ -150,6 +150,7 @@ TRAIN_FLAGS: dict[str, str] = {
     "collective-timeout": "train.collective_timeout_s",
     "loss-chunk-tokens": "train.loss_chunk_tokens",
     "lr-scaling": "train.lr_scaling", "reference-batch": "train.reference_batch",
+    "noise-scale": "train.noise_scale",
     "data": "data.path", "out": "train.out_dir",
 }
 """`tessera train`'s config flags: flag name -> the config field it sets. A flag takes its

@@ -317,6 +317,8 @@ class TrainConfig:
     reference_batch: int = 0
     """Sequences per optimizer step at which lr (and warmup_steps) were tuned; 0: the run's own
     global batch (no scaling)."""
+    noise_scale: bool = True
+    """Measure the gradient noise scale B_simple under dp >= 2 (``tessera.noise_scale``)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not applied to norms)."""
     beta1: float = 0.9

@@ -64,7 +64,9 @@ def step_record(step: int, done, lr: float, work: StepWork,
     """A step's record in metrics.jsonl, from ``Executor.train_step``'s result `done`: its
     loss, learning rate, gradient norm and seconds, the rates those give (tokens/s, model
     FLOP/s, MFU), this rank's peak device memory so far, and this rank's waits on DP
-    collectives and its compute actions' seconds (``step.py``)."""
+    collectives and its compute actions' seconds (``step.py``); with the gradient noise scale
+    measured, its record (``noise_scale``, ``noise_scale_tokens``, ``grad_sq_est``,
+    ``grad_trace_est``: ``tessera.noise_scale``)."""
     return {
         "step": step, "loss": done.loss, "lr": lr, "grad_norm": done.grad_norm,
         "step_s": done.seconds, "tokens_per_s": work.tokens / done.seconds,
@@ -73,7 +75,7 @@ def step_record(step: int, done, lr: float, work: StepWork,
         "peak_mem_bytes": peak_memory_bytes(device),
         "comm_wait_s": done.comm_wait_s,
         "compute_s": done.compute_s,
-    }
+    } | (done.noise or {})
 
 
 class JsonlLogger:

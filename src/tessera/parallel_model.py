@@ -6,7 +6,7 @@ model-parallel ranks, full state dicts in reference names; and the schedule a st
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -151,15 +151,18 @@ class ParallelModel:
                 if self.topo.group(a) is not None and self.topo.size(a) > 1]
 
     @torch.no_grad()
-    def local_grad_sq(self) -> torch.Tensor:
+    def local_grad_sq(self, counts: Callable[[int, str], bool] | None = None) -> torch.Tensor:
         """Σ grad² over the gradient elements this rank owns (fp64); summed over norm_groups()
-        it is the squared norm of the single-device model's gradient, every element once."""
+        it is the squared norm of the single-device model's gradient, every element once.
+        `counts(chunk, name)`: only those of the owned parameters (default: all of them)."""
+        owns = self._owned if counts is None else (
+            lambda c, name: self._owned(c, name) and counts(c, name))
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if not self.sharded:
             experts = torch.zeros((), dtype=torch.float64, device=self.device)
             grads: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # expert or not
             for c, name, p in self.named_chunk_parameters():
-                if p.grad is not None and self._owned(c, name):
+                if p.grad is not None and owns(c, name):
                     grads[self.ep is not None and is_expert_param(name)].append(p.grad)
             add_sums_of_squares(sq, grads[False])
             add_sums_of_squares(experts, grads[True])
@@ -170,17 +173,62 @@ class ParallelModel:
         for c, z in zip(sorted(self.wrappers), self.zeros, strict=True):
             for u in z.units:
                 grad, base = u.dp_grad_slice(), u.lo
-                runs: list[list[int]] = []  # owned elements, adjacent slots merged
-                for s in u.slots:
-                    a, b = max(s.offset, base), min(s.offset + s.numel, base + grad.numel())
-                    if a < b and self._owned(c, s.name):
-                        if runs and runs[-1][1] == a:
-                            runs[-1][1] = b
-                        else:
-                            runs.append([a, b])
-                owned += [grad[a - base:b - base] for a, b in runs]
+                owned += [grad[a - base:b - base]
+                          for a, b in self._slot_runs(c, u, base, base + grad.numel(), owns)]
         add_sums_of_squares(sq, owned)
         return sq
+
+    def _slot_runs(self, c: int, u: FlatUnit, lo: int, hi: int,
+                   owns: Callable[[int, str], bool]) -> list[tuple[int, int]]:
+        """Ranges [a, b) of unit u's flat layout inside [lo, hi) held by slots `owns` accepts,
+        adjacent ones merged."""
+        runs: list[tuple[int, int]] = []
+        for s in u.slots:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b and owns(c, s.name):
+                if runs and runs[-1][1] == a:
+                    runs[-1] = (runs[-1][0], b)
+                else:
+                    runs.append((a, b))
+        return runs
+
+    # -- the gradient noise scale (tessera.noise_scale) ----------------------------------------
+    def partial_before_reduction(self, c: int, name: str) -> bool:
+        """Is this gradient still partial when the dp reduction reads it (summed over
+        model-parallel ranks only after it, by ``sync_model_parallel_grads``)? TP partial
+        pieces, and the first chunk's embedding when a tied head on another rank adds to it."""
+        if self.tie_group is not None and c == 0 and name == "tok_embeddings.weight":
+            return True
+        return self.specs[c][name].partial_grad
+
+    def measure_pre_reduction(self) -> None:
+        """Have every data-parallel wrapper sum the squares of the local gradient it is about
+        to reduce (``pre_reduce_sq``), over the elements this rank owns in the global norm
+        except the partial ones (``partial_before_reduction``)."""
+        def counts(c: int, name: str) -> bool:
+            return self._owned(c, name) and not self.partial_before_reduction(c, name)
+
+        for c, w in self.wrappers.items():
+            if isinstance(w, ZeroModel):
+                w.measure_pre_reduction({u.name: self._slot_runs(c, u, 0, u.numel, counts)
+                                         for u in w.units})
+            else:
+                w.measure_pre_reduction({p for name, p in self.chunks[c].named_parameters()
+                                         if counts(c, name)})
+
+    def pre_reduction_sq(self) -> tuple[torch.Tensor, bool]:
+        """This rank's Σ g² of its local gradients, as its wrappers read them this step, and
+        whether they were read once per micro-batch (ZeRO-2/3 with hooks) rather than once per
+        step (the micro-batches' sum)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for w in self.wrappers.values():
+            sq += w.pre_reduce_sq
+        return sq, any(z.reduces_per_microbatch for z in self.zeros)
+
+    def reset_pre_reduction(self) -> None:
+        for w in self.wrappers.values():
+            if getattr(w, "pre_reduce_sq", None) is not None:
+                w.pre_reduce_sq.zero_()
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:

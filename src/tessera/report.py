@@ -209,9 +209,10 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
                   tokens_per_s: float, flops_per_s: float, mfu: float | None,
                   timeline: dict | None, memory: list[dict[str, Any]],
                   moe: dict[str, Any] | None = None,
-                  load: tuple[float, int] | None = None) -> list[str]:
+                  load: tuple[float, int] | None = None,
+                  noise: dict[str, Any] | None = None) -> list[str]:
     """The summary's lines. `load`: the host's (load average, cores) over the run's end;
-    None: read now (:func:`host_load`)."""
+    None: read now (:func:`host_load`). `noise`: the gradient noise scale's last record."""
     p, t = cfg.parallel, cfg.train
     layout = f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}"
     if p.ep > 1:
@@ -262,6 +263,11 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
         lines.append(f"            busiest/mean {moe['moe_max_load_ratio']:.2f}, dropped "
                      f"{100 * moe['moe_dropped_fraction']:.2f}%, aux loss "
                      f"{moe['moe_aux_loss']:.4f}")
+    if noise is not None and noise["noise_scale"] is not None:
+        batch = t.micro_batch_size * t.grad_accum * p.dp
+        lines.append(f"noise scale B_simple = tr(Σ)/|G|² = {noise['noise_scale']:,.0f} sequences "
+                     f"({noise['noise_scale_tokens']:,.0f} tokens), last step's moving average; "
+                     f"global batch {batch}")
     if timeline is not None:
         lines.append(f"timeline    {timeline['png']}")
     lines.append("=" * 72)

@@ -28,7 +28,11 @@ runtime. One step:
 ``clip_grad_norm_`` then takes the global norm of the single-device model's gradient, each
 element counted once: each rank sums the squares it owns (``ParallelModel.local_grad_sq``:
 TP-sharded pieces everywhere, TP-replicated ones on their first holder, a tied copy never,
-ZeRO's dp slice) and the sum is all-reduced over tp and pp (and dp where ZeRO shards).
+ZeRO's dp slice) and the sum is all-reduced over tp and pp (and dp where ZeRO shards). With
+``train.noise_scale`` under dp >= 2, the same all-reduce also carries the squares of the local
+gradients the wrappers read before their reductions (summed over dp with the loss, or over dp
+in the norm's own all-reduce under ZeRO) and of the gradients left out of that measurement: one
+step's gradient noise scale (``tessera.noise_scale``) at no extra collective.
 
 Timing: the runtime stamps every compute action and wait, and the data-parallel wrappers every
 collective's start and every wait on one (``tessera.parallel.comm_timing``; their sum is
@@ -52,6 +56,7 @@ import torch.distributed as dist
 from tessera.config import Config
 from tessera.model import cross_entropy
 from tessera.moe import set_loss_scale, update_router_bias
+from tessera.noise_scale import NoiseScale, noise_scale_unsupported, small_batch_sq
 from tessera.parallel.chunked_loss import chunked_head_cross_entropy
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.parallel_model import ParallelModel, training_schedule
@@ -96,6 +101,9 @@ class StepResult:
     """This rank's measured exposed data-parallel communication (``last_comm_wait_s``)."""
     compute_s: float
     """This rank's compute actions' seconds (the runtime's record of the step)."""
+    noise: dict | None = None
+    """The gradient noise scale's record after this step (``NoiseScale.update``), if
+    measured."""
 
 
 def last_backwards(schedule: Schedule, rank: int) -> set[Action]:
@@ -135,6 +143,18 @@ class Executor:
         self.last_comm_wait_s = 0.0
         """The last step's measured exposed data-parallel communication: seconds this rank
         blocked on its wrappers' collectives (``tessera.parallel.comm_timing``)."""
+        self.noise: NoiseScale | None = None
+        """The gradient noise scale's moving averages (``tessera.noise_scale``), if measured:
+        ``train.noise_scale`` on a layout ``noise_scale_unsupported`` accepts."""
+        p = self.cfg.parallel
+        if self.cfg.train.noise_scale and noise_scale_unsupported(
+                self.topo.dp, self.topo.cp, p.ep, p.dp_mode) is None:
+            model.measure_pre_reduction()
+            self.noise = NoiseScale()
+        self.last_noise: dict | None = None
+        self._pre_reduction: tuple[float, bool, int, int] = (0.0, False, 1, 1)
+        """This step's (Σ g² of local gradients before their reduction, read per micro-batch,
+        micro-batches, sequences per micro-batch); the sum is over dp once the loss is."""
         self.last_sync_s = 0.0
         """Wall seconds of the last step's scalar all-reduces (its loss; the gradient norm's
         squares where the norm is taken), the wait for the last rank to reach them included:
@@ -186,6 +206,8 @@ class Executor:
         for log in logs:
             log.clear()
         self.last_sync_s = 0.0
+        if self.noise is not None:
+            self.model.reset_pre_reduction()
 
         def around(a: Action) -> contextlib.AbstractContextManager:
             if a.kind is not Kind.B:
@@ -204,19 +226,41 @@ class Executor:
         self.model.sync_model_parallel_grads()
         start = time.perf_counter()
         (loss,) = all_reduce_sum([float(record.loss)], self.pp_group, self.device)
-        (loss,) = all_reduce_sum([loss], self.dp_group, self.device)
+        if self.noise is None:
+            (loss,) = all_reduce_sum([loss], self.dp_group, self.device)
+        else:  # the local gradients' squares ride along (under ZeRO, with the norm's instead)
+            local, per_microbatch = self.model.pre_reduction_sq()
+            values = [loss] if self.model.sharded else [loss, float(local)]
+            loss, *summed = all_reduce_sum(values, self.dp_group, self.device)
+            self._pre_reduction = (summed[0] if summed else float(local), per_microbatch,
+                                   len(micro_batches), micro_batches[0][0].shape[0])
         self.last_sync_s += time.perf_counter() - start
         return loss / (self.topo.dp * self.topo.cp)
 
     @torch.no_grad()
     def grad_norm(self) -> float:
-        """Global L2 norm of the step's gradient (every element of the model once)."""
+        """Global L2 norm of the step's gradient (every element of the model once); with the
+        noise scale measured, its step record too (``last_noise``)."""
         sq = self.model.local_grad_sq()
+        if self.noise is not None:  # [all, left out of the noise scale, local before reduction]
+            sq = torch.stack([sq, self.model.local_grad_sq(self.model.partial_before_reduction),
+                              sq.new_tensor(self._pre_reduction[0])])
         start = time.perf_counter()
         for group in self.model.norm_groups():
             dist.all_reduce(sq, group=group)
         self.last_sync_s += time.perf_counter() - start
+        if self.noise is not None:
+            self.last_noise = self._noise_record(float(sq[0] - sq[1]), float(sq[2]))
+            sq = sq[0]
         return float(sq.sqrt())
+
+    def _noise_record(self, big_sq: float, small_sum: float) -> dict:
+        """Fold one step into the noise scale: `big_sq` = |G_big|² of the reduced gradient
+        (the global batch), `small_sum` = Σ over dp of the local gradients' squares."""
+        _, per_microbatch, m, b = self._pre_reduction
+        small_sq, b_small = small_batch_sq(small_sum, per_microbatch, m, b, self.topo.dp)
+        return self.noise.update(small_sq, big_sq, b_small, m * b * self.topo.dp,
+                                 self.cfg.data.seq_len)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -266,7 +310,8 @@ class Executor:
             torch.cuda.synchronize()
         seconds = clock() - start
         return StepResult(loss, grad_norm, seconds, self.last_comm_wait_s,
-                          self.last_record.busy if self.last_record else 0.0)
+                          self.last_record.busy if self.last_record else 0.0,
+                          self.last_noise if update else None)
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[MicroBatch]) -> tuple[float, int]:

@@ -40,6 +40,7 @@ from tessera.metrics import (
 )
 from tessera.model import Transformer, flops_per_token
 from tessera.moe import reduce_stats, summarize_load
+from tessera.noise_scale import SETTLED_STEPS, critical_batch_line, noise_scale_unsupported
 from tessera.optim import lr_lambda, scaled, scaling_line
 from tessera.parallelize import parallelize
 from tessera.preflight import check_run
@@ -103,6 +104,8 @@ class RunResult:
     """Per rank: parameter, gradient, optimizer and peak activation bytes."""
     moe: dict[str, Any] | None = None
     """Mixture of experts: the whole run's tokens per expert, busiest/mean, dropped share."""
+    noise_scale: dict[str, Any] | None = None
+    """The gradient noise scale's last record (``tessera.noise_scale``), if measured."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -233,6 +236,10 @@ def open_run(cfg: Config) -> Run:
         print(f"tessera: {topo.describe()} device={device} backend={backend}", flush=True)
         if lr_scaling is not None:
             print(scaling_line(cfg.train, checkpoint.global_batch(cfg), lr_scaling), flush=True)
+        p = cfg.parallel
+        unsupported = noise_scale_unsupported(p.dp, p.cp, p.ep, p.dp_mode)
+        if cfg.train.noise_scale and unsupported:
+            print(f"noise scale: {unsupported}", flush=True)
     return Run(cfg, topo, device, checked.dataset, executor, optimizer, scheduler, loader, out,
                logger, saver, origin, watchdog, start, lr_scaling)
 
@@ -257,6 +264,7 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
     chunks = list(executor.model.chunks.values())
     moe_groups = [topo.group("dpcp"), topo.group("pp")]
     moe_total: dict[str, torch.Tensor] = {}
+    warned = False  # the critical-batch warning, printed once
 
     if run.start == 0:
         first_validation(run, result)
@@ -287,6 +295,9 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
         profiled = profiler.after(step)
 
         record = step_record(step, done, run.scheduler.get_last_lr()[0], work, run.device)
+        if done.noise is not None:
+            warned = critical_batch_warning(run, done.noise, warned)
+            result.noise_scale = done.noise
         if profiled:
             record["profiled"] = True
         if cfg.model.moe_experts:  # this step's routing, summed over dp and layers
@@ -307,6 +318,19 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
         run.saver.close()  # the last checkpoint is complete before the run reports
     return finish(run, result, step_times, work, snapshot,
                   summarize_load(moe_total) if moe_total else None)
+
+
+def critical_batch_warning(run: Run, noise: dict[str, Any], warned: bool) -> bool:
+    """Rank 0 prints ``critical_batch_line`` once, when the settled noise scale (after
+    SETTLED_STEPS steps of averaging) is below the global batch; returns whether it has."""
+    batch = checkpoint.global_batch(run.cfg)
+    scale = noise["noise_scale"]
+    if (not warned and run.executor.noise.steps >= SETTLED_STEPS and scale is not None
+            and batch > scale):
+        if run.topo.rank == 0:
+            print(critical_batch_line(batch, scale), flush=True)
+        return True
+    return warned
 
 
 def first_validation(run: Run, result: RunResult) -> None:
@@ -358,7 +382,7 @@ def finish(run: Run, result: RunResult, step_times: list[float], work: StepWork,
         lines = summary_lines(cfg, topo.world_size, run.device, result.median_step_s,
                               result.tokens_per_s, flops_per_s,
                               mfu(flops_per_s, work.peak_tflops, topo.world_size),
-                              timeline, memory, moe=result.moe)
+                              timeline, memory, moe=result.moe, noise=result.noise_scale)
         print("\n".join(lines), flush=True)
         result.timeline = timeline
         result.memory = memory

@@ -58,6 +58,7 @@ from torch import nn
 
 from tessera.config import ALLREDUCE_ALGORITHMS
 from tessera.errors import ConfigError
+from tessera.optim import add_sums_of_squares
 from tessera.parallel.comm_timing import CommLog
 
 MIB = 2**20
@@ -199,6 +200,10 @@ class DataParallel(nn.Module):
         to 0. It misses what autograd's dispatch of each hook and the copy's effect on the
         backward around it cost, so ``plan calibrate`` prices the hooks from the backward's
         whole CPU time instead; the local-truth bench reports it beside that."""
+        self.pre_reduce_sq: torch.Tensor | None = None
+        """With ``measure_pre_reduction``: Σ g² (fp64) of the counted parameters' gradients as
+        each bucket's all-reduce reads them (the local gradient; the gradient noise scale)."""
+        self._pre_reduce_counted: set[nn.Parameter] = set()
         self._sync = True
         self._params = [p for p in (module.parameters() if params is None else params)
                         if p.requires_grad]
@@ -228,6 +233,12 @@ class DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def measure_pre_reduction(self, counted: set[nn.Parameter] | None = None) -> None:
+        """From now on add Σ g² of `counted` parameters (default: all) to ``pre_reduce_sq``
+        just before each bucket's all-reduce (the caller zeroes it)."""
+        self._pre_reduce_counted = set(self._params) if counted is None else set(counted)
+        self.pre_reduce_sq = torch.zeros((), dtype=torch.float64, device=self._params[0].device)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -289,6 +300,10 @@ class DataParallel(nn.Module):
         for view, was_used in zip(bucket.views, used, strict=True):
             if not was_used:
                 view.zero_()  # a stale slot must not leak into the sum
+        if self.pre_reduce_sq is not None:
+            add_sums_of_squares(self.pre_reduce_sq, [
+                v for v, p in zip(bucket.views, bucket.params, strict=True)
+                if p in self._pre_reduce_counted])
         self.comm_log.mark("launch", f"bucket{bucket.index}")
         if self.algorithm == "backend":
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)

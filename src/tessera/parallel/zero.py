@@ -124,6 +124,11 @@ class ZeroModel(nn.Module):
         missing = [n for n, p in module.named_parameters() if id(p) not in covered]
         if missing:
             raise ValueError(f"parameters in no ZeRO unit: {', '.join(missing)}")
+        self.pre_reduce_sq: torch.Tensor | None = None
+        """With ``measure_pre_reduction``: Σ g² (fp64) of the counted ranges of each unit's
+        local gradient as its reduction reads it (the gradient noise scale); stages 2-3 with
+        hooks add one sum per micro-batch (``reduces_per_microbatch``)."""
+        self._pre_reduce_ranges: dict[str, list[tuple[int, int]]] = {}
         self._sync = True
         # (work, what to do when it is done, the buffer it reads, kept alive until then)
         self._reduces: deque[tuple[dist.Work, Callable[[], object] | None, torch.Tensor]] = deque()
@@ -188,6 +193,25 @@ class ZeroModel(nn.Module):
             for m in u.modules:
                 m.register_forward_pre_hook(lambda _m, _a, i=i: self._pre_forward(i))
             u.modules[-1].register_forward_hook(lambda _m, _a, out, i=i: self._post_forward(i, out))
+
+    @property
+    def reduces_per_microbatch(self) -> bool:
+        """Each micro-batch's gradient is reduced on its own (stages 2-3 with hooks)."""
+        return self.stage >= 2 and not self.schedule_driven
+
+    def measure_pre_reduction(self, ranges: dict[str, list[tuple[int, int]]] | None = None
+                              ) -> None:
+        """From now on add Σ g² over `ranges` (unit name -> [(start, end)] in the unit's flat
+        layout; default: every parameter) to ``pre_reduce_sq`` just before each unit's gradient
+        reduction starts (the caller zeroes it)."""
+        self._pre_reduce_ranges = ranges if ranges is not None else {
+            u.name: [(0, u.numel)] for u in self.units}
+        self.pre_reduce_sq = torch.zeros((), dtype=torch.float64, device=self.units[0].grad.device)
+
+    def _measure_pre_reduction(self, u: FlatUnit, flat: torch.Tensor) -> None:
+        if self.pre_reduce_sq is not None:
+            add_sums_of_squares(self.pre_reduce_sq,
+                                [flat[a:b] for a, b in self._pre_reduce_ranges.get(u.name, ())])
 
     # -- forward / backward --------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -254,6 +278,7 @@ class ZeroModel(nn.Module):
         self.events.append(("backward", u.name))
         if self.stage < 2:
             if self._sync:
+                self._measure_pre_reduction(u, u.grad)
                 u.grad.div_(u.divisor)
                 work = dist.all_reduce(u.grad, group=u.group, async_op=True)
                 self._reduces.append((work, None, u.grad))
@@ -270,6 +295,7 @@ class ZeroModel(nn.Module):
         if pad:
             grads.append(torch.zeros(pad, dtype=self.dtype, device=u.grad.device))
         full_grad = torch.cat(grads)  # (padded,)
+        self._measure_pre_reduction(u, full_grad)
         for p in u.params:
             p.grad = None
         # Sum, then divide the shard (1/N of the work of dividing the full gradient).

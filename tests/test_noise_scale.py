@@ -1,0 +1,366 @@
+"""The gradient noise scale (``tessera.noise_scale``; McCandlish et al. 2018, Appendix A).
+
+Two kinds of check, because the transformer has no closed-form noise scale:
+
+1. **Statistics, on a problem with a known answer.** Linear regression with Gaussian inputs and
+   Gaussian label noise, run through tessera's own data-parallel wrappers (``DataParallel``'s
+   bucket hooks, ``ZeroModel``'s stage-2 reduce-scatter hooks, a ``RowParallelLinear`` under
+   tp 2) and the training code's estimator (``small_batch_sq`` + ``NoiseScale``): the measured
+   B_simple is within 20% of the truth at dp 2, dp 4, ZeRO-2 (two micro-batches, so one
+   pre-reduction read per micro-batch) and dp 2 × tp 2.
+
+   Closed form. x ~ N(0, I_d), y = x·w* + ε with ε ~ N(0, σ²), per-sample loss
+   ℓ = ½(x·w − y)², evaluated at w = w* + δ. The residual is r = x·δ − ε and the per-sample
+   gradient g = x·r. Then G = E[g] = E[x xᵀ]δ − E[x ε] = δ, and with Isserlis' theorem
+   (E[x_i x_j x_k x_l] = δ_ij δ_kl + δ_ik δ_jl + δ_il δ_jk) and ε independent of x,
+   E[g gᵀ] = E[(x·δ)² x xᵀ] + σ² E[x xᵀ] = |δ|² I + 2 δ δᵀ + σ² I, so
+   Σ = E[g gᵀ] − G Gᵀ = (|δ|² + σ²) I + δ δᵀ,  tr Σ = d(|δ|² + σ²) + |δ|², and
+   B_simple = tr Σ / |G|² = d + 1 + d σ² / |δ|².   (d = 8, σ = |δ| = 1: B = 17.)
+
+   The weights stay at w (no update), so every step samples the same B_simple; the estimator
+   averages 600 steps (decay 0.995). Simulated over 30 seeds, that average scatters by 5% (dp 2)
+   and 3% (dp 4) around the truth, worst 13%: the 20% bound is ~4 standard deviations.
+
+2. **Exactness, on the transformer.** One step of the engine at (dp, tp, pp) layouts covering
+   DDP, ZeRO-2/3 with hooks (read per micro-batch), schedule-driven ZeRO-3, sequence parallelism
+   and a tied embedding split over pp: the |G_small|² and |G_big|² the step measured (recovered
+   from its first-step estimates, which the bias-corrected average leaves unsmoothed) equal the
+   single-device model's, computed on each replica's (or micro-batch's) rows and on the global
+   batch, over the parameters the engine counts (all but the ones still partial when the
+   reduction reads them, ``ParallelModel.partial_before_reduction``). Tolerance: a squared
+   norm's error is Δ|g|² = 2⟨g, Δg⟩ + |Δg|², at most twice the gradients' relative error, whose
+   sums over the batch's N tokens reorder (the composition tests' bound): the summation bound
+   over 2N terms with the squared norm as its scale.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.config import Config
+from tessera.config_io import make_config
+from tessera.model import build_model, cross_entropy
+from tessera.noise_scale import (
+    NoiseScale,
+    critical_batch_line,
+    noise_scale_unsupported,
+    small_batch_sq,
+    unbiased_estimates,
+)
+from tessera.parallel.ddp import DataParallel
+from tessera.parallel.tensor_parallel import (
+    RowParallelLinear,
+    ShardSpec,
+    TPContext,
+    owned_grad_sq,
+)
+from tessera.parallel.zero import ZeroModel
+from tessera.step import build_executor
+from tessera.testing import assert_close_summed, run_ranks
+from tessera.topology import Topology
+
+# -- the estimator's algebra -----------------------------------------------------------------
+
+
+def test_estimates_invert_the_expectations():
+    """With E|G_B|² = |G|² + tr(Σ)/B fed in exactly, the estimates return |G|² and tr(Σ)."""
+    g_sq, trace = 2.5, 40.0
+    for b_small, b_big in [(4, 8), (2, 64), (8, 32)]:
+        got = unbiased_estimates(g_sq + trace / b_small, g_sq + trace / b_big, b_small, b_big)
+        assert got == pytest.approx((g_sq, trace), rel=1e-12)
+    with pytest.raises(ValueError):
+        unbiased_estimates(1.0, 1.0, 8, 8)
+
+
+def test_moving_average_is_bias_corrected():
+    ns = NoiseScale(decay=0.9)
+    first = ns.update(small_sq=1.5, big_sq=1.125, b_small=4, b_big=16, seq_len=64)
+    # |G|² = (16·1.125 − 4·1.5)/12 = 1, tr Σ = 0.375 / (1/4 − 1/16) = 2: one step, no smoothing
+    assert first == pytest.approx({"noise_scale": 2.0, "noise_scale_tokens": 128.0,
+                                   "grad_sq_est": 1.0, "grad_trace_est": 2.0})
+    second = ns.update(small_sq=3.0, big_sq=2.25, b_small=4, b_big=16)  # twice both
+    assert second["grad_sq_est"] == pytest.approx((0.9 * 0.1 * 1 + 0.1 * 2) / (1 - 0.81))
+    assert second["noise_scale"] == pytest.approx(2.0)
+    negative = NoiseScale().update(small_sq=1.0, big_sq=0.1, b_small=1, b_big=2)  # |G|² < 0
+    assert negative["noise_scale"] is None and negative["noise_scale_tokens"] is None
+
+
+def test_small_batch_bookkeeping():
+    # dp 2 replicas, m = 3 micro-batches of 4: accumulated, one gradient of 12 per replica
+    assert small_batch_sq(10.0, False, 3, 4, 2) == (5.0, 12)
+    # per micro-batch: 6 gradients each scaled by 1/3: mean |ĝ|² = 10·9/6
+    assert small_batch_sq(10.0, True, 3, 4, 2) == (15.0, 4)
+
+
+def test_layouts_without_a_measurement():
+    assert "dp >= 2" in noise_scale_unsupported(1, 1, 1, "allreduce")
+    assert "cp" in noise_scale_unsupported(2, 2, 1, "allreduce")
+    assert "ep" in noise_scale_unsupported(2, 1, 2, "allreduce")
+    assert "dp_mode=ps" in noise_scale_unsupported(2, 1, 1, "ps")
+    assert noise_scale_unsupported(2, 1, 1, "allreduce") is None
+    line = critical_batch_line(64, 16.0)
+    assert "1 + B/B_crit = 5.00x" in line and line.startswith("warning: global batch 64")
+
+
+# -- 1. linear regression with a known noise scale ----------------------------------------------
+
+D, SIGMA, B, STEPS, DECAY = 8, 1.0, 8, 600, 0.995
+TRUE_B = D + 1 + D * SIGMA**2 / 1.0  # |δ| = 1
+
+
+def _delta() -> torch.Tensor:
+    return torch.ones(1, D) / D**0.5  # w − w*, |δ| = 1 (w* = 0, so w = δ)
+
+
+def _sample(case: int, step: int, replica: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * case + 10 * step + replica)
+    x = torch.randn(n, D, generator=g)
+    return x, SIGMA * torch.randn(n, 1, generator=g)  # y = x·w* + ε = ε
+
+
+def _groups(world: int, size: int, contiguous: bool) -> dist.ProcessGroup:
+    """This rank's group among `world/size` groups of `size` ranks (every rank makes all)."""
+    mine = None
+    n = world // size
+    for i in range(n):
+        ranks = [i * size + j for j in range(size)] if contiguous else list(range(i, world, n))
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _regression_case(case: int, kind: str, dp: int, tp: int, m: int) -> float:
+    """STEPS steps at fixed weights; the estimator's B_simple after them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp_group = _groups(world, tp, contiguous=True) if tp > 1 else None
+    dp_group = _groups(world, dp, contiguous=tp == 1)
+    replica = rank // tp if tp > 1 else rank % dp if dp < world else rank
+    if tp > 1:
+        tp_ctx = TPContext(tp_group)
+        half = D // tp
+        lin = RowParallelLinear(_delta()[:, tp_ctx.rank * half:(tp_ctx.rank + 1) * half].clone(),
+                                tp_ctx, ShardSpec(dim=1, chunks=tp, full_size=D))
+        cols = slice(tp_ctx.rank * half, (tp_ctx.rank + 1) * half)
+    else:
+        tp_ctx, lin, cols = TPContext(None), nn.Linear(D, 1, bias=False), slice(None)
+        with torch.no_grad():
+            lin.weight.copy_(_delta())
+    module = nn.Sequential(lin)
+    if kind == "zero2":
+        wrapper = ZeroModel(module, dp_group, stage=2, units=[("lin", [lin])])
+    else:
+        wrapper = DataParallel(module, dp_group)
+    wrapper.measure_pre_reduction()
+    ns = NoiseScale(decay=DECAY)
+    per_mb = getattr(wrapper, "reduces_per_microbatch", False)
+    record: dict[str, Any] = {}
+    for step in range(STEPS):
+        wrapper.pre_reduce_sq.zero_()
+        x, y = _sample(case, step, replica, B * m)
+        for k, (xk, yk) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+            ctx = wrapper.no_sync() if k < m - 1 else torch.enable_grad()
+            with ctx:
+                loss = 0.5 * (wrapper(xk[:, cols]) - yk).pow(2).mean() / m
+                loss.backward()
+        wrapper.finish_gradient_sync()
+        if kind == "zero2":
+            big = wrapper.local_grad_sq()
+            dist.all_reduce(big, group=dp_group)  # each rank holds its shard
+        else:
+            big = owned_grad_sq(module, tp_ctx)
+        small = wrapper.pre_reduce_sq.clone()
+        dist.all_reduce(small, group=dp_group)
+        if tp_group is not None:
+            dist.all_reduce(big, group=tp_group)
+            dist.all_reduce(small, group=tp_group)
+        small_sq, b_small = small_batch_sq(float(small), per_mb, m, B, dp)
+        record = ns.update(small_sq, float(big), b_small, B * m * dp)
+        if kind == "zero2":
+            wrapper.zero_grad()
+        else:
+            module.zero_grad(set_to_none=True)
+    return record["noise_scale"]
+
+
+REGRESSION_CASES = {"dp 2": ("ddp", 2, 1, 1), "dp 4": ("ddp", 4, 1, 1),
+                    "ZeRO-2 dp 2, 2 micro-batches": ("zero2", 2, 1, 2),
+                    "dp 2 x tp 2": ("ddp", 2, 2, 1)}
+
+
+def _regression_rank() -> dict[str, float]:
+    return {name: _regression_case(i, *spec) for i, (name, spec)
+            in enumerate(REGRESSION_CASES.items())}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_linear_regression_noise_scale_within_20_percent():
+    results = run_ranks(_regression_rank, 4, timeout=600)
+    for name in REGRESSION_CASES:
+        got = results[0][name]
+        assert all(r[name] == pytest.approx(got) for r in results), name
+        assert abs(got / TRUE_B - 1) <= 0.2, f"{name}: B_simple {got:.2f} vs truth {TRUE_B}"
+
+
+# -- 2. the transformer: the measured norms are the single-device model's, exactly ------------
+
+GLOBAL_BATCH, SEQ = 8, 16
+N_TOKENS = GLOBAL_BATCH * SEQ
+
+
+def _cfg(dp: int, tp: int, pp: int, m: int, tie: bool = False, **parallel: Any) -> Config:
+    return make_config(
+        None, model=dict(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
+                         tie_embeddings=tie),
+        data=dict(seq_len=SEQ), parallel=dict(dp=dp, tp=tp, pp=pp, **parallel),
+        train=dict(lr=1e-3, warmup_steps=0, steps=1, grad_accum=m,
+                   micro_batch_size=GLOBAL_BATCH // dp // m))
+
+
+LAYOUTS: dict[str, tuple[Config, bool]] = {  # config, read per micro-batch
+    "(2,2,1) sp ddp": (_cfg(2, 2, 1, m=2, sequence_parallel=True), False),
+    "(2,1,2) zero2 tied": (_cfg(2, 1, 2, m=2, tie=True, zero_stage=2), True),
+    "(2,2,1) zero3": (_cfg(2, 2, 1, m=2, zero_stage=3), True),
+    "(2,1,2) bfs v2 zero3": (_cfg(2, 1, 2, m=2, schedule="bfs", virtual_stages=2,
+                                  zero_stage=3), False),
+}
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _layout_rank(names: list[str]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        cfg = LAYOUTS[name][0]
+        topo = Topology.build(cfg.parallel)
+        executor = build_executor(cfg, topo, torch.device("cpu"))
+        model = executor.model
+        d, dp, m = topo.coords()["dp"], topo.dp, cfg.train.grad_accum
+        x, y = _batch()
+        rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
+        executor.forward_backward(list(zip(x[rows].chunk(m), y[rows].chunk(m), strict=True)))
+        executor.clip_grad_norm_(0.0)
+        partial = {model.chunks[c].reference_name(n) for c, n, _ in model.named_chunk_parameters()
+                   if model.partial_before_reduction(c, n)}
+        every: list[set[str]] = [set()] * dist.get_world_size()
+        dist.all_gather_object(every, partial)
+        out[name] = (executor.last_noise, set().union(*every))
+    return out
+
+
+def _sq_norm(cfg: Config, x: torch.Tensor, y: torch.Tensor, skip: set[str]) -> float:
+    model = build_model(cfg.model, cfg.train.seed)
+    cross_entropy(model(x), y).backward()
+    return sum(float(p.grad.double().pow(2).sum()) for n, p in model.named_parameters()
+               if n not in skip)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_transformer_norms_are_the_single_device_models():
+    names = list(LAYOUTS)
+    results = run_ranks(_layout_rank, 4, args=(names,), timeout=600)
+    x, y = _batch()
+    for name in names:
+        cfg, per_mb = LAYOUTS[name]
+        record, skip = results[0][name]
+        dp, m = cfg.parallel.dp, cfg.train.grad_accum
+        for key in ("grad_sq_est", "grad_trace_est"):  # one step: |G|² may come out < 0
+            assert all(r[name][0][key] == pytest.approx(record[key], rel=1e-12)
+                       for r in results), f"{name}: ranks disagree on {key}"
+        if cfg.parallel.sequence_parallel:
+            assert "layers.0.attention_norm.weight" in skip and "norm.weight" in skip
+        elif cfg.model.tie_embeddings:
+            assert skip == {"tok_embeddings.weight"}
+        else:
+            assert not skip
+        pieces = dp * (m if per_mb else 1)
+        b_small, b_big = GLOBAL_BATCH // pieces, GLOBAL_BATCH
+        want_small = sum(_sq_norm(cfg, xs, ys, skip) for xs, ys in
+                         zip(x.chunk(pieces), y.chunk(pieces), strict=True)) / pieces
+        want_big = _sq_norm(cfg, x, y, skip)
+        g_sq, trace = record["grad_sq_est"], record["grad_trace_est"]
+        got_small, got_big = g_sq + trace / b_small, g_sq + trace / b_big
+        assert_close_summed(got_small, want_small, terms=2 * N_TOKENS,
+                            msg=f"{name} |G_small|²")
+        assert_close_summed(got_big, want_big, terms=2 * N_TOKENS, msg=f"{name} |G_big|²")
+        assert (g_sq, trace) == pytest.approx(
+            unbiased_estimates(want_small, want_big, b_small, b_big), rel=1e-3), name
+
+
+# -- the trainer: metrics, summary, the one-line notes -------------------------------------------
+
+
+def _train_cfg(data: str, out, dp: int, steps: int) -> Config:
+    return make_config("tiny", overrides=[f"data.path={data}", "data.seq_len=16",
+                                          "data.val_tokens=512"],
+                       parallel=dict(dp=dp),
+                       train=dict(steps=steps, warmup_steps=2, lr=1e-3, eval_interval=0,
+                                  sample_tokens=0, micro_batch_size=4, out_dir=str(out)))
+
+
+def test_dp1_says_in_one_line_that_it_needs_dp2(tiny_data, tmp_path, capsys):
+    from tessera.metrics import read_metrics
+    from tessera.trainer import run
+
+    run(_train_cfg(tiny_data, tmp_path, dp=1, steps=2), progress=False)
+    out = capsys.readouterr().out
+    assert [ln for ln in out.splitlines() if "noise scale" in ln] == [
+        "noise scale: needs dp >= 2 (one replica has no second batch size to compare)"]
+    assert not any("noise_scale" in r for r in read_metrics(tmp_path / "metrics.jsonl"))
+
+
+def _train_rank(cfg: Config) -> str:
+    import contextlib
+    import io
+
+    from tessera.trainer import train
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train(cfg, progress=False)
+    return printed.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dp2_run_logs_the_noise_scale(tiny_data, tmp_path):
+    """Every step's record holds the estimates; the summary states the last B_simple; the
+    critical-batch warning comes once, after the settled steps, exactly when B_simple is
+    below the global batch."""
+    from tessera.metrics import read_metrics
+    from tessera.noise_scale import SETTLED_STEPS
+
+    steps = SETTLED_STEPS + 5
+    out = run_ranks(_train_rank, 2, args=(_train_cfg(tiny_data, tmp_path, 2, steps),),
+                    timeout=600)[0]
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == steps
+    assert all({"noise_scale", "noise_scale_tokens", "grad_sq_est", "grad_trace_est"} <= r.keys()
+               for r in rows)
+    last = rows[-1]
+    assert last["grad_sq_est"] > 0  # after 55 steps of averaging (one step's may be < 0)
+    assert last["noise_scale"] == pytest.approx(last["grad_trace_est"] / last["grad_sq_est"])
+    assert last["noise_scale_tokens"] == pytest.approx(16 * last["noise_scale"])
+    summary = [ln for ln in out.splitlines() if ln.startswith("noise scale B_simple")]
+    assert summary == [f"noise scale B_simple = tr(Σ)/|G|² = {last['noise_scale']:,.0f} "
+                       f"sequences ({last['noise_scale_tokens']:,.0f} tokens), last step's "
+                       f"moving average; global batch 8"]
+    saved = json.loads((tmp_path / "summary.json").read_text())["noise_scale"]
+    assert saved == {k: last[k] for k in saved} and len(saved) == 4
+    below = [r for r in rows if r["step"] >= SETTLED_STEPS and r["noise_scale"] is not None
+             and r["noise_scale"] < 8]
+    assert below  # the tiny corpus settles near 2 sequences: the warning path runs
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning: global batch 8")]
+    assert warnings == [critical_batch_line(8, below[0]["noise_scale"])]
