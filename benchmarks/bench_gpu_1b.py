@@ -1,7 +1,7 @@
 """One GPU, the llama-1b preset (Llama 3.2 1B's shape) at sequence 2048 in bf16: tessera eager,
 compiled, compiled + chunked cross-entropy, and the peer, a compiled plain PyTorch loop.
 
-    python benchmarks/bench_gpu_1b.py [--steps 10] [--warmup 3] [--guess 8] [--chunk 1024]
+    python benchmarks/bench_gpu_1b.py [--steps 10] [--warmup 3] [--guess B] [--chunk 1024]
     python benchmarks/bench_gpu_1b.py --dry        # tiny model on CPU: the code paths only
 
 Variants, all on the same batches (random tokens) and the same micro-batch:
@@ -16,8 +16,9 @@ Variants, all on the same batches (random tokens) and the same micro-batch:
   ``--curve-steps`` steps beside the bf16 peer's, both loss curves printed.
 
 The micro-batch: the largest that fits both eager paths (tessera's and the peer's uncompiled
-loop, which hold the most), searched downward from ``--guess`` with one step per try, an
-out-of-memory error meaning "smaller".
+loop, which hold the most), searched downward from ``--guess`` (default: the largest the
+planner's memory estimate puts under 80% of the GPU) with one step per try, an out-of-memory
+error meaning "smaller".
 
 Printed per variant: median step (``--steps`` timed steps after ``--warmup``), tokens/s, MFU
 with causal and with full attention FLOPs, HFU (the hardware's FLOPs: the chunked loss runs the
@@ -188,7 +189,9 @@ def fits(make_step: Callable[[], Callable[[Batch], float]], batch: Batch,
 def largest_micro_batch(cfg, guess: int, device: torch.device,
                         fits_at: Callable[[int], bool] | None = None) -> int:
     """The largest micro-batch ≤ `guess` at which both eager paths take a step: halving
-    from `guess` to the first that fits, then the largest between it and the failed one."""
+    from `guess` to the first that fits, then bisecting between it and the one that failed
+    (each try builds the models afresh: a step that ran out of memory halfway leaves
+    tessera's gradient hooks mid-count)."""
     if fits_at is None:
         def fits_at(b: int) -> bool:
             c = with_train(cfg, micro_batch_size=b)
@@ -200,10 +203,26 @@ def largest_micro_batch(cfg, guess: int, device: torch.device,
         failed, b = b, b // 2
     if b < 1:
         raise SystemExit("micro-batch 1 does not fit on this device")
-    for between in range((failed or b + 1) - 1, b, -1):
-        if fits_at(between):
-            return between
+    while failed is not None and failed - b > 1:
+        mid = (b + failed) // 2
+        b, failed = (mid, failed) if fits_at(mid) else (b, mid)
     return b
+
+
+def planned_micro_batch(cfg, total: float, limit: int = 64, share: float = 0.8) -> int:
+    """The largest micro-batch ≤ `limit` whose step the planner predicts to need at most
+    `share` of `total` bytes, the GPU's memory (tessera's eager bf16 step: its saved
+    activations and the fp32 logits): where the search starts."""
+    from tessera.planner.estimate import estimate
+    from tessera.report import planner_workload
+
+    best = 1
+    for b in range(1, limit + 1):
+        w, layout = planner_workload(with_train(cfg, micro_batch_size=b), 1, "H100")
+        if estimate(w, layout, simulate=False).memory.total > share * total:
+            break
+        best = b
+    return best
 
 
 def with_train(cfg, **train):
@@ -258,7 +277,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--guess", type=int, default=8, help="micro-batch the search starts at")
+    ap.add_argument("--guess", type=int, default=0,
+                    help="micro-batch the search starts at (0: the planner's memory estimate)")
     ap.add_argument("--chunk", type=int, default=CHUNK, help="train.loss_chunk_tokens")
     ap.add_argument("--curve-steps", type=int, default=100, help="float8 vs bf16 loss curves")
     ap.add_argument("--dry", action="store_true",
@@ -277,7 +297,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     cfg = make_config(preset, parallel=dict(dp=1),
                       data=dict(seq_len=seq),
                       train=dict(grad_accum=1, precision="bf16", warmup_steps=0))
-    b = 2 if args.dry else largest_micro_batch(cfg, args.guess, device)
+    guess = args.guess or (2 if args.dry else planned_micro_batch(
+        cfg, torch.cuda.get_device_properties(device).total_memory))
+    b = 2 if args.dry else largest_micro_batch(cfg, guess, device)
     cfg = with_train(cfg, micro_batch_size=b)
     data = batches(args.warmup + args.steps, b, seq, cfg.model.vocab_size, device)
     from tessera.metrics import device_peak_tflops

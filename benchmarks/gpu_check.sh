@@ -26,7 +26,7 @@ PY=${PYTHON:-python3}
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_readiness.py \
   "tests/test_context_parallel.py::test_ring_blocks_in_one_process" > "$OUT/tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/tests.txt"
-timeout 420 $PY benchmarks/bench_gpu_1b.py --steps 10 --warmup 3 --guess 8 --chunk 1024 \
+timeout 420 $PY benchmarks/bench_gpu_1b.py --steps 10 --warmup 3 --chunk 1024 \
   > "$OUT/gpu_1b.txt" 2>&1
 echo "rc=$?" >> "$OUT/gpu_1b.txt"
 $PY -m tessera data prepare --source stdlib --out data/stdlib --if-missing > /dev/null 2>&1

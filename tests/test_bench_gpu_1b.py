@@ -36,7 +36,7 @@ def test_flops_and_utilization_by_hand():
     assert bench.utilization(f, 0.5, None) == (None, None, None)
 
 
-def test_largest_micro_batch_searches_down_then_up():
+def test_largest_micro_batch_halves_then_bisects():
     tried = []
 
     def fits_at(b: int) -> bool:
@@ -44,7 +44,7 @@ def test_largest_micro_batch_searches_down_then_up():
         return b <= 5
 
     assert bench.largest_micro_batch(None, 16, torch.device("cpu"), fits_at) == 5
-    assert tried == [16, 8, 4, 7, 6, 5]
+    assert tried == [16, 8, 4, 6, 5]
     assert bench.largest_micro_batch(None, 4, torch.device("cpu"), fits_at) == 4
     with pytest.raises(SystemExit):
         bench.largest_micro_batch(None, 4, torch.device("cpu"), lambda b: False)
@@ -62,3 +62,12 @@ def test_peer_loop_trains_and_is_measured():
     assert result.tokens_s == pytest.approx(64 / result.step_s)
     assert result.mfu_full == pytest.approx(flops.model_full / (1e9 * result.step_s))
     assert "MFU causal" in result.line()
+
+
+def test_the_search_starts_where_the_planner_puts_memory_under_80_percent():
+    cfg = make_config("llama-1b", parallel=dict(dp=1),
+                      train=dict(precision="bf16", grad_accum=1))
+    h200 = 139 * 2**30
+    b = bench.planned_micro_batch(cfg, h200)
+    assert 1 <= b < 64
+    assert bench.planned_micro_batch(cfg, h200 / 2) < b
