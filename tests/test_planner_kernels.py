@@ -147,6 +147,13 @@ def test_train_compile_plans_compiled_kernels():
     w, _ = planner_workload(cfg, 1, "H100")
     assert w.kernels == "compiled"
     assert planner_workload(_demo(), 1, "H100")[0].kernels == "tessera"
+    # the training summary's line says so, and prices the compiled step
+    from tessera.report import planner_prediction
+
+    compiled_s, label = planner_prediction(cfg, 1, torch.device("cpu"))
+    eager_s, eager_label = planner_prediction(_demo(), 1, torch.device("cpu"))
+    assert "compiled kernels" in label and "compiled" not in eager_label
+    assert compiled_s < eager_s
 
 
 def test_chunked_loss_holds_one_chunks_logits():

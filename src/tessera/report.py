@@ -127,6 +127,8 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         if found is None:
             return None, f"no hardware description (run {calibrate_command(world)})"
         hardware, label = found
+    if getattr(cfg.train, "compile", False):
+        label += "; compiled kernels"
     try:
         from tessera.planner.estimate import estimate
         from tessera.planner.local.terms import local_terms

@@ -104,9 +104,10 @@ def compiled_block(spec: ModelSpec) -> Kernels:
 
 def head(spec: ModelSpec, precision: str, compiled: bool) -> Kernels:
     """The last chunk's final norm, LM head GEMM and loss (log-softmax and NLL on fp32
-    logits: a cast in bf16); compiled: the norm one kernel, the loss one."""
+    logits: a cast in bf16); compiled: forward the norm's run, the GEMM, the loss's run;
+    backward the loss's run, the GEMM's two, the norm's run and its weight's reduction."""
     if compiled:
-        return Kernels(3, 5)
+        return Kernels(1 + 1 + 1, 1 + 2 + 1 + 1)
     nf, nb = NORM[spec.norm]
     casts = 2 * CASTS_PER_CALL if precision != "fp32" else 0
     return Kernels(nf + 1 + 2 + casts, nb + 2 + 2 + casts)
