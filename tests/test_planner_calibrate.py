@@ -83,6 +83,13 @@ def test_calibrate_default_out_is_untracked(tmp_path, monkeypatch):
     assert not (tmp_path / "benchmarks").exists()
 
 
+def _h100_without_launches():
+    """The H100 entry with free kernel launches: the tiny model's step on the catalog entry is
+    launch-bound (the same whatever the compute rate), and these tests tell files apart by
+    their compute rates."""
+    return replace(load_hardware("H100"), launch_us=0.0)
+
+
 def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkeypatch):
     """A CPU run's planner line uses the file `tessera plan calibrate` wrote (runs/), else the
     repository's calibration, said so, else none. Before: only the repository's file, so a
@@ -98,13 +105,13 @@ def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     assert planner_prediction(cfg, 1, cpu) == (
         None, "no hardware description (run `tessera plan calibrate`)")
-    slow = dataclasses.replace(load_hardware("H100"), peak_tflops=1.0, fp32_tflops=1.0)
+    slow = dataclasses.replace(_h100_without_launches(), peak_tflops=1.0, fp32_tflops=1.0)
     save_hardware(slow, tmp_path / SHIPPED_HARDWARE)
     shipped_s, label = planner_prediction(cfg, 1, cpu)
     assert label == f"{SHIPPED_HARDWARE}, the repository's: `tessera plan calibrate` measures " \
                     "this machine"
     # where test_calibrate_default_out_is_untracked finds calibrate's output
-    save_hardware(load_hardware("H100"), tmp_path / "runs" / "local_hardware.toml")
+    save_hardware(_h100_without_launches(), tmp_path / "runs" / "local_hardware.toml")
     own_s, label = planner_prediction(cfg, 1, cpu)
     assert label == "runs/local_hardware.toml"
     assert own_s < shipped_s  # priced with the faster file: the machine's own
@@ -127,18 +134,18 @@ def test_training_summary_prices_with_the_runs_rank_count(tmp_path, monkeypatch)
     cpu, cfg = torch.device("cpu"), make_config("tiny", parallel=dict(dp=4))
     monkeypatch.chdir(tmp_path)
     shipped_four = tmp_path / SHIPPED_HARDWARE.with_name("local_hardware_4.toml")
-    save_hardware(load_hardware("H100"), shipped_four)
+    save_hardware(_h100_without_launches(), shipped_four)
     assert planner_prediction(cfg, 4, cpu)[1] == (
         f"{shipped_four.relative_to(tmp_path)}, the repository's: "
         "`tessera plan calibrate --ranks 4` measures this machine")
     # this machine's own file comes before the repository's, even at another rank count
-    two = dataclasses.replace(load_hardware("H100"), peak_tflops=1.0, fp32_tflops=1.0)
+    two = dataclasses.replace(_h100_without_launches(), peak_tflops=1.0, fp32_tflops=1.0)
     save_hardware(two, tmp_path / "runs" / "local_hardware.toml")
     two_s, label = planner_prediction(cfg, 4, cpu)
     assert label == ("runs/local_hardware.toml, measured with 2 ranks: "
                      "`tessera plan calibrate --ranks 4` measures this machine with 4")
     # calibrate --ranks 4 writes the file the 4-rank run then reads
-    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: load_hardware("H100"))
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: _h100_without_launches())
     r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "tiny", "--ranks", "4"])
     assert r.exit_code == 0, r.output
     assert "wrote runs/local_hardware_4.toml" in r.output
