@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import statistics
 import time
@@ -182,8 +183,18 @@ def fits(make_step: Callable[[], Callable[[Batch], float]], batch: Batch,
     except torch.OutOfMemoryError:
         return False
     finally:  # the try's model and optimizer are gone: give their memory back
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
+
+
+def release(device: torch.device, compiled: bool = False) -> None:
+    """Collect the models just dropped (tessera's hooks hold cycles; with `compiled`,
+    torch.compile's in-memory graphs, which hold their parameters: the on-disk cache stays)
+    and return their memory to the device."""
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def largest_micro_batch(cfg, guess: int, device: torch.device,
@@ -327,8 +338,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                          peak, device)
         results.append(result)
         print(result.line(), f"| {time.perf_counter() - start:.0f} s with warm-up", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device, compiled=True)
     eager, peer = results[0], results[-1]
     best = min(results[:-1], key=lambda r: r.step_s)
     print(f"ours/peer step time: eager {eager.step_s / peer.step_s:.3f}, best ({best.name}) "
@@ -357,9 +367,10 @@ def float8_curves(cfg, device: torch.device, backend: str, steps: int) -> list[R
         peak = device_peak_tflops(device)
     out = []
     for name, f8 in (("peer bf16 curve", False), ("peer float8 curve", True)):
-        step = peer_step(cfg, device, backend, float8=f8)
-        out.append(measure(name, step, data, 0, step_flops(cfg, b * seq), peak, device))
+        out.append(measure(name, peer_step(cfg, device, backend, float8=f8), data, 0,
+                           step_flops(cfg, b * seq), peak, device))
         print(out[-1].line())
+        release(device, compiled=True)
     for i in range(0, steps, max(1, steps // 20)):
         print(f"step {i:4d} loss bf16 {out[0].losses[i]:.4f} float8 {out[1].losses[i]:.4f}")
     return out
