@@ -39,6 +39,10 @@ def test_calibrate_writes_a_usable_hardware_file(tmp_path):
     assert 1e-3 < hw.attention_tflops < 10
     assert 0.01 < hw.intra_node_gbs < 1000 and 0 <= hw.intra_node_alpha_us < 50_000
     assert hw.memory_gb > 0.1 and hw.memory_bw_gbs > 0.1 and hw.op_overhead_us > 0
+    # a kernel's launch costs the host more than nothing and less than 10 ms; a compiled
+    # run's passes (where torch.compile ran) between half one and a hundred
+    assert 0 < hw.launch_us < 10_000
+    assert hw.compiled_elementwise_passes is None or 0.5 < hw.compiled_elementwise_passes < 100
     # the optimizer's loop costs at least nothing and less than 10 ms per tensor; so do
     # DataParallel's gradient hook and ZeRO-3's work per unit
     terms = local_terms(hw)
@@ -79,6 +83,13 @@ def test_calibrate_default_out_is_untracked(tmp_path, monkeypatch):
     assert not (tmp_path / "benchmarks").exists()
 
 
+def _h100_without_launches():
+    """The H100 entry with free kernel launches: the tiny model's step on the catalog entry is
+    launch-bound (the same whatever the compute rate), and these tests tell files apart by
+    their compute rates."""
+    return replace(load_hardware("H100"), launch_us=0.0)
+
+
 def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkeypatch):
     """A CPU run's planner line uses the file `tessera plan calibrate` wrote (runs/), else the
     repository's calibration, said so, else none. Before: only the repository's file, so a
@@ -94,13 +105,13 @@ def test_training_summary_prices_with_this_machines_calibration(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     assert planner_prediction(cfg, 1, cpu) == (
         None, "no hardware description (run `tessera plan calibrate`)")
-    slow = dataclasses.replace(load_hardware("H100"), peak_tflops=1.0, fp32_tflops=1.0)
+    slow = dataclasses.replace(_h100_without_launches(), peak_tflops=1.0, fp32_tflops=1.0)
     save_hardware(slow, tmp_path / SHIPPED_HARDWARE)
     shipped_s, label = planner_prediction(cfg, 1, cpu)
     assert label == f"{SHIPPED_HARDWARE}, the repository's: `tessera plan calibrate` measures " \
                     "this machine"
     # where test_calibrate_default_out_is_untracked finds calibrate's output
-    save_hardware(load_hardware("H100"), tmp_path / "runs" / "local_hardware.toml")
+    save_hardware(_h100_without_launches(), tmp_path / "runs" / "local_hardware.toml")
     own_s, label = planner_prediction(cfg, 1, cpu)
     assert label == "runs/local_hardware.toml"
     assert own_s < shipped_s  # priced with the faster file: the machine's own
@@ -123,18 +134,18 @@ def test_training_summary_prices_with_the_runs_rank_count(tmp_path, monkeypatch)
     cpu, cfg = torch.device("cpu"), make_config("tiny", parallel=dict(dp=4))
     monkeypatch.chdir(tmp_path)
     shipped_four = tmp_path / SHIPPED_HARDWARE.with_name("local_hardware_4.toml")
-    save_hardware(load_hardware("H100"), shipped_four)
+    save_hardware(_h100_without_launches(), shipped_four)
     assert planner_prediction(cfg, 4, cpu)[1] == (
         f"{shipped_four.relative_to(tmp_path)}, the repository's: "
         "`tessera plan calibrate --ranks 4` measures this machine")
     # this machine's own file comes before the repository's, even at another rank count
-    two = dataclasses.replace(load_hardware("H100"), peak_tflops=1.0, fp32_tflops=1.0)
+    two = dataclasses.replace(_h100_without_launches(), peak_tflops=1.0, fp32_tflops=1.0)
     save_hardware(two, tmp_path / "runs" / "local_hardware.toml")
     two_s, label = planner_prediction(cfg, 4, cpu)
     assert label == ("runs/local_hardware.toml, measured with 2 ranks: "
                      "`tessera plan calibrate --ranks 4` measures this machine with 4")
     # calibrate --ranks 4 writes the file the 4-rank run then reads
-    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: load_hardware("H100"))
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: _h100_without_launches())
     r = CliRunner().invoke(app, ["plan", "calibrate", "--model", "tiny", "--ranks", "4"])
     assert r.exit_code == 0, r.output
     assert "wrote runs/local_hardware_4.toml" in r.output
@@ -510,6 +521,7 @@ def _zero_steps_calibrate_runs(cases: list[tuple[int, int]]
     for name, value in [("matmul_rate", 1.0), ("matmul_curve", (1.0, 0.0)),
                         ("attention_rate", 1.0), ("memory_bandwidth", 1.0),
                         ("op_overhead", 0.0), ("elementwise_passes", 1.0),
+                        ("launch_cost", 0.0), ("compiled_passes", None),
                         ("optimizer_tensor_seconds", 0.0), ("jitter", (0.0, 0.0)),
                         ("zero_unit_costs", (0.0, 0.0)), ("ddp_hook_costs", (0.0, 0.0))]:
         setattr(calibrate, name, lambda *args, _v=value, **kwargs: _v)
@@ -549,7 +561,7 @@ def _measured_without_ranks(monkeypatch, gather_efficiency: float):
                  optimizer=0.0, jitter_fixed=0.0, jitter_rate=0.0, mm_tail=0.0,
                  p2p_alpha=1e-5, p2p_beta=1e-9, alpha=1e-5, beta=1e-9,
                  gather_efficiency=gather_efficiency, zero_unit=0.0, zero_passes=0.0,
-                 zero_waits=1e-3, ddp_tensor=0.0, ddp_passes=0.0)
+                 zero_waits=1e-3, ddp_tensor=0.0, ddp_passes=0.0, launch=0.0, compiled=None)
     monkeypatch.setattr(calibrate, "measure", lambda *args, **kwargs: rates)
     monkeypatch.setattr(calibrate, "machine_shape", lambda device: (2, 1e10, 64))
     return calibrate
@@ -1005,7 +1017,7 @@ def test_calibrate_writes_its_measurements_into_the_hardware_file(tmp_path, monk
                  overhead=8e-6, optimizer=9e-6, jitter_fixed=1e-4, jitter_rate=0.011,
                  p2p_alpha=1.2e-5, p2p_beta=1 / 1.3e9, alpha=1.4e-5, beta=1 / 1.5e9,
                  gather_efficiency=0.16, zero_unit=1.7e-5, zero_passes=18.0, zero_waits=0.0,
-                 ddp_tensor=1.9e-5, ddp_passes=21.0)
+                 ddp_tensor=1.9e-5, ddp_passes=21.0, launch=2.2e-5, compiled=2.3)
     monkeypatch.setattr(calibrate, "measure", lambda *args, **kwargs: rates)
     monkeypatch.setattr(calibrate, "machine_shape", lambda device: (2, 3e9, 64))
     out = tmp_path / "local.toml"
@@ -1019,7 +1031,8 @@ def test_calibrate_writes_its_measurements_into_the_hardware_file(tmp_path, monk
         jitter_fixed_us=100.0, jitter_rate=0.011, p2p_alpha_us=12.0, p2p_gbs=1.3,
         intra_node_alpha_us=14.0, intra_node_gbs=1.5, inter_node_gbs=1.5,
         gather_efficiency=0.16, zero_unit_us=17.0, zero_unit_passes=18.0, ddp_tensor_us=19.0,
-        ddp_copy_passes=21.0, memory_gb=3.0, cores=2, gpus_per_node=64)
+        ddp_copy_passes=21.0, memory_gb=3.0, cores=2, gpus_per_node=64, launch_us=22.0,
+        compiled_elementwise_passes=2.3)
     flat = hw.to_dict()  # the file's fields, the local terms among them
     assert {k: flat[k] for k in expected} == pytest.approx(expected, rel=1e-6)
     # no ZeRO-3 waits measured: the share beside plain compute, a core per rank

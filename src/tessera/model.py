@@ -67,7 +67,8 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, T, nh, hd) by position; cos/sin are (T, hd/2). Pairs are (even, odd) dims."""
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]  # (B, T, nh, hd/2)
+    xf = x.float()  # one cast (a no-op in fp32), both halves are views of it
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]  # (B, T, nh, hd/2)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, T, nh, hd/2, 2)
     return out.flatten(-2).type_as(x)

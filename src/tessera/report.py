@@ -92,7 +92,8 @@ def hardware_for(device: torch.device, world: int = 2) -> str | None:
 
 def planner_workload(cfg: Config, world: int, hardware):
     """The planner's (Workload, Layout) for cfg's run on `world` ranks of `hardware` (a
-    catalog name, a file, or a Hardware)."""
+    catalog name, a file, or a Hardware): compiled kernels under ``train.compile``, the
+    chunked loss's logits under ``train.loss_chunk_tokens``."""
     from tessera.planner.hardware import Hardware, load_hardware
     from tessera.planner.models import from_model_config
     from tessera.planner.workload import Layout, Workload
@@ -106,7 +107,9 @@ def planner_workload(cfg: Config, world: int, hardware):
     w = Workload(model=from_model_config("run", cfg.model, cfg.data.seq_len),
                  hardware=hw, gpus=world,
                  global_batch=t.micro_batch_size * t.grad_accum * p.dp,
-                 seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False)
+                 seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False,
+                 kernels="compiled" if getattr(t, "compile", False) else "tessera",
+                 loss_chunk_tokens=t.loss_chunk_tokens)
     return w, layout
 
 
@@ -124,6 +127,8 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         if found is None:
             return None, f"no hardware description (run {calibrate_command(world)})"
         hardware, label = found
+    if getattr(cfg.train, "compile", False):
+        label += "; compiled kernels"
     try:
         from tessera.planner.estimate import estimate
         from tessera.planner.local.terms import local_terms

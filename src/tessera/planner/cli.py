@@ -156,8 +156,10 @@ def plan(
              "bf16-fp32grads (and fp32 gradients: 18 B, Megatron-LM's default), bf16-states "
              "(bf16 Adam moments: 12 B), fp32 (16 B).")] = "bf16",
     kernels: Annotated[str, typer.Option(
-        help="Activation bytes of Llama-form models: tessera (its reference block) or fused "
-             "(Megatron-LM / Llama 3 kernels, Korthikanti et al. 2022).")] = "tessera",
+        help="Kernels of Llama-form models: tessera (its reference block, eager), fused "
+             "(Megatron-LM / Llama 3 kernels, Korthikanti et al. 2022) or compiled (tessera's "
+             "block under torch.compile: fused memory-bound runs, fewer launches).")
+    ] = "tessera",
     layout: Annotated[str | None, typer.Option(
         help="Evaluate this one layout instead of searching, e.g. "
              "'dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp' (also cp, "

@@ -11,7 +11,9 @@ memory-bound kernels move every stored activation byte ``Workload.elementwise_pa
 (2 with fused kernels: written by the kernel that makes it, read by the one that consumes it;
 on a catalog GPU running tessera's own unfused block, the 12 measured on an H200,
 ``Hardware.eager_elementwise_passes``) in forward and twice as much in backward, at the memory
-bandwidth; a fixed overhead per kernel (zero on GPUs in the catalog).
+bandwidth; a fixed overhead per kernel (zero on GPUs in the catalog); and no stretch of
+compute faster than the host issues its kernels (``Hardware.launch_us`` per kernel, counted
+by :mod:`tessera.planner.kernels`: eager, or compiled with ``Workload.kernels`` 'compiled').
 
 Bytes kept for backward: for a model tessera's transformer expresses, what tessera's block
 saves (:func:`tessera.planner.engine.block_saved_bytes`: fp32 norm inputs, flash attention's
@@ -35,6 +37,7 @@ from tessera.planner.comm import (
 )
 from tessera.planner.formulas import layer_activation_bytes, layer_forward_flops
 from tessera.planner.hardware import Hardware
+from tessera.planner.kernels import EMBEDDING, block_kernels, head, launch_floor
 from tessera.planner.local.terms import rank_skew
 from tessera.planner.models import ModelSpec
 from tessera.planner.workload import Workload
@@ -111,9 +114,17 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
                                                       w.flash_attention, cp, e)
     mem_time = w.elementwise_passes * full_bytes / hw.memory_bw
-    ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
-    fwd = mm_time + attn_time + mem_time + ops_time
-    back = mm_back + 2 * (attn_time + mem_time + ops_time)
+    kernels = block_kernels(spec, w.precision, w.kernels)
+    if w.kernels == "tessera":  # the forward's ops; backward about twice as many
+        ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
+        back_ops = 2 * ops_time
+    else:
+        ops_time = kernels.forward * hw.op_overhead_us * 1e-6
+        back_ops = kernels.backward * hw.op_overhead_us * 1e-6
+    fwd = max(mm_time + attn_time + mem_time + ops_time,
+              launch_floor(hw.launch_us, kernels.forward))
+    back = max(mm_back + 2 * (attn_time + mem_time) + back_ops,
+               launch_floor(hw.launch_us, kernels.backward))
     redo = {"none": 0.0,
             "selective": attn_time + w.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
@@ -259,11 +270,16 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
     tp_link = group_link(hw, t)
     act = hidden_state_bytes(w, b, cp)
     logits_bytes = 4 * tokens * spec.vocab_size / t
+    # train.loss_chunk_tokens: one chunk's fp32 logits at a time, the head's GEMM again in
+    # backward (tessera.parallel.chunked_loss)
+    chunked = 0 < w.loss_chunk_tokens < tokens
+    held_logits = 4 * w.loss_chunk_tokens * spec.vocab_size / t if chunked else logits_bytes
+    launch_us, compiled = hw.launch_us, w.kernels != "tessera"
 
     def add_embedding(ch: ChunkCosts) -> None:
         embed_mem = w.elementwise_passes * act / hw.memory_bw
-        ch.forward_compute += embed_mem
-        ch.backward_compute += 2 * embed_mem
+        ch.forward_compute += max(embed_mem, launch_floor(launch_us, EMBEDDING.forward))
+        ch.backward_compute += max(2 * embed_mem, launch_floor(launch_us, EMBEDDING.backward))
         ch.params += spec.embedding_params / t
         ch.tensors += 2 if spec.learned_positions else 1
         ch.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
@@ -276,9 +292,11 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
 
     def add_head(ch: ChunkCosts) -> None:
         head_f, head_b = gemm_times(hw, tokens, spec.hidden, spec.vocab_size / t)
-        head = w.elementwise_passes * logits_bytes / hw.memory_bw
-        ch.forward_compute += head_f + head
-        ch.backward_compute += head_b + 2 * head
+        memory = w.elementwise_passes * logits_bytes / hw.memory_bw
+        kernels = head(spec, w.precision, compiled)
+        ch.forward_compute += max(head_f + memory, launch_floor(launch_us, kernels.forward))
+        ch.backward_compute += max(head_b + (head_f if chunked else 0.0) + 2 * memory,
+                                   launch_floor(launch_us, kernels.backward))
         if t > 1:  # the loss over split logits all-reduces the b·s row maxima, then the sums
             # of exponentials with the target logits (Shoeybi et al. 2019 §3)
             ch.tp_forward += allreduce_time(4 * tokens, t, tp_link) + allreduce_time(
@@ -287,7 +305,7 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
         tied_copy = spec.tied_embeddings and pp > 1
         ch.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
         ch.tensors += 2
-        ch.act_bytes += logits_bytes + 2 * act / split
+        ch.act_bytes += held_logits + 2 * act / split
 
     shared: dict[int, ChunkCosts] = {}
     chunks = ChunkList()
@@ -308,7 +326,8 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
             ch.params = sum(n for n, _ in units)
             ch.tensors = sum(k for _, k in units)
             ch.act_bytes = nl * blk.act_bytes + engine.chunk_saved_bytes(
-                spec, b, s, t, sp, e, first=first, last=last)
+                spec, b, s, t, sp, e, first=first, last=last,
+                loss_chunk=w.loss_chunk_tokens if chunked else 0)
         chunks.append(ch)
     if tessera:
         for nl, ch in shared.items():

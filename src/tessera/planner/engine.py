@@ -232,19 +232,23 @@ def block_saved_bytes(spec: ModelSpec, b: int, s: int, t: int = 1, sp: bool = Fa
 
 
 def chunk_saved_bytes(spec: ModelSpec, b: int, s: int, t: int, sp: bool, e: int, *,
-                      first: bool, last: bool) -> int:
+                      first: bool, last: bool, loss_chunk: int = 0) -> int:
     """What the first and last chunks save beyond their blocks, per micro-batch.
 
     First (t > 1): the vocabulary-parallel embedding's local ids (int64) and out-of-range mask
     (bool); with t = 1 the lookup saves only the input tokens, which are not activations.
     Last: the final norm and the head's input; the loss keeps an fp32 softmax of the (padded)
     local logits, the int64 targets, and under t > 1 the in-range mask, with t = 1 the
-    cross-entropy's 4-byte total weight."""
+    cross-entropy's 4-byte total weight. With `loss_chunk` tokens per chunk
+    (``train.loss_chunk_tokens``, ``parallel.chunked_loss``) the loss keeps a 4-byte
+    log-sum-exp per token and one chunk's fp32 logits in place of the softmax."""
     n = b * s
     out = 0
     if first and t > 1:
         out += n * (INDEX + 1)
     if last:
         out += _norm_and_consumer(spec, n // t if sp else n, e)
-        out += n * (F32 * vocab_rows(spec, t) + INDEX) + (n if t > 1 else F32)
+        logits = loss_chunk * F32 * vocab_rows(spec, t) + n * F32 if loss_chunk else (
+            n * F32 * vocab_rows(spec, t))
+        out += logits + n * INDEX + (n if t > 1 else F32)
     return out

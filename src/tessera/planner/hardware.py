@@ -71,6 +71,14 @@ MATMUL_TAIL_US = 40.0
 # activation bytes the cost model counts for it (benchmarks/results/gpu_h200.txt), and the
 # trainer's predicted step was 0.49x the measured one with 2.
 EAGER_PASSES_GPU = 12.0
+# The host's seconds per kernel of an eager PyTorch step on a GPU: the Python call, autograd's
+# graph, the dispatcher and the CUDA launch (cudaLaunchKernel alone ~3-5 µs). Timed as a
+# tiny block's eager forward + backward over its kernels (calibrate's launch_cost): 16 µs per
+# kernel on this project's CPU hosts in fp32, where the kernels themselves are nil, 28 µs in
+# bf16; an H100 ran the demo model's step (~540 kernels of blocks and head, by
+# planner.kernels, and the optimizer's) in 19 ms (benchmarks/results/gpu_h100.txt): at most
+# 35 µs each. Launches only bound a step whose kernels are shorter than them (kernels module).
+LAUNCH_US_GPU = 20.0
 LINK_EFFICIENCY = 0.8
 FILE_KEYS = ("name", "peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gbs",
              "inter_node_gbs", "gpus_per_node", "intra_node_alpha_us", "inter_node_alpha_us",
@@ -78,7 +86,8 @@ FILE_KEYS = ("name", "peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gb
              "attention_tflops", "link_efficiency", "gather_efficiency", "op_overhead_us",
              "optimizer_tensor_us", "zero_unit_us", "zero_unit_passes", "ddp_tensor_us",
              "ddp_copy_passes", "elementwise_passes", "fp32_tflops", "eager_elementwise_passes",
-             "cores", "jitter", "jitter_fixed_us", "jitter_rate", "dp_overlap",
+             "launch_us", "compiled_elementwise_passes", "cores", "jitter", "jitter_fixed_us",
+             "jitter_rate", "dp_overlap",
              "calibrated_micro_batch", "source")
 """A hardware file's keys, in the order ``save_hardware`` writes them: Hardware's fields with
 its LocalTerms' among them."""
@@ -131,6 +140,16 @@ class Hardware:
     """Dense fp32 peak TFLOP/s of one device without tensor cores: what an fp32 run's matrix
     multiplies get under PyTorch's default (TF32 off). A workload in fp32 is priced at it
     (:meth:`for_precision`). None: peak_tflops (a calibrated machine measures in fp32)."""
+    launch_us: float = 0.0
+    """Host seconds (µs) to issue one kernel to an asynchronous device in an eager step: a
+    stretch of k kernels takes at least k · launch_us (:mod:`tessera.planner.kernels`). The
+    catalog GPUs: LAUNCH_US_GPU; calibrate measures it (a tiny block's eager forward and
+    backward over its kernels). 0: launches are free."""
+    compiled_elementwise_passes: float | None = None
+    """Passes of a compiled block's memory-bound kernels over the activation bytes (each fused
+    run reads its inputs and writes its outputs once), priced for ``Workload.kernels``
+    'compiled'; None: elementwise_passes (the catalog's fused count, 2). Calibrate measures
+    it where torch.compile runs."""
     eager_elementwise_passes: float | None = None
     """The same for tessera's own unfused block where it differs from elementwise_passes
     (the catalog GPUs, whose elementwise_passes are fused kernels'): what a workload that
@@ -155,7 +174,8 @@ class Hardware:
             raise ConfigError("hardware.gpus_per_node", self.gpus_per_node,
                               "must be a positive integer")
         for f in ("intra_node_alpha_us", "inter_node_alpha_us", "op_overhead_us",
-                  "elementwise_passes", "matmul_tail_us", "eager_elementwise_passes"):
+                  "elementwise_passes", "matmul_tail_us", "eager_elementwise_passes",
+                  "launch_us", "compiled_elementwise_passes"):
             if getattr(self, f) is not None and getattr(self, f) < 0:
                 raise ConfigError(f"hardware.{f}", getattr(self, f), "must be >= 0")
         if self.local == GPU_TERMS:  # the GPU values: no local terms
@@ -237,7 +257,7 @@ def _dgx(name: str, sheet: str, peak: float, fp32: float, mem: float, memory: st
     return Hardware(name=name, peak_tflops=peak, fp32_tflops=fp32, memory_gb=mem,
                     memory_bw_gbs=bw, intra_node_gbs=nvlink, inter_node_gbs=ib, gpus_per_node=8,
                     matmul_tail_us=MATMUL_TAIL_US, eager_elementwise_passes=EAGER_PASSES_GPU,
-                    source=source)
+                    launch_us=LAUNCH_US_GPU, source=source)
 
 
 CATALOG: dict[str, Hardware] = {

@@ -29,10 +29,12 @@ PRECISIONS = {
 TESSERA_PRECISIONS = ("bf16", "fp32")
 """The recipes tessera's runtime implements (``train.precision``); the others are planned with
 the closed forms."""
-KERNELS = ("tessera", "fused")
-"""Whose activation bytes a tessera-expressible model is planned with: tessera's reference
-block ('tessera': fp32 norm copies, unfused SwiGLU) or fused kernels as in Megatron-LM and
-Llama 3's training ('fused': Korthikanti et al. 2022's tensor count)."""
+KERNELS = ("tessera", "fused", "compiled")
+"""Whose kernels a model is planned with: tessera's reference block run eagerly ('tessera':
+fp32 norm copies, unfused SwiGLU, one kernel per op), fused kernels as in Megatron-LM and
+Llama 3's training ('fused': Korthikanti et al. 2022's tensor count), or tessera's block
+under torch.compile ('compiled', ``train.compile``: tessera's engine and saved bytes, the
+memory-bound runs fused, :mod:`tessera.planner.kernels`)."""
 RECOMPUTE = ("none", "selective", "full")
 GB = 1e9
 
@@ -68,6 +70,9 @@ class Workload:
     kernels: str = "tessera"
     """See KERNELS: only changes tessera-expressible models (their activation bytes, split
     and layout rules become the catalog's closed forms when 'fused')."""
+    loss_chunk_tokens: int = 0
+    """``train.loss_chunk_tokens``: the head and loss run this many tokens at a time, so only
+    one chunk's fp32 logits exist (and the head's GEMM runs again in backward); 0: whole."""
     zero_prefetch: int = 1
     """ZeRO-3 units gathered ahead of the one computing (FSDP's and tessera's one-ahead
     prefetch); 0 gathers each unit only when it is needed."""
@@ -85,6 +90,9 @@ class Workload:
             raise ConfigError("tp_overlap", self.tp_overlap, "must be in [0, 1]")
         if self.kernels not in KERNELS:
             raise ConfigError("--kernels", self.kernels, f"must be one of {', '.join(KERNELS)}")
+        if not (isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 0):
+            raise ConfigError("train.loss_chunk_tokens", self.loss_chunk_tokens,
+                              "must be an integer >= 0")
         if not (isinstance(self.zero_prefetch, int) and self.zero_prefetch >= 0):
             raise ConfigError("zero_prefetch", self.zero_prefetch, "must be an integer >= 0")
 
@@ -103,6 +111,7 @@ class Workload:
         pipeline sends whole activations between stages (no scatter/gather)."""
         p, t = cfg.parallel, cfg.train
         kw.setdefault("scatter_gather", False)
+        kw.setdefault("loss_chunk_tokens", t.loss_chunk_tokens)
         return cls(model=from_model_config(name, cfg.model, cfg.data.seq_len), hardware=hardware,
                    gpus=p.world_size, global_batch=p.dp * t.micro_batch_size * t.grad_accum,
                    seq_len=cfg.data.seq_len, precision=t.precision, **kw)
@@ -120,7 +129,7 @@ class Workload:
     def tessera_engine(self) -> bool:
         """Plan with tessera's own rules, split and byte counts (engine module): a model its
         transformer expresses, in a precision it runs, with its own kernels."""
-        return (expressible(self.model) and self.kernels == "tessera"
+        return (expressible(self.model) and self.kernels in ("tessera", "compiled")
                 and self.precision in TESSERA_PRECISIONS)
 
     @cached_property
@@ -133,10 +142,14 @@ class Workload:
     def elementwise_passes(self) -> float:
         """Passes of the memory-bound kernels over the activation bytes: tessera's unfused
         block's where its engine runs the model and the hardware says
-        (``Hardware.eager_elementwise_passes``), else the hardware's."""
-        eager = self.hardware.eager_elementwise_passes
-        return eager if eager is not None and self.tessera_engine else (
-            self.hardware.elementwise_passes)
+        (``Hardware.eager_elementwise_passes``), a compiled block's where kernels is
+        'compiled' (``Hardware.compiled_elementwise_passes``), else the hardware's."""
+        hw = self.hardware
+        if self.kernels == "compiled":
+            compiled = hw.compiled_elementwise_passes
+            return compiled if compiled is not None else hw.elementwise_passes
+        eager = hw.eager_elementwise_passes
+        return eager if eager is not None and self.tessera_engine else hw.elementwise_passes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,8 @@ does (:mod:`tessera.host_memory`). Each rate is the median of several repeats in
 time (:mod:`~tessera.planner.local.timing`); collectives, which wait on another process, use
 wall time. The parts:
 
-- compute rates, the per-kernel overhead and the optimizer's per-tensor cost
+- compute rates, the per-kernel overhead (on a GPU 0: the launch cost stands for it), the
+  launch cost, the compiled memory-bound rate and the optimizer's per-tensor cost
   (:mod:`~tessera.planner.local.rates`);
 - the links between the ranks and the ranks' jitter (:mod:`~tessera.planner.local.links`);
 - tessera's data-parallel engine work per tensor and per unit, on chains of one-layer modules
@@ -64,7 +65,9 @@ from tessera.planner.local.machine import collective_overlap, machine_shape, ran
 from tessera.planner.local.rates import (
     attention_rate,
     block_config,
+    compiled_passes,
     elementwise_passes,
+    launch_cost,
     matmul_curve,
     matmul_rate,
     memory_bandwidth,
@@ -321,8 +324,12 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int,
         large, tail = matmul_curve(spec, seq, micro_batch)
         attn = attention_rate(spec, seq, micro_batch)
         bw = memory_bandwidth(spec, seq, micro_batch)
-        overhead = op_overhead()
+        # a GPU's kernels run beside the host: their launches are a floor (launch), not a
+        # cost added to each (overhead), as a CPU's are
+        overhead = 0.0 if on_gpu() else op_overhead()
+        launch = launch_cost()
         passes = elementwise_passes(spec, seq, micro_batch, mm, attn, bw, overhead)
+        compiled = compiled_passes(spec, seq, micro_batch, bw)
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
         zero_unit, zero_passes = zero_unit_costs(spec, bw)
@@ -339,6 +346,7 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int,
     finally:
         torch.set_num_threads(threads)
     return {"mm": mm, "attn": attn, "bw": bw, "overhead": overhead, "passes": passes,
+            "launch": launch, "compiled": compiled,
             "optimizer": optimizer, "jitter_fixed": fixed, "jitter_rate": rate,
             "mm_large": large, "mm_tail": tail,
             "zero_unit": zero_unit, "zero_passes": zero_passes, "zero_waits": zero_waits,
@@ -374,8 +382,10 @@ def measure(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2, device:
     out = dict(results[0])
     for key in ("mm", "attn", "bw", "overhead", "passes", "optimizer", "jitter_fixed",
                 "jitter_rate", "mm_large", "mm_tail", "zero_unit", "zero_passes", "zero_waits",
-                "ddp_tensor", "ddp_passes"):
+                "ddp_tensor", "ddp_passes", "launch"):
         out[key] = statistics.median(r[key] for r in results)
+    compiled = [r["compiled"] for r in results if r.get("compiled") is not None]
+    out["compiled"] = statistics.median(compiled) if compiled else None
     return out
 
 
@@ -395,7 +405,8 @@ def calibrate(spec: ModelSpec, seq: int, micro_batch: int, ranks: int = 2,
         memory_bw_gbs=bw / 1e9, intra_node_gbs=link_gbs, inter_node_gbs=link_gbs,
         gpus_per_node=per_node, intra_node_alpha_us=alpha * 1e6,
         inter_node_alpha_us=alpha * 1e6, link_efficiency=1.0, op_overhead_us=overhead * 1e6,
-        elementwise_passes=passes,
+        elementwise_passes=passes, launch_us=r["launch"] * 1e6,
+        compiled_elementwise_passes=r["compiled"],
         local=LocalTerms(
             cores=cores, p2p_alpha_us=p2p_alpha * 1e6, p2p_gbs=1.0 / p2p_beta / 1e9,
             gather_efficiency=r["gather_efficiency"], optimizer_tensor_us=r["optimizer"] * 1e6,

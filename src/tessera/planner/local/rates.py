@@ -16,6 +16,9 @@
   traffic, expressed as passes over each stored activation byte (``elementwise_passes``);
 - the per-kernel overhead: an elementwise op on a one-element tensor with autograd recording
   (dispatch, allocation, graph bookkeeping);
+- the launch cost: a tiny block's eager forward and backward over its kernels (the host's
+  cost per kernel, ``launch_us``), and the compiled memory-bound rate: torch.compile's fused
+  residual add + RMSNorm against the streaming bandwidth (``compiled_elementwise_passes``);
 - the optimizer's per-tensor cost: tessera's gradient norm, clipping and AdamW step over 256
   tiny parameters (``optimizer_tensor_us``).
 """
@@ -189,3 +192,52 @@ def op_overhead() -> float:
         for _ in range(200):
             y = y * 1.0
     return typical_time(run, repeats=9) / 200
+
+
+def launch_cost(calls: int = 10) -> float:
+    """Seconds per kernel of a tiny block's eager forward + backward (64 wide, 8 tokens, fp32),
+    over its kernel count (:func:`tessera.planner.kernels.eager_block`): what the host spends
+    to issue each kernel of an eager step (the Python call, autograd, the dispatcher, the
+    launch), the device's work being nil at that size (``Hardware.launch_us``)."""
+    from tessera.config import ModelConfig
+    from tessera.model import Block, rope_tables
+    from tessera.planner.kernels import eager_block
+    from tessera.planner.models import from_model_config
+
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                      max_seq_len=8)
+    block = Block(cfg)
+    cos, sin = rope_tables(cfg.head_dim, 8, cfg.rope_theta)
+    x = torch.randn(1, 8, 64, requires_grad=True)
+    grad = torch.randn(1, 8, 64)
+
+    def run() -> None:
+        for _ in range(calls):
+            block(x, cos, sin).backward(grad)
+
+    count = eager_block(from_model_config("launch", cfg, 8), "fp32")
+    return typical_time(run, repeats=9) / calls / (count.forward + count.backward)
+
+
+def compiled_passes(spec: ModelSpec, seq: int, micro_batch: int, bw: float) -> float | None:
+    """Passes over the activation bytes of a compiled block's memory-bound kernels
+    (``Hardware.compiled_elementwise_passes``): 2 (a fused run reads its inputs and writes its
+    outputs once) at the rate torch.compile's kernel for one such run reaches, over the
+    streaming bandwidth `bw`: the residual add with the RMSNorm after it, on the model's
+    b·s × h activations in fp32 (reads x and r, writes the sum and the normalized output).
+    None where torch.compile cannot build it (no compiler)."""
+    n, h = micro_batch * seq, spec.hidden
+
+    def add_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
+        y = x + r
+        return y, y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    x, r, w = torch.randn(n, h), torch.randn(n, h), torch.randn(h)
+    try:
+        fused = torch.compile(add_norm, dynamic=False)
+        fused(x, r, w)
+    except Exception:  # noqa: BLE001 - no compiler or backend here: not measured
+        return None
+    seconds = typical_time(lambda: fused(x, r, w), repeats=9)
+    rate = 4 * n * h * 4 / seconds
+    return 2.0 * bw / rate

@@ -1,0 +1,127 @@
+"""Kernels per step: how many kernels one transformer block launches in its forward and its
+backward, eager and compiled, and the floor their launches put under a stretch of compute.
+
+Eager (``Workload.kernels`` 'tessera'): tessera's reference block (``tessera.model.Block``) op
+by op, each dispatched ATen op that computes (views and reshapes excluded) one kernel, counted
+per part from the code (tests/test_planner_kernels.py checks the sum against a dispatch count):
+
+==========================  =======  ========  ==============================================
+part                        forward  backward  ops
+==========================  =======  ========  ==============================================
+RMSNorm                     6        14        pow, mean, + eps, rsqrt, two multiplies; back:
+                                               the product rule through each
+LayerNorm                   1        1         the fused native_layer_norm
+RoPE (per rotated tensor)   7        10        4 multiplies, a subtract, an add, the stack;
+                                               back: the products, a negation, the halves'
+                                               slice_backward and their sum
+weight GEMM (each)          1        2         x·Wᵀ; back dX and dW (+1 dB with a bias)
+attention core              1        1         scaled_dot_product_attention
+MLP activation              2 / 1    3 / 1     SwiGLU silu·mul / GELU
+residual adds               2        0
+gradient sums at forks      0        4 + M-2   q, k, v read one input (2 adds), the MLP's M-1
+                                               input matrices (M-2), the two residual forks
+bf16 casts                  2 each   2 each    each RMSNorm and RoPE call casts up to fp32 and
+                                               back (tests/test_bf16_casts.py)
+==========================  =======  ========  ==============================================
+
+Compiled ('compiled', and 'fused' for the fused kernels of Megatron-LM and Llama 3's
+training): the GEMMs and the attention kernel stay (extern kernels), and torch.compile's
+inductor fuses each run of memory-bound work between two of them into one kernel, which
+reads its inputs once and writes its outputs once (2 passes over the bytes it touches:
+``Hardware.compiled_elementwise_passes``). A block has five such runs forward: the attention
+norm, the RoPE of q and k, the residual add with the MLP norm, the MLP activation, the last
+residual add; backward the same five and one reduction per norm weight.
+
+Launches: an eager step's host issues each kernel (the Python call, autograd's graph, the
+dispatcher, the launch) while an asynchronous device runs the kernels queued before it, so a
+stretch of k kernels takes at least k · ``Hardware.launch_us`` whatever its device time
+(:func:`launch_floor`). On a CPU the kernels run on the host: their fixed cost is
+``Hardware.op_overhead_us``, added to the compute instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.planner.models import ModelSpec
+
+NORM = {"rmsnorm": (6, 14), "layernorm": (1, 1)}
+ROPE = (7, 10)
+ATTENTION = (1, 1)
+ACTIVATION = {True: (2, 3), False: (1, 1)}
+"""Gated (SwiGLU) or not (GELU)."""
+CASTS_PER_CALL = 2
+"""bf16: an fp32 up-cast and a down-cast per RMSNorm or RoPE call, forward and backward."""
+FUSED_RUNS_FORWARD = 5
+"""Memory-bound runs between extern kernels in a compiled block's forward (module doc)."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Kernels launched by one forward and one backward."""
+
+    forward: int
+    backward: int
+
+    def __add__(self, other: Kernels) -> Kernels:
+        return Kernels(self.forward + other.forward, self.backward + other.backward)
+
+
+def _gemms(spec: ModelSpec) -> int:
+    """Weight GEMMs of one block: Q, K, V, O and the MLP's matrices."""
+    return 4 + spec.mlp_matrices
+
+
+def _rotated(spec: ModelSpec) -> int:
+    """Tensors RoPE rotates per block (q and k), none with learned positions."""
+    return 0 if spec.learned_positions else 2
+
+
+def eager_block(spec: ModelSpec, precision: str = "bf16") -> Kernels:
+    """Kernels of one eager block, forward and backward (module doc's table)."""
+    g, rope = _gemms(spec), _rotated(spec)
+    nf, nb = NORM[spec.norm]
+    af, ab = ACTIVATION[spec.mlp_matrices == 3]
+    forward = 2 * nf + g + rope * ROPE[0] + ATTENTION[0] + af + 2
+    forks = 2 + (spec.mlp_matrices - 2) + 2
+    backward = 2 * nb + 2 * g + (g if spec.bias else 0) + rope * ROPE[1] + ATTENTION[1] + ab \
+        + forks
+    if precision != "fp32" and spec.norm == "rmsnorm":
+        casts = CASTS_PER_CALL * (2 + rope)
+        forward, backward = forward + casts, backward + casts
+    return Kernels(forward, backward)
+
+
+def compiled_block(spec: ModelSpec) -> Kernels:
+    """Kernels of one compiled (or hand-fused) block: its GEMMs and attention, and one kernel
+    per fused memory-bound run (module doc)."""
+    g = _gemms(spec)
+    runs = FUSED_RUNS_FORWARD - (0 if _rotated(spec) else 1)
+    norm_weights = 2 * (2 if spec.norm == "layernorm" else 1)
+    return Kernels(g + ATTENTION[0] + runs,
+                   2 * g + (g if spec.bias else 0) + ATTENTION[1] + runs + norm_weights)
+
+
+def head(spec: ModelSpec, precision: str, compiled: bool) -> Kernels:
+    """The last chunk's final norm, LM head GEMM and loss (log-softmax and NLL on fp32
+    logits: a cast in bf16); compiled: forward the norm's run, the GEMM, the loss's run;
+    backward the loss's run, the GEMM's two, the norm's run and its weight's reduction."""
+    if compiled:
+        return Kernels(1 + 1 + 1, 1 + 2 + 1 + 1)
+    nf, nb = NORM[spec.norm]
+    casts = 2 * CASTS_PER_CALL if precision != "fp32" else 0
+    return Kernels(nf + 1 + 2 + casts, nb + 2 + 2 + casts)
+
+
+EMBEDDING = Kernels(1, 1)
+"""The lookup; back: embedding_dense_backward."""
+
+
+def block_kernels(spec: ModelSpec, precision: str, kernels: str) -> Kernels:
+    """One block's kernels under ``Workload.kernels``: 'tessera' eager, else compiled."""
+    return eager_block(spec, precision) if kernels == "tessera" else compiled_block(spec)
+
+
+def launch_floor(launch_us: float, count: int) -> float:
+    """Seconds the host needs to issue `count` kernels (0 where launches are free)."""
+    return count * launch_us * 1e-6
