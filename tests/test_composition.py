@@ -95,6 +95,9 @@ MATRIX: dict[str, Config] = {
     "(2,2,2) zero2": _cfg(2, 2, 2, m=2, zero_stage=2),
     "(2,2,2) zero3": _cfg(2, 2, 2, m=2, zero_stage=3),
     "(1,2,2) sp full recompute": _cfg(1, 2, 2, m=2, sequence_parallel=True, recompute="full"),
+    # tp x pp with scatter/gather (parallel.scatter_gather, on by default where tp > 1; the
+    # interleaved and sp layouts above run with it too: tests/test_scatter_gather.py)
+    "(1,2,2) 1f1b": _cfg(1, 2, 2, m=2, schedule="1f1b"),
     "(2,2,2) bf16": _cfg(2, 2, 2, m=2, precision="bf16"),
 }
 

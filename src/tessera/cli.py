@@ -138,6 +138,7 @@ TRAIN_FLAGS: dict[str, str] = {
     "dp-mode": "parallel.dp_mode", "bucket-mb": "parallel.bucket_mb",
     "allreduce-algorithm": "parallel.allreduce_algorithm",
     "max-staleness": "parallel.max_staleness", "sequence-parallel": "parallel.sequence_parallel",
+    "scatter-gather": "parallel.scatter_gather",
     "schedule": "parallel.schedule", "microbatches": "train.grad_accum",
     "virtual": "parallel.virtual_stages", "microbatch-group": "parallel.microbatch_group",
     "stage-layout": "parallel.stage_layout", "recompute": "parallel.recompute",

@@ -213,6 +213,9 @@ class ParallelConfig:
     'ps-async' (asynchronous parameter server with bounded staleness)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: norms and residuals hold 1/tp of the sequence."""
+    scatter_gather: bool = True
+    """Pipeline scatter/gather (Narayanan et al. 2021 §4.1): each tp rank sends 1/tp of an
+    activation or gradient to the next stage, which all-gathers it over tp."""
     schedule: str = "1f1b"
     """The pipeline schedule's name in the registry ``tessera.pipeline.schedules.SCHEDULES``
     (the built-in schedules and any added with register())."""

@@ -66,6 +66,11 @@ def ignored_options(cfg: Config) -> list[str]:
                                         f"{p.cp_method!r}")
     if p.tp == 1:
         unused(["parallel.sequence_parallel"], "no tensor parallelism (parallel.tp=1)")
+    if p.tp == 1 or p.pp == 1 or p.sequence_parallel:
+        unused(["parallel.scatter_gather"],
+               "no tensor parallelism (parallel.tp=1)" if p.tp == 1 else
+               "one pipeline stage (parallel.pp=1) sends nothing" if p.pp == 1 else
+               "sequence parallelism already sends 1/tp of each activation")
     if p.ep == 1:
         unused(["parallel.ep_alltoall"], "no expert parallelism (parallel.ep=1)")
     if p.dp_mode != "ps-async":

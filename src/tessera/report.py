@@ -107,7 +107,8 @@ def planner_workload(cfg: Config, world: int, hardware):
     w = Workload(model=from_model_config("run", cfg.model, cfg.data.seq_len),
                  hardware=hw, gpus=world,
                  global_batch=t.micro_batch_size * t.grad_accum * p.dp,
-                 seq_len=cfg.data.seq_len, precision=t.precision, scatter_gather=False,
+                 seq_len=cfg.data.seq_len, precision=t.precision,
+                 scatter_gather=p.scatter_gather,
                  kernels="compiled" if getattr(t, "compile", False) else "tessera",
                  loss_chunk_tokens=t.loss_chunk_tokens)
     return w, layout

@@ -62,6 +62,7 @@ from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.parallel_model import ParallelModel, training_schedule
 from tessera.parallelize import sync_context
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
+from tessera.pipeline.scatter_gather import StageBoundary
 from tessera.pipeline.schedule import Action, F, Kind, Schedule, forward_only
 from tessera.pipeline.simulator import StageCosts, TimelineEvent, simulate
 
@@ -133,7 +134,9 @@ class Executor:
             model.wrappers, self.pp_rank, self.topo.ranks("pp"), self.pp_group, self.device,
             self.cfg.model.d_model, measure_memory=measure_memory,
             activation_dtype=model.compute_dtype,
-            seq_divisor=tp.size if tp.sequence_parallel else 1)
+            seq_divisor=tp.size if tp.sequence_parallel else 1,
+            boundary=StageBoundary.over_tp(tp.group, tp.sequence_parallel,
+                                           self.cfg.parallel.scatter_gather, tp.stats))
         self.head_chunk = None  # the last chunk, on its rank, when the loss applies the head
         if self.cfg.train.loss_chunk_tokens:
             for chunk in model.chunks.values():

@@ -20,11 +20,15 @@ The runtime walks the lowered schedule (``schedule.lower_comms``) of its pipelin
   calls ``wait_unsharded()``; ``RESHARD`` → ``reshard()``; ``REDUCE_GRAD`` → ``reduce_grad()``
   (starts the reduce-scatter), then ``wait_reduced()`` of the chunk reduced before it (started
   a whole run of backwards earlier, so normally done; this frees its full gradient, so at most
-  two chunks' full gradients exist at once); the last ones are waited for at the step's end.
+  two chunks' full gradients exist at once); the last ones are waited for at the step's end;
+- scatter/gather (``scatter_gather.StageBoundary``): a send carries the boundary's slice of the
+  tensor, a receive is a slice that is all-gathered over tp right after its wait, before the
+  compute that uses it (the identity where the boundary has one part).
 
-Collectives: point-to-point only, activations (B, T, h) forward and their gradients backward,
-between the ranks of the pp group; every message has a tag naming (chunk, micro-batch,
-direction), and sends and receives between two ranks also come in the same order.
+Collectives: point-to-point, activations (B, T, h) forward and their gradients backward,
+between the ranks of the pp group (with scatter/gather, 1/t of each per tp rank, then an
+all-gather over tp); every message has a tag naming (chunk, micro-batch, direction), and sends
+and receives between two ranks also come in the same order.
 
 Measurement: every compute action and every wait is time-stamped (``time.perf_counter``, one
 clock for all processes of a machine), giving a measured timeline and bubble fraction with the
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.pipeline.scatter_gather import StageBoundary
 from tessera.pipeline.schedule import Action, Kind, Schedule, batches, lower_comms
 from tessera.pipeline.simulator import TimelineEvent
 from tessera.pipeline.validator import validate
@@ -61,10 +66,12 @@ class StepRecord:
     loss: torch.Tensor
     """Sum of the scaled losses of the micro-batches (non-zero on the last chunk's rank only)."""
     events: list[TimelineEvent] = field(default_factory=list)
-    """Compute actions ('F', 'B'), receive waits ('wait') and ZeRO-3 collectives ('unshard',
-    'reduce') with perf_counter times."""
+    """Compute actions ('F', 'B'), receive waits ('wait', with scatter/gather's all-gather) and
+    ZeRO-3 collectives ('unshard', 'reduce') with perf_counter times."""
     peak_activation_bytes: int = 0
     """Most bytes saved for backward held at once (with measure_memory)."""
+    sent_bytes: list[int] = field(default_factory=list)
+    """Bytes of each point-to-point send this rank posted, in order."""
     start: float = 0.0
     end: float = 0.0
 
@@ -121,16 +128,18 @@ class PipelineRuntime:
                  group: dist.ProcessGroup | None, device: torch.device, d_model: int,
                  autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
                  measure_memory: bool = False, activation_dtype: torch.dtype = torch.float32,
-                 seq_divisor: int = 1):
+                 seq_divisor: int = 1, boundary: StageBoundary | None = None):
         """`stages`: chunk index -> the module to call (a chunk, or its data-parallel wrapper).
         `activation_dtype`: what activations and their gradients travel in between ranks.
         `seq_divisor`: activations hold T/seq_divisor tokens per sequence (sequence
-        parallelism splits the residual stream over the tp group)."""
+        parallelism splits the residual stream over the tp group). `boundary`: how they
+        travel (scatter/gather over tp, or whole)."""
         self.stages, self.pp_rank, self.pp_ranks = stages, pp_rank, list(pp_ranks)
         self.group, self.device, self.d_model = group, device, d_model
         self.autocast = autocast or contextlib.nullcontext
         self.measure_memory = measure_memory
         self.activation_dtype, self.seq_divisor = activation_dtype, seq_divisor
+        self.boundary = boundary or StageBoundary()
         self._lowered: dict[tuple, Schedule] = {}
         # gloo returns one request per operation, so receives can be posted ahead and waited
         # for later; a coalescing backend (NCCL) returns one request for the whole batch.
@@ -167,6 +176,7 @@ class PipelineRuntime:
         saved: dict[tuple[int, int], int] = {}
         held = peak = 0
         send_works: list = []
+        sent_bytes: list[int] = []
         loss_sum = torch.zeros((), device=self.device)
         events: list[TimelineEvent] = []
         training = torch.is_grad_enabled() and not s.forward_only
@@ -217,13 +227,16 @@ class PipelineRuntime:
             if c.kind is Kind.SEND_F:  # activations travel in activation_dtype
                 key = (c.chunk, c.microbatch)
                 tensor = (outputs[key] if training else outputs.pop(key)).detach()
-                tensor = tensor.to(self.activation_dtype).contiguous()
+                tensor = self.boundary.scatter(tensor.to(self.activation_dtype).contiguous())
             elif c.kind is Kind.SEND_B:
-                tensor = grads_in.pop((c.chunk, c.microbatch)).to(self.activation_dtype)
+                tensor = self.boundary.scatter(
+                    grads_in.pop((c.chunk, c.microbatch)).to(self.activation_dtype))
             else:
-                tensor = torch.empty(activation_shape(c.microbatch), device=self.device,
-                                     dtype=self.activation_dtype)
+                tensor = torch.empty(self.boundary.wire_shape(activation_shape(c.microbatch)),
+                                     device=self.device, dtype=self.activation_dtype)
                 received[c] = tensor
+            if c.kind.is_send:
+                sent_bytes.append(tensor.numel() * tensor.element_size())
             op = dist.isend if c.kind.is_send else dist.irecv
             return dist.P2POp(op, tensor, peer, self.group, _tag(c, s.n_microbatches))
 
@@ -259,6 +272,9 @@ class PipelineRuntime:
                         work = posted.pop(c)
                         if work is not None:
                             work.wait()
+                        received[c] = self.boundary.gather(
+                            received[c], activation_shape(c.microbatch),
+                            "backward" if c.kind is Kind.RECV_B else "forward")
                         waited = True
                 if waited:
                     events.append(TimelineEvent(me, "wait", -1, a.chunk, t0, time.perf_counter()))
@@ -318,4 +334,4 @@ class PipelineRuntime:
         for c in list(reducing):
             wait_reduced(c)
         return StepRecord(loss=loss_sum, events=events, peak_activation_bytes=peak, start=start,
-                          end=time.perf_counter())
+                          end=time.perf_counter(), sent_bytes=sent_bytes)

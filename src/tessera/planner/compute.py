@@ -209,13 +209,19 @@ class ChunkCosts:
     tessera ZeRO-3's work around each unit's collectives): ranks that time-share cores
     stretch it like compute (``shared_cpu_bound``)."""
 
+    p2p_exchange: float = 0.0
+    """Seconds the rank blocks on a pipeline exchange after each forward and each backward
+    (``Workload.p2p_blocking``; 0 where transfers are in flight beside compute)."""
+
     @property
     def forward(self) -> float:
-        return self.forward_compute + self.tp_forward + self.cp_forward + self.zero_forward
+        return (self.forward_compute + self.tp_forward + self.cp_forward + self.zero_forward
+                + self.p2p_exchange)
 
     @property
     def backward(self) -> float:
-        return self.backward_compute + self.tp_backward + self.cp_backward + self.zero_backward
+        return (self.backward_compute + self.tp_backward + self.cp_backward + self.zero_backward
+                + self.p2p_exchange)
 
 
 class ChunkList(list):

@@ -245,6 +245,12 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
         if not sp:  # gather the full activation back on the fast link
             p2p_latency += allgather_time(act, t, tp_link)
     p2p_latency += pp_link.alpha if pp > 1 else 0.0
+    if w.p2p_blocking and pp > 1:
+        # The rank itself waits out each exchange (the gather included) after every forward
+        # and backward; the data is there when that wait ends, so nothing more is in flight.
+        for ch in distinct:
+            ch.p2p_exchange = p2p_latency + p2p_bytes / pp_link.bandwidth
+        p2p_latency = p2p_bytes = 0.0
     return chunks, p2p_latency, p2p_bytes, pp_link.bandwidth
 
 

@@ -54,7 +54,12 @@ class Workload:
     flash_attention: bool = True
     """Attention never stores the s×s scores (FlashAttention, Dao et al. 2022)."""
     scatter_gather: bool = True
-    """Pipeline sends b·s·h/t per tensor-parallel rank (Narayanan et al. 2021 §4.1)."""
+    """Pipeline sends b·s·h/t per tensor-parallel rank, all-gathered over tp by the receiver
+    (Narayanan et al. 2021 §4.1; tessera's ``parallel.scatter_gather``)."""
+    p2p_blocking: bool = False
+    """Each rank blocks on its pipeline exchange after every forward and backward, as
+    Megatron-LM of 2021 did (``batch_isend_irecv``, wait, ``cuda.synchronize``); False: sends
+    and receives are in flight beside compute (tessera's runtime posts receives ahead)."""
     tp_overlap: float = 0.0
     """Fraction of tensor-parallel communication hidden behind compute (0: Megatron 2021)."""
     tp_async_backward: bool = False
@@ -107,10 +112,10 @@ class Workload:
     def from_config(cls, cfg: Config, hardware: Hardware, name: str = "config",
                     **kw) -> Workload:
         """What a tessera run of `cfg` trains: its model, world size, global batch (dp ·
-        micro_batch_size · grad_accum sequences of data.seq_len tokens) and precision. tessera's
-        pipeline sends whole activations between stages (no scatter/gather)."""
+        micro_batch_size · grad_accum sequences of data.seq_len tokens), precision and
+        whether its pipeline scatters and gathers (``parallel.scatter_gather``)."""
         p, t = cfg.parallel, cfg.train
-        kw.setdefault("scatter_gather", False)
+        kw.setdefault("scatter_gather", p.scatter_gather)
         kw.setdefault("loss_chunk_tokens", t.loss_chunk_tokens)
         return cls(model=from_model_config(name, cfg.model, cfg.data.seq_len), hardware=hardware,
                    gpus=p.world_size, global_batch=p.dp * t.micro_batch_size * t.grad_accum,
