@@ -37,12 +37,15 @@ MBS, SEQ, VOCAB = 2, 16, 64
 
 
 def case_config(schedule: str, pp: int, m: int, v: int = 1, dp: int = 1, tie: bool = False,
-                layers: int = 4, custom: str | None = None, group: int = 0):
+                layers: int = 4, custom: str | None = None, group: int = 0,
+                extra: dict | None = None):
+    """`extra`: more parallel settings (zero_stage, recompute, ...)."""
     return make_config(
         "tiny",
         model=dict(vocab_size=VOCAB, d_model=32, n_layers=layers, n_heads=2, n_kv_heads=1,
                    max_seq_len=32, tie_embeddings=tie),
-        parallel=dict(pp=pp, dp=dp, schedule=schedule, virtual_stages=v, microbatch_group=group),
+        parallel=dict(pp=pp, dp=dp, schedule=schedule, virtual_stages=v, microbatch_group=group,
+                      **(extra or {})),
         train=dict(grad_accum=m, micro_batch_size=MBS, steps=STEPS, lr=1e-3, grad_clip=0.5,
                    out_dir="/nonexistent-not-written"),
         data=dict(seq_len=SEQ))
