@@ -22,7 +22,20 @@ import torch
 from tessera.config_io import make_config
 from tessera.model import build_model, cross_entropy
 from tessera.parallel.recompute import apply_recompute
+from tessera.pipeline.schedule import W, parse
+from tessera.pipeline.simulator import peak_inflight
 from tessera.pipeline.split_backward import SavedActivations, backward_input, backward_weight
+from tessera.step import build_executor, last_backwards
+from tessera.testing import run_ranks
+from tessera.topology import Topology
+from test_composition import MATRIX, _cfg, _check, _reference, _run_layout
+from test_pipeline_runtime import (
+    case_config,
+    check_results,
+    references_for,
+    run_parity_cases,
+    step_batches,
+)
 
 SEQ, VOCAB = 16, 64
 
@@ -126,3 +139,105 @@ def test_two_micro_batches_accumulate_like_two_backwards():
     for n, p in model.named_parameters():
         if n in want:
             assert torch.equal(p.grad, want[n]), n
+
+
+def test_a_chunks_reduction_starts_at_its_last_w():
+    """The executor's hook point for data parallelism: the chunk's last W (never its I)."""
+    schedule = parse(SPLIT_1F1B)
+    assert last_backwards(schedule, 0) == {W(0, 1)}
+    assert last_backwards(schedule, 1) == {W(1, 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# On gloo ranks
+
+
+ZB = ("zb-h1", "zb-v", "dualpipev")
+SPLIT_1F1B = ("rank 0: 0F0 0F1 0I0 0I1 0W0 0W1\n"  # 1F1B at p = m = 2, every W deferred
+              "rank 1: 1F0 1I0 1F1 1I1 1W0 1W1")
+
+
+def _v(name: str) -> int:
+    return 2 if name in ("zb-v", "dualpipev") else 1
+
+
+def pipeline_cases(pp: int) -> list[dict]:
+    """Each zero-bubble schedule at m = p and 2p (tied embeddings at m = p, so the V shapes'
+    first and last chunks share one weight on rank 0), and with full recompute at m = 2p."""
+    layers = 4 if pp == 2 else 8
+    cases = [dict(schedule=s, pp=pp, m=m, v=_v(s), layers=layers, tie=m == pp)
+             for s in ZB for m in (pp, 2 * pp)]
+    cases += [dict(schedule=s, pp=pp, m=2 * pp, v=_v(s), layers=layers,
+                   extra=dict(recompute="full")) for s in ZB]
+    return cases
+
+
+def in_flight_records(pp: int, m: int) -> dict[str, tuple[int, int, float]]:
+    """Per schedule: this rank's runtime count of (chunk, micro-batch) sets in flight at peak,
+    its peak saved bytes, and the simulator's count for the rank."""
+    out = {}
+    for name in ("1f1b", *ZB):
+        cfg = case_config(name, pp, m, v=_v(name))
+        engine = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"),
+                                measure_memory=True)
+        engine.cfg.train.steps = 0
+        engine.forward_backward(step_batches(0, m))
+        record, rank = engine.last_record, engine.pp_rank
+        out[name] = (record.peak_in_flight, record.peak_activation_bytes,
+                     peak_inflight(engine.model.schedule)[rank])
+    return out
+
+
+def _pp2_rank(cases, references):
+    return run_parity_cases(cases, references), in_flight_records(2, 8)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_zero_bubble_schedules_match_reference_pp2_and_hold_1f1b_memory():
+    cases = pipeline_cases(2) + [dict(schedule="1f1b", pp=2, m=2, custom=SPLIT_1F1B)]
+    results = run_ranks(_pp2_rank, 2, args=(cases, references_for(cases)), timeout=600)
+    for rank, (per_rank, inflight) in enumerate(results):
+        assert [c for c, *_ in per_rank] == cases
+        check_results(per_rank)
+        for name, (count, _, simulated) in inflight.items():
+            assert count == simulated, (rank, name)  # the runtime and the simulator agree
+        # ZB-H1 holds 1F1B's sets; each V-shape's set is half a stage (2 chunks per rank)
+        one = inflight["1f1b"][0]
+        assert inflight["zb-h1"][0] == one, rank
+        assert inflight["zb-v"][0] == 2 * one if rank == 0 else inflight["zb-v"][0] <= 2 * one
+    # Bytes: between I and W a set holds only what W reads, so ZB-H1, with 1F1B's count,
+    # holds fewer bytes at peak on the first stage.
+    first = results[0][1]
+    assert 0 < first["zb-h1"][1] < first["1f1b"][1]
+
+
+def _pp4_rank(cases, references, layouts):
+    MATRIX.update(composed())
+    return run_parity_cases(cases, references), {n: _run_layout(MATRIX[n]) for n in layouts}
+
+
+def composed() -> dict:
+    """(dp, tp, pp=2) layouts of each zero-bubble schedule on tests/test_composition.py's
+    bench and tolerances."""
+    return {f"{s} {label}": _cfg(dp, tp, 2, m=4 // dp, schedule=s, virtual_stages=_v(s),
+                                 **extra)
+            for s in ZB for label, dp, tp, extra in (("dp2 ddp", 2, 1, {}),
+                                                     ("dp2 zero1", 2, 1, dict(zero_stage=1)),
+                                                     ("tp2", 1, 2, {}))}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_zero_bubble_schedules_match_reference_pp4_and_composed():
+    layouts = composed()
+    MATRIX.update(layouts)  # _check reads a layout's config there
+    ref = _reference()
+    cases = pipeline_cases(4)
+    results = run_ranks(_pp4_rank, 4, args=(cases, references_for(cases), list(layouts)),
+                        timeout=900)
+    for rank, (per_rank, layouts) in enumerate(results):
+        assert [c for c, *_ in per_rank] == cases
+        check_results(per_rank)
+        for name, got in layouts.items():
+            _check(name, rank, got, ref)
