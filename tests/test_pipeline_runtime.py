@@ -100,11 +100,12 @@ def _check(used: dict[str, float], kind: str, got: torch.Tensor, want: torch.Ten
     return torch.equal(got, want)
 
 
-def run_parity_cases(cases, references: bytes):
-    """Train every case STEPS steps. Exact cases (`is_exact`) against the free-running
-    reference; the others next to a Shadow (tests/dp_parity.py) started each step from the
-    pipeline's own parameters, with the global batch as one micro-batch. Per case: the largest
-    share of each summation bound used, and whether gradients and weights were bitwise equal."""
+def run_parity_cases(cases, references: bytes, steps: int = STEPS):
+    """Train every case `steps` steps (at most STEPS). Exact cases (`is_exact`) against the
+    free-running reference; the others next to a Shadow (tests/dp_parity.py) started each step
+    from the pipeline's own parameters, with the global batch as one micro-batch. Per case: the
+    largest share of each summation bound used, and whether gradients and weights were bitwise
+    equal."""
     references = pickle.loads(references)
     topos: dict = {}
     out = []
@@ -125,7 +126,7 @@ def run_parity_cases(cases, references: bytes):
         tokens = p.dp * m * MBS * SEQ
         used = dict.fromkeys(("loss", "norm", "grad", "weight"), 0.0)
         exact = True
-        for step in range(STEPS):
+        for step in range(steps):
             batches = step_batches(step, p.dp * m)
             if shadow is not None:
                 before = engine.full_state_dict()

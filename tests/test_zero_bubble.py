@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from tessera.config_io import make_config
+from tessera.errors import ConfigError
+from tessera.layout import check_split_backward, validate
 from tessera.model import build_model, cross_entropy
 from tessera.parallel.recompute import apply_recompute
 from tessera.pipeline.schedule import W, parse
@@ -28,6 +30,7 @@ from tessera.pipeline.split_backward import SavedActivations, backward_input, ba
 from tessera.step import build_executor, last_backwards
 from tessera.testing import run_ranks
 from tessera.topology import Topology
+from test_checkpoint import _check_resumed, _resume_rank
 from test_composition import MATRIX, _cfg, _check, _reference, _run_layout
 from test_pipeline_runtime import (
     case_config,
@@ -38,6 +41,9 @@ from test_pipeline_runtime import (
 )
 
 SEQ, VOCAB = 16, 64
+STEPS = 3
+"""Steps per multi-process case: the first step's gradients are the parity check; two more
+check that the optimizer steps on what the split backward accumulated."""
 
 
 def _tiny(recompute: str = "none"):
@@ -189,32 +195,41 @@ def in_flight_records(pp: int, m: int) -> dict[str, tuple[int, int, float]]:
 
 
 def _pp2_rank(cases, references):
-    return run_parity_cases(cases, references), in_flight_records(2, 8)
+    return run_parity_cases(cases, references, STEPS), in_flight_records(2, 8)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_zero_bubble_schedules_match_reference_pp2_and_hold_1f1b_memory():
-    cases = pipeline_cases(2) + [dict(schedule="1f1b", pp=2, m=2, custom=SPLIT_1F1B)]
+    cases = pipeline_cases(2)
     results = run_ranks(_pp2_rank, 2, args=(cases, references_for(cases)), timeout=600)
-    for rank, (per_rank, inflight) in enumerate(results):
+    for per_rank, _ in results:
         assert [c for c, *_ in per_rank] == cases
         check_results(per_rank)
-        for name, (count, _, simulated) in inflight.items():
+    inflight = [records for _, records in results]
+    for rank, records in enumerate(inflight):
+        for name, (count, _, simulated) in records.items():
             assert count == simulated, (rank, name)  # the runtime and the simulator agree
-        # ZB-H1 holds 1F1B's sets; each V-shape's set is half a stage (2 chunks per rank)
-        one = inflight["1f1b"][0]
-        assert inflight["zb-h1"][0] == one, rank
-        assert inflight["zb-v"][0] == 2 * one if rank == 0 else inflight["zb-v"][0] <= 2 * one
-    # Bytes: between I and W a set holds only what W reads, so ZB-H1, with 1F1B's count,
-    # holds fewer bytes at peak on the first stage.
-    first = results[0][1]
-    assert 0 < first["zb-h1"][1] < first["1f1b"][1]
+    peak = {name: [records[name][0] for records in inflight] for name in inflight[0]}
+    # Sets held at once, m = 8 >= 2p: 1F1B's most is rank 0's p; ZB-H1 holds no more on any
+    # rank (its later ranks keep sets until their deferred W); the V shapes' sets are half a
+    # stage each (two chunks per rank), ZB-V holding at most 2p of them (1F1B's memory) and
+    # DualPipeV 2p + 1 on its first rank (DeepSeek's "PP + 1" for PP = 2p chunks).
+    p = 2
+    assert max(peak["1f1b"]) == peak["1f1b"][0] == p
+    assert max(peak["zb-h1"]) == p
+    assert max(peak["zb-v"]) == 2 * p
+    assert peak["dualpipev"][0] == max(peak["dualpipev"]) == 2 * p + 1
+    # Bytes: between I and W a set holds only what W reads. ZB-H1's last rank holds two sets
+    # at its peak where 1F1B's holds one: one whole, and one past its I.
+    last = inflight[-1]
+    assert last["1f1b"][1] < last["zb-h1"][1] < 2 * last["1f1b"][1]
 
 
 def _pp4_rank(cases, references, layouts):
     MATRIX.update(composed())
-    return run_parity_cases(cases, references), {n: _run_layout(MATRIX[n]) for n in layouts}
+    return (run_parity_cases(cases, references, STEPS),
+            {n: _run_layout(MATRIX[n], STEPS) for n in layouts})
 
 
 def composed() -> dict:
@@ -241,3 +256,33 @@ def test_zero_bubble_schedules_match_reference_pp4_and_composed():
         check_results(per_rank)
         for name, got in layouts.items():
             _check(name, rank, got, ref)
+
+
+def _resume_ranks(data: str, root: str) -> dict:
+    return {s: _resume_rank(data, f"{root}/{s}", {"pp": 2, "schedule": s,
+                                                  "virtual_stages": _v(s), "model.n_layers": 4})
+            for s in ZB}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_resumed_zero_bubble_runs_continue_exactly(tiny_data, tmp_path):
+    """tests/test_checkpoint.py's check (tolerance 0) for each schedule: 6 steps saving at 3,
+    and a run resumed from step 3, log the same steps 4-6 and end with the same model."""
+    got = run_ranks(_resume_ranks, 2, args=(tiny_data, str(tmp_path)), timeout=600)[0]
+    for name, result in got.items():
+        _check_resumed(result, name)
+
+
+def test_zero3_with_a_split_backward_is_refused_in_one_line():
+    cfg = make_config("tiny", model=dict(n_layers=4),
+                      parallel=dict(dp=2, pp=2, zero_stage=3, schedule="zb-h1"),
+                      train=dict(grad_accum=2))
+    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3: schedule zb-h1 splits each "
+                                          r"backward into I and W"):
+        validate(cfg, 4)
+    validate(make_config("tiny", model=dict(n_layers=4),
+                         parallel=dict(dp=2, pp=2, zero_stage=2, schedule="zb-h1"),
+                         train=dict(grad_accum=2)), 4)
+    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3: schedule custom splits"):
+        check_split_backward(3, "custom", parse(SPLIT_1F1B).split_backward)
