@@ -1,288 +1,202 @@
-"""Zero-bubble pipelines at run time: the backward split into I and W (``pipeline.split_backward``)
-and the schedules that use it, against the single-device model.
-
-In one process: a chunk's I then W gives exactly one plain backward's input gradient and weight
-gradients (bitwise: the same kernels on the same numbers, each gradient one term per
-micro-batch), I accumulates no weight gradient and fires no gradient hook, W fires each once,
-and what I keeps for W is less than what the forward saved; with every recompute mode; and the
-first chunk (token ids, no input gradient) does its whole backward in W.
-
-On gloo ranks (tests/test_pipeline_runtime.py's harness and tolerances, tests/
-test_composition.py's for composed layouts): hand-written split schedules, then each
-registered zero-bubble schedule at pp 2 and 4 with m = p and 2p; composed with dp 2 (DDP,
-ZeRO-1), tp 2 and full recompute; the peak of (chunk, micro-batch) sets in flight counted by the
-runtime; checkpoint resume.
-"""
+"""Zero-bubble schedules (zb-h1, zb-v, dualpipev): valid orders, simulated bubble and memory,
+torch.distributed.pipelining's orders, the CLI and the layout rule. No processes."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tessera.config_io import make_config
 from tessera.errors import ConfigError
-from tessera.layout import check_split_backward, validate
-from tessera.model import build_model, cross_entropy
-from tessera.parallel.recompute import apply_recompute
-from tessera.pipeline.schedule import W, parse
-from tessera.pipeline.simulator import peak_inflight
-from tessera.pipeline.split_backward import SavedActivations, backward_input, backward_weight
-from tessera.step import build_executor, last_backwards
-from tessera.testing import run_ranks
-from tessera.topology import Topology
-from test_checkpoint import _check_resumed, _resume_rank
-from test_composition import MATRIX, _cfg, _check, _reference, _run_layout
-from test_pipeline_runtime import (
-    case_config,
-    check_results,
-    references_for,
-    run_parity_cases,
-    step_batches,
-)
+from tessera.pipeline.schedule import Kind, lower_comms, parse
+from tessera.pipeline.schedules import SCHEDULES, build_schedule, closed_form_bubble
+from tessera.pipeline.simulator import StageCosts, peak_inflight, simulate
+from tessera.pipeline.timeline import chrome_trace, legend_handles, shade, text_grid
+from tessera.pipeline.validator import validate
 
-SEQ, VOCAB = 16, 64
-STEPS = 3
-"""Steps per multi-process case: the first step's gradients are the parity check; two more
-check that the optimizer steps on what the split backward accumulated."""
+ZB = {"zb-h1": 1, "zb-v": 2, "dualpipev": 2}
+"""The zero-bubble schedules and their chunks per rank."""
+F_I_W = StageCosts(forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0)
+"""F = I = W = 1 per chunk and micro-batch (a B is I + W = 2): the paper's T_F = T_B = T_W."""
 
 
-def _tiny(recompute: str = "none"):
-    cfg = make_config("tiny", model=dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2,
-                                         n_kv_heads=1, max_seq_len=32))
-    model = build_model(cfg.model, 0)
-    apply_recompute(model, recompute)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
-    return model, tokens[:, :-1], tokens[:, 1:]
+@pytest.mark.parametrize("name", ZB)
+@pytest.mark.parametrize("p", (2, 4, 8))
+@pytest.mark.parametrize("k", (1, 2, 3))
+def test_orders_are_valid_and_deadlock_free(name, p, k):
+    m, v = k * p, ZB[name]
+    s = build_schedule(name, p, m, v)  # validated: compute-only and lowered
+    assert (s.n_ranks, s.n_chunks, s.virtual) == (p, p * v, v)
+    assert parse(s.to_string()) == s
+    validate(lower_comms(s))
+    assert s.split_backward
+    if v == 2:  # the V: rank r holds chunks r and 2p-1-r
+        assert s.chunk_rank == tuple(list(range(p)) + list(reversed(range(p))))
+        assert all(s.chunks_of(r) == [r, 2 * p - 1 - r] for r in range(p))
+    for acts in s.actions:  # every pair: B, or I and a later W
+        kinds = {}
+        for a in acts:
+            kinds.setdefault((a.chunk, a.microbatch), []).append(a.kind)
+        assert all(ks in ([Kind.F, Kind.B], [Kind.F, Kind.I, Kind.W]) for ks in kinds.values())
 
 
-def _body(model, x, y):
-    """The model after its embedding, as a last pipeline chunk: blocks, head, loss."""
-    cos, sin = model.rope_cos[:SEQ], model.rope_sin[:SEQ]
-    for layer in model.layers:
-        x = layer(x, cos, sin)
-    return cross_entropy(model.output(model.norm(x)), y)
+def test_zb_h1_bubble_is_a_third_of_1f1b():
+    """At F = I = W ZB-H1's bubble is (p-1)/(3m) of the ideal step exactly (tolerance 1e-9,
+    float rounding of unit sums): only the forward fill, p-1 units before the last rank's
+    first forward, where 1F1B's is (p-1)(F+B) = 3(p-1) units."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 3 * p):
+            zb = simulate(build_schedule("zb-h1", p, m), F_I_W)
+            one = simulate(build_schedule("1f1b", p, m), F_I_W)
+            assert zb.compute_time == one.compute_time == 3 * m
+            assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m), abs=1e-9)
+            assert one.bubble_fraction == pytest.approx((p - 1) / m, abs=1e-9)
+            assert closed_form_bubble("zb-h1", p, m) == pytest.approx(zb.bubble_fraction)
+    assert closed_form_bubble("zb-h1", 4, 3) is None  # m < p: no closed form
 
 
-def _storage_bytes(tensors) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors}.values())
+@pytest.mark.parametrize("name", ("zb-v", "dualpipev"))
+def test_v_schedules_have_no_bubble_beyond_the_fill(name):
+    """At F = I = W per chunk (a chunk is half a rank's layers), once m >= 2p the bubble is
+    (p-1)/(6m) exactly (tolerance 1e-9): the last rank's first forward waits for p-1 chunk
+    forwards, which no schedule avoids (every rank does the same 6m units of work, so the
+    makespan is at least 6m + p - 1). Interleaved 1F1B at v = 2 pays (p-1)/(2m), three times
+    as much; at m = p (p >= 4) the V shapes do not reach the bound."""
+    for p in (2, 4, 8):
+        for m in (2 * p, 3 * p, 4 * p):
+            s = build_schedule(name, p, m, 2)
+            r = simulate(s, F_I_W)
+            assert r.compute_time == 6 * m
+            assert r.makespan >= 6 * m + p - 1  # the fill: a lower bound for any order
+            assert r.bubble_fraction == pytest.approx((p - 1) / (6 * m), abs=1e-9)
+            assert closed_form_bubble(name, p, m, 2) == pytest.approx(r.bubble_fraction)
+            lean = simulate(build_schedule("interleaved", p, m, 2), F_I_W)
+            assert lean.bubble_fraction == pytest.approx((p - 1) / (2 * m), abs=1e-9)
+        assert closed_form_bubble(name, p, p, 2) is None
+        if p >= 4:
+            short = simulate(build_schedule(name, p, p, 2), F_I_W)
+            assert short.bubble_fraction > (p - 1) / (6 * p) + 0.01
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_input_then_weight_gradients_equal_one_backward(recompute):
-    model, tokens, y = _tiny(recompute)
-    x0 = model.tok_embeddings(tokens).detach()
-    x = x0.clone().requires_grad_()
-    _body(model, x, y).backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    want_dx = x.grad.clone()
-    model.zero_grad(set_to_none=True)
-
-    fired: list[str] = []
-    for n, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.append(n))
-    forwards = []
-    for layer in model.layers:  # a module inside the block: a replay calls it again
-        layer.attention_norm.register_forward_hook(lambda *_: forwards.append(1))
-    x = x0.clone().requires_grad_()
-    saved = SavedActivations()
-    with saved:
-        loss = _body(model, x, y)
-    packed = _storage_bytes([h.tensor for h in saved.holders])
-    dx, pending = backward_input(loss, None, x, saved)
-    assert torch.equal(dx, want_dx)
-    assert x.grad is None
-    assert fired == []  # I: no weight gradient accumulated, no hook (no reduction) fired
-    assert all(p.grad is None for p in model.parameters())
-    del loss
-    # W needs the linears' inputs and the norms' normalized inputs, not what only the input
-    # path reads (attention's and the activation function's saved tensors, the loss's).
-    assert 0 < _storage_bytes(pending.kept) < packed
-    backward_weight(pending)
-    assert sorted(fired) == sorted(want)  # each parameter's hook once, at W
-    for n, p in model.named_parameters():
-        if n in want:
-            assert torch.equal(p.grad, want[n]), n
-    # The forward, then each recomputation: full recompute replays each block in I and again
-    # in W (split_backward's doc); selective replays only the attention core (no weights).
-    assert len(forwards) == (3 if recompute == "full" else 1) * len(model.layers)
+def test_in_flight_memory_matches_1f1b_and_dualpipev_published_count():
+    """Counting a set until its W (simulator.W_HELD = 1): ZB-H1 holds p sets on every rank,
+    1F1B's largest (its rank 0); ZB-V 2p half-size (chunk) sets, i.e. p of a rank's worth:
+    1F1B's memory; DualPipeV 2p + 1 chunk sets, the DualPipe repository's "PP + 1" activation
+    count for DualPipeV (PP = 2p stages on p devices)."""
+    for p in (2, 4, 8):
+        for m in (2 * p, 3 * p):
+            one = peak_inflight(build_schedule("1f1b", p, m))
+            assert peak_inflight(build_schedule("zb-h1", p, m)) == [max(one)] * p
+            assert peak_inflight(build_schedule("zb-v", p, m, 2)) == [2 * p] * p
+            assert peak_inflight(build_schedule("dualpipev", p, m, 2)) == [2 * p + 1] * p
+            for name, v in ZB.items():
+                spec = SCHEDULES[name]
+                assert list(spec.closed_form_inflight(p, m, v, 0)) == peak_inflight(
+                    build_schedule(name, p, m, v))
+    # Counting what W holds as half a set, ZB-H1's deferred W cost rank r only r/2 sets.
+    assert peak_inflight(build_schedule("zb-h1", 4, 8), w_held=0.5) == [4, 3.5, 3, 2.5]
 
 
-def test_first_chunk_does_its_whole_backward_in_w():
-    model, tokens, y = _tiny()
-    cross_entropy(model(tokens), y).backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    saved = SavedActivations()
-    with saved:
-        loss = cross_entropy(model(tokens), y)
-    dx, pending = backward_input(loss, None, None, saved)
-    assert dx is None and all(p.grad is None for p in model.parameters())
-    backward_weight(pending)
-    for n, p in model.named_parameters():
-        assert torch.equal(p.grad, want[n]), n
+def test_closed_form_in_flight_counts_hold_for_every_m():
+    for name, v in ZB.items():
+        spec = SCHEDULES[name]
+        for p in (1, 2, 3, 5):
+            for m in range(1, 3 * p + 2):
+                counted = peak_inflight(build_schedule(name, p, m, v))
+                assert list(spec.closed_form_inflight(p, m, v, 0)) == counted, (name, p, m)
 
 
-def test_two_micro_batches_accumulate_like_two_backwards():
-    """I of both micro-batches before either W (as ZB schedules order them): each W adds its
-    own micro-batch's part, once."""
-    model, tokens, y = _tiny()
-    xs = [model.tok_embeddings(tokens).detach(), model.tok_embeddings(tokens.flip(1)).detach()]
-    for x in xs:
-        _body(model, x.clone().requires_grad_(), y).backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    pendings = []
-    for x in xs:
-        saved = SavedActivations()
-        x = x.clone().requires_grad_()
-        with saved:
-            loss = _body(model, x, y)
-        pendings.append(backward_input(loss, None, x, saved)[1])
-    for pending in pendings:
-        backward_weight(pending)
-    for n, p in model.named_parameters():
-        if n in want:
-            assert torch.equal(p.grad, want[n]), n
+def _torch_orders(cls, p: int, m: int) -> list[list[str]]:
+    """torch's per-rank compute orders as our strings: its stage index is our chunk, its
+    F/I/W/B are ours, its idle slots (None) are left out, and DualPipeV's OVERLAP_F_B (a
+    forward and a full backward run together) is its two sub-actions, forward first."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    orders = []
+    for ops in get_schedule_ops(cls, p, m):
+        flat = []
+        for a in ops:
+            if a is None:
+                continue
+            for sub in a.sub_actions or (a,):
+                flat.append(f"{sub.stage_index}{sub.computation_type.value}"
+                            f"{sub.microbatch_index}")
+        orders.append(flat)
+    return orders
 
 
-def test_a_chunks_reduction_starts_at_its_last_w():
-    """The executor's hook point for data parallelism: the chunk's last W (never its I)."""
-    schedule = parse(SPLIT_1F1B)
-    assert last_backwards(schedule, 0) == {W(0, 1)}
-    assert last_backwards(schedule, 1) == {W(1, 1)}
+@pytest.mark.parametrize("name, cls_name", [("zb-v", "ScheduleZBVZeroBubble"),
+                                            ("dualpipev", "ScheduleDualPipeV")])
+def test_orders_equal_torch_pipelining(name, cls_name):
+    """Our orders equal torch.distributed.pipelining's, action for action. torch refuses
+    DualPipeV with fewer than 2p micro-batches; at m = p ours is the same construction with
+    the paired steady state empty (validated above)."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(schedules, cls_name)
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 3 * p):
+            ours = [[str(a) for a in acts] for acts in build_schedule(name, p, m, 2).actions]
+            if name == "dualpipev" and m < 2 * p:
+                with pytest.raises(ValueError, match="at least as many microbatches"):
+                    _torch_orders(cls, p, m)
+                continue
+            assert ours == _torch_orders(cls, p, m), (p, m)
 
 
-# ---------------------------------------------------------------------------------------------
-# On gloo ranks
+def test_v_schedules_take_two_chunks_per_rank_only():
+    for name in ("zb-v", "dualpipev"):
+        with pytest.raises(ConfigError, match=rf"^virtual=3: {name} runs 2 chunks per rank"):
+            build_schedule(name, 4, 8, 3)
+        with pytest.raises(ConfigError, match=rf"^virtual=1: {name} runs 2 chunks per rank"):
+            build_schedule(name, 4, 8, 1)
+    with pytest.raises(ConfigError, match="has one chunk per rank"):
+        build_schedule("zb-h1", 4, 8, 2)
 
 
-ZB = ("zb-h1", "zb-v", "dualpipev")
-SPLIT_1F1B = ("rank 0: 0F0 0F1 0I0 0I1 0W0 0W1\n"  # 1F1B at p = m = 2, every W deferred
-              "rank 1: 1F0 1I0 1F1 1I1 1W0 1W1")
+def test_layout_refuses_a_v_schedule_without_two_virtual_stages():
+    from tessera.config import Config, ParallelConfig, TrainConfig
+    from tessera.layout import validate as validate_layout
+
+    cfg = Config(parallel=ParallelConfig(pp=2, schedule="zb-v"), train=TrainConfig(grad_accum=4))
+    cfg.model.n_layers = 4
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=1: zb-v runs 2 chunks"):
+        validate_layout(cfg)
+    cfg.parallel.virtual_stages = 2
+    validate_layout(cfg)
+    cfg.parallel.schedule = "zb-h1"
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=2: needs schedule"):
+        validate_layout(cfg)
 
 
-def _v(name: str) -> int:
-    return 2 if name in ("zb-v", "dualpipev") else 1
+def test_text_grid_and_pictures_show_i_and_w():
+    s = build_schedule("zb-h1", 2, 2)
+    assert text_grid(s).splitlines() == ["rank 0 | F0 F1 .  I0 W0 I1 W1",
+                                         "rank 1 | .  F0 I0 F1 I1 W0 W1"]
+    r = simulate(s, StageCosts.units(s))
+    trace = chrome_trace(r.timeline)["traceEvents"]
+    names = {e["name"] for e in trace if e.get("cat") in ("I", "W")}
+    assert "I0 chunk 0 (input grad)" in names and "W1 chunk 1 (weight grad)" in names
+    assert all(e["tid"] == 0 for e in trace if e.get("cat") in ("I", "W"))
+    base = (0.5, 0.5, 0.5)
+    assert len({shade(base, k) for k in ("F", "I", "B")}) == 3  # I has its own shade
+    labels = [h.get_label() for h in legend_handles({"F", "I", "W"}, 1)]
+    assert "input grad I (mid)" in labels and "weight grad W (dark, dotted)" in labels
+    assert "backward (dark)" not in labels
 
 
-def pipeline_cases(pp: int) -> list[dict]:
-    """Each zero-bubble schedule at m = p and 2p (tied embeddings at m = p, so the V shapes'
-    first and last chunks share one weight on rank 0), and with full recompute at m = 2p."""
-    layers = 4 if pp == 2 else 8
-    cases = [dict(schedule=s, pp=pp, m=m, v=_v(s), layers=layers, tie=m == pp)
-             for s in ZB for m in (pp, 2 * pp)]
-    cases += [dict(schedule=s, pp=pp, m=2 * pp, v=_v(s), layers=layers,
-                   extra=dict(recompute="full")) for s in ZB]
-    return cases
+def test_schedule_cli_prints_and_draws_zb_v(tmp_path):
+    from typer.testing import CliRunner
 
+    from tessera.cli import app
 
-def in_flight_records(pp: int, m: int) -> dict[str, tuple[int, int, float]]:
-    """Per schedule: this rank's runtime count of (chunk, micro-batch) sets in flight at peak,
-    its peak saved bytes, and the simulator's count for the rank."""
-    out = {}
-    for name in ("1f1b", *ZB):
-        cfg = case_config(name, pp, m, v=_v(name))
-        engine = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"),
-                                measure_memory=True)
-        engine.cfg.train.steps = 0
-        engine.forward_backward(step_batches(0, m))
-        record, rank = engine.last_record, engine.pp_rank
-        out[name] = (record.peak_in_flight, record.peak_activation_bytes,
-                     peak_inflight(engine.model.schedule)[rank])
-    return out
-
-
-def _pp2_rank(cases, references):
-    return run_parity_cases(cases, references, STEPS), in_flight_records(2, 8)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_zero_bubble_schedules_match_reference_pp2_and_hold_1f1b_memory():
-    cases = pipeline_cases(2)
-    results = run_ranks(_pp2_rank, 2, args=(cases, references_for(cases)), timeout=600)
-    for per_rank, _ in results:
-        assert [c for c, *_ in per_rank] == cases
-        check_results(per_rank)
-    inflight = [records for _, records in results]
-    for rank, records in enumerate(inflight):
-        for name, (count, _, simulated) in records.items():
-            assert count == simulated, (rank, name)  # the runtime and the simulator agree
-    peak = {name: [records[name][0] for records in inflight] for name in inflight[0]}
-    # Sets held at once, m = 8 >= 2p: 1F1B's most is rank 0's p; ZB-H1 holds no more on any
-    # rank (its later ranks keep sets until their deferred W); the V shapes' sets are half a
-    # stage each (two chunks per rank), ZB-V holding at most 2p of them (1F1B's memory) and
-    # DualPipeV 2p + 1 on its first rank (DeepSeek's "PP + 1" for PP = 2p chunks).
-    p = 2
-    assert max(peak["1f1b"]) == peak["1f1b"][0] == p
-    assert max(peak["zb-h1"]) == p
-    assert max(peak["zb-v"]) == 2 * p
-    assert peak["dualpipev"][0] == max(peak["dualpipev"]) == 2 * p + 1
-    # Bytes: between I and W a set holds only what W reads. ZB-H1's last rank holds two sets
-    # at its peak where 1F1B's holds one: one whole, and one past its I.
-    last = inflight[-1]
-    assert last["1f1b"][1] < last["zb-h1"][1] < 2 * last["1f1b"][1]
-
-
-def _pp4_rank(cases, references, layouts):
-    MATRIX.update(composed())
-    return (run_parity_cases(cases, references, STEPS),
-            {n: _run_layout(MATRIX[n], STEPS) for n in layouts})
-
-
-def composed() -> dict:
-    """(dp, tp, pp=2) layouts of each zero-bubble schedule on tests/test_composition.py's
-    bench and tolerances."""
-    return {f"{s} {label}": _cfg(dp, tp, 2, m=4 // dp, schedule=s, virtual_stages=_v(s),
-                                 **extra)
-            for s in ZB for label, dp, tp, extra in (("dp2 ddp", 2, 1, {}),
-                                                     ("dp2 zero1", 2, 1, dict(zero_stage=1)),
-                                                     ("tp2", 1, 2, {}))}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_zero_bubble_schedules_match_reference_pp4_and_composed():
-    layouts = composed()
-    MATRIX.update(layouts)  # _check reads a layout's config there
-    ref = _reference()
-    cases = pipeline_cases(4)
-    results = run_ranks(_pp4_rank, 4, args=(cases, references_for(cases), list(layouts)),
-                        timeout=900)
-    for rank, (per_rank, layouts) in enumerate(results):
-        assert [c for c, *_ in per_rank] == cases
-        check_results(per_rank)
-        for name, got in layouts.items():
-            _check(name, rank, got, ref)
-
-
-def _resume_ranks(data: str, root: str) -> dict:
-    return {s: _resume_rank(data, f"{root}/{s}", {"pp": 2, "schedule": s,
-                                                  "virtual_stages": _v(s), "model.n_layers": 4})
-            for s in ZB}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_resumed_zero_bubble_runs_continue_exactly(tiny_data, tmp_path):
-    """tests/test_checkpoint.py's check (tolerance 0) for each schedule: 6 steps saving at 3,
-    and a run resumed from step 3, log the same steps 4-6 and end with the same model."""
-    got = run_ranks(_resume_ranks, 2, args=(tiny_data, str(tmp_path)), timeout=600)[0]
-    for name, result in got.items():
-        _check_resumed(result, name)
-
-
-def test_zero3_with_a_split_backward_is_refused_in_one_line():
-    cfg = make_config("tiny", model=dict(n_layers=4),
-                      parallel=dict(dp=2, pp=2, zero_stage=3, schedule="zb-h1"),
-                      train=dict(grad_accum=2))
-    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3: schedule zb-h1 splits each "
-                                          r"backward into I and W"):
-        validate(cfg, 4)
-    validate(make_config("tiny", model=dict(n_layers=4),
-                         parallel=dict(dp=2, pp=2, zero_stage=2, schedule="zb-h1"),
-                         train=dict(grad_accum=2)), 4)
-    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3: schedule custom splits"):
-        check_split_backward(3, "custom", parse(SPLIT_1F1B).split_backward)
+    result = CliRunner().invoke(app, ["schedule", "--schedule", "zb-v", "--pp", "4",
+                                      "--microbatches", "8", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "schedule zb-v: pp=4 virtual=2 microbatches=8 chunks=8" in out
+    assert "rank 0 | 0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0" in out
+    assert ("bubble fraction: 0.0625 simulated (backward = 2 x forward, split into I = W = "
+            "half of it, free communication); closed form 0.0625") in out
+    assert "activation sets per rank: 8 8 8 8" in out
+    assert (tmp_path / "zb-v_pp4_v2_m8.png").stat().st_size > 0
+    bad = CliRunner().invoke(app, ["schedule", "--schedule", "dualpipev", "--virtual", "3"])
+    assert bad.exit_code == 2
+    assert "error: --virtual=3: dualpipev runs 2 chunks per rank" in bad.output

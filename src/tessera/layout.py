@@ -224,7 +224,7 @@ def splits_backward(name: str) -> bool:
     orders at pp = 2 and the smallest of m = 2, 4, 8 it allows (a family splits at every size
     or at none)."""
     spec = SCHEDULES[name]
-    v = getattr(spec, "chunks_per_rank", 0) or spec.min_virtual
+    v = spec.chunks_per_rank or spec.min_virtual
     for m in (2, 4, 8):
         try:
             check_schedule(name, 2, m, v)
