@@ -28,7 +28,7 @@ from tessera.pipeline.schedule import W, parse
 from tessera.pipeline.simulator import peak_inflight
 from tessera.pipeline.split_backward import SavedActivations, backward_input, backward_weight
 from tessera.step import build_executor, last_backwards
-from tessera.testing import run_ranks
+from tessera.testing import assert_close_summed, run_ranks
 from tessera.topology import Topology
 from test_checkpoint import _check_resumed, _resume_rank
 from test_composition import MATRIX, _cfg, _check, _reference, _run_layout
@@ -122,6 +122,37 @@ def test_first_chunk_does_its_whole_backward_in_w():
     backward_weight(pending)
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, want[n]), n
+
+
+def test_parameters_sharing_an_entry_form_one_group():
+    """Two weights whose branches meet before the input path (x·(A + B)ᵀ, as sequence
+    parallelism's gather-then-linears node takes several weights) and a weight used twice on
+    the input path (entries one above the other: W must not count the lower one twice)."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(8, 8, generator=g, requires_grad=True) for _ in range(3))
+    x0 = torch.randn(4, 8, generator=g)
+
+    def f(x):
+        h = x @ (a + b).t()
+        return ((h @ c.t()).tanh() @ c.t()).square().sum()
+
+    x = x0.clone().requires_grad_()
+    f(x).backward()
+    want = [t.grad.clone() for t in (a, b, c)]
+    want_dx = x.grad.clone()
+    for t in (a, b, c):
+        t.grad = None
+    x = x0.clone().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        out = f(x)
+    dx, pending = backward_input(out, None, x, saved)
+    assert [len(group.params) for group in pending.groups] == [1, 2]  # {c}, {a, b}
+    assert len(pending.groups[0].entries) == 2  # c's two uses
+    backward_weight(pending)
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+    for t, w in zip((a, b, c), want, strict=True):  # c's two parts may add in another order
+        assert_close_summed(t.grad, w, terms=2, msg="weight gradient")
 
 
 def test_two_micro_batches_accumulate_like_two_backwards():
@@ -234,12 +265,17 @@ def _pp4_rank(cases, references, layouts):
 
 def composed() -> dict:
     """(dp, tp, pp=2) layouts of each zero-bubble schedule on tests/test_composition.py's
-    bench and tolerances."""
+    bench and tolerances, and sequence parallelism and bf16 once each."""
     return {f"{s} {label}": _cfg(dp, tp, 2, m=4 // dp, schedule=s, virtual_stages=_v(s),
                                  **extra)
             for s in ZB for label, dp, tp, extra in (("dp2 ddp", 2, 1, {}),
                                                      ("dp2 zero1", 2, 1, dict(zero_stage=1)),
-                                                     ("tp2", 1, 2, {}))}
+                                                     ("tp2", 1, 2, {}))} | {
+        # a gather-then-linears node is the entry of several weights; bf16 (ZeRO's buffers)
+        "zb-v tp2 sp": _cfg(1, 2, 2, m=4, schedule="zb-v", virtual_stages=2,
+                            sequence_parallel=True),
+        "dualpipev dp2 bf16": _cfg(2, 1, 2, m=2, schedule="dualpipev", virtual_stages=2,
+                                   precision="bf16")}
 
 
 @pytest.mark.multiprocess

@@ -108,7 +108,7 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         return kept
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     params: list[torch.Tensor]
     entries: list[Node]
