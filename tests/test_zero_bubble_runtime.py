@@ -16,6 +16,9 @@ runtime; checkpoint resume.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -107,6 +110,27 @@ def test_input_then_weight_gradients_equal_one_backward(recompute):
     # The forward, then each recomputation: full recompute replays each block in I and again
     # in W (split_backward's doc); selective replays only the attention core (no weights).
     assert len(forwards) == (3 if recompute == "full" else 1) * len(model.layers)
+
+
+def test_w_frees_what_i_kept():
+    """After W nothing of the (chunk, micro-batch)'s saved tensors stays alive: a holder names
+    the nodes that read it, a cycle through the graph that the collector cannot see, so W must
+    break it."""
+    model, tokens, y = _tiny()
+    x = model.tok_embeddings(tokens).detach().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        loss = _body(model, x, y)
+    state = {t.untyped_storage().data_ptr() for t in [x, *model.parameters(), *model.buffers()]}
+    alive = [weakref.ref(h.tensor) for h in saved.holders
+             if h.tensor.untyped_storage().data_ptr() not in state]
+    _, pending = backward_input(loss, None, x, saved)
+    del loss, saved
+    assert any(r() is not None for r in alive)  # what W reads
+    backward_weight(pending)
+    del pending
+    gc.collect()
+    assert all(r() is None for r in alive)
 
 
 def test_first_chunk_does_its_whole_backward_in_w():

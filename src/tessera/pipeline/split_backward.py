@@ -105,7 +105,15 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
                 h.tensor = None
             else:
                 kept.append(h.tensor)
+            h.readers = []
         return kept
+
+    def release(self) -> None:
+        """Drop every holder's tensor and the nodes it names (a holder naming a node of the
+        graph that holds it is a cycle through C++ that Python's collector does not see)."""
+        for h in self.holders:
+            h.tensor, h.readers = None, []
+        self.holders = []
 
 
 @dataclass(eq=False)
@@ -124,6 +132,8 @@ class PendingWeightGrad:
     """(output, its gradient) when W is the whole backward (no input path)."""
     kept: list[torch.Tensor] = field(default_factory=list)
     """The saved tensors W still needs (those packed by SavedActivations)."""
+    saved: SavedActivations | None = None
+    """Released after W."""
 
 
 def _grad_node(t: torch.Tensor) -> Node | None:
@@ -220,7 +230,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     parents = _consumers(root) if root is not None else {}
     if input_node is None or input_node not in parents:
         kept = [h.tensor for h in saved.holders] if saved is not None else []
-        return None, PendingWeightGrad(whole=(output, grad), kept=kept)
+        return None, PendingWeightGrad(whole=(output, grad), kept=kept, saved=saved)
     groups, needed = _weight_groups(parents, input_node)
     order: list[_Group] = []  # groups by when their first entry ran: a plain backward's order
     handles = []
@@ -238,7 +248,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
             h.remove()
     order += [g for g in groups if not g.grads]  # entries I did not reach: no gradient
     kept = saved.drop_unneeded(needed) if saved is not None else []
-    return dx, PendingWeightGrad(groups=[g for g in order if g.grads], kept=kept)
+    return dx, PendingWeightGrad(groups=[g for g in order if g.grads], kept=kept, saved=saved)
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
@@ -247,11 +257,13 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         output, grad = pending.whole
         pending.whole = None
         torch.autograd.backward(output, grad)
-        return
-    with GraphExecGroup():  # one recomputation of a checkpointed region for all groups
-        for group in pending.groups:
-            _group_backward(group)
-    pending.groups, pending.kept = [], []
+    else:
+        with GraphExecGroup():  # one recomputation of a checkpointed region for all groups
+            for group in pending.groups:
+                _group_backward(group)
+    if pending.saved is not None:
+        pending.saved.release()
+    pending.groups, pending.kept, pending.saved = [], [], None
 
 
 def _group_backward(group: _Group) -> None:
