@@ -77,6 +77,9 @@ class ScheduleSpec:
     placement: Callable[[int, int], tuple[int, ...]] = lambda pp, n_chunks: tuple(
         c % pp for c in range(n_chunks))
     """(pp, n_chunks) -> the rank of each chunk; default looping, chunk c on rank c % pp."""
+    split_backward: bool = False
+    """Backwards split into I and W (zero-bubble): a rank's last action may be a W that no
+    other rank waits for (the planner's lower bound then counts no drain after it)."""
     microbatch_rule: Callable[..., str | None] = lambda pp, m, v: None
     """(pp, m, v) -> why m is not allowed, or None (``grouped``: (pp, m, v, group))."""
     grouped: bool = False
@@ -345,17 +348,18 @@ register(ScheduleSpec(
     closed_form_bubble=_bfs_bubble, breadth_first=True,
     closed_form_inflight=_all_forwards_first))
 register(ScheduleSpec(
-    name="zb-h1", generate=zb_h1_orders,
+    name="zb-h1", generate=zb_h1_orders, split_backward=True,
     description="1F1B with split backwards, W deferred into the cool-down (Qi et al. 2023)",
     closed_form_bubble=lambda pp, m, v: (pp - 1) / (3 * m) if m >= pp else None,
     closed_form_inflight=lambda pp, m, v, group: (min(pp, m),) * pp, steady_after_periods=1))
 register(ScheduleSpec(
     name="zb-v", generate=zb_v_orders, virtual=True, chunks_per_rank=2, placement=v_placement,
+    split_backward=True,
     description="zero-bubble V: two chunks per rank, r and 2p-1-r (Qi et al. 2023)",
     closed_form_bubble=_v_fill_bubble, closed_form_inflight=_v_inflight))
 register(ScheduleSpec(
     name="dualpipev", generate=dualpipev_orders, virtual=True, chunks_per_rank=2,
-    placement=v_placement,
+    placement=v_placement, split_backward=True,
     description="DeepSeek-V3's DualPipeV: V shape, paired forward/backward of two micro-batches",
     closed_form_bubble=_v_fill_bubble,
     closed_form_inflight=functools.partial(_v_inflight, paired=True)))
