@@ -14,6 +14,14 @@ the same data, so they must agree).
 
 Threads: one per rank (tessera.testing.run_ranks). At pp=4 on a 2-core machine the ranks
 oversubscribe the cores, so wall time hides bubbles (other ranks fill them); compare CPU time.
+
+``--zero-bubble`` runs the split-backward schedules instead (zb-h1, zb-v, dualpipev) beside
+1F1B at the same m, and appends their table to ``--out``: step time and CPU seconds relative to
+our 1F1B, the measured bubble from the runtime's own records (its I and W events: torch's
+timing marks sit on the input-gradient path and miss W), the simulated bubble at F = I = W
+(F = 1, B = 2 for 1F1B), and torch's peer where it has one (Schedule1F1B,
+ScheduleInterleavedZeroBubble with one stage per rank, ScheduleZBVZeroBubble,
+ScheduleDualPipeV) with the ratio of step times.
 """
 
 from __future__ import annotations
@@ -39,29 +47,46 @@ from tessera.pipeline.schedules import build_schedule, closed_form_bubble
 from tessera.testing import run_ranks
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("bfs", 2))
+ZB_SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2))
+
+
+def _zb_peers() -> dict:
+    from torch.distributed.pipelining.schedules import (
+        ScheduleDualPipeV,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    return {"zb-h1": ScheduleInterleavedZeroBubble, "zb-v": ScheduleZBVZeroBubble,
+            "dualpipev": ScheduleDualPipeV}
+
+
+ZB_PEERS = _zb_peers()
 
 
 class _Mark(torch.autograd.Function):
     """Identity whose backward records the time: marks where a chunk's backward starts/ends."""
 
     @staticmethod
-    def forward(ctx, x, log, key):
+    def forward(ctx, x, log, key, copy=False):
         ctx.log, ctx.key = log, key
-        return x.view_as(x)
+        return x.clone() if copy else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.log.append((ctx.key, time.perf_counter()))
-        return grad, None, None
+        return grad, None, None, None
 
 
 class Timed(nn.Module):
     """A chunk with timing marks: forward duration, backward start (grad reaches the output)
     and end (grad reaches the input, or the embedding output on chunk 0)."""
 
-    def __init__(self, chunk: Chunk, log: list):
+    def __init__(self, chunk: Chunk, log: list, copy_out: bool = False):
+        """`copy_out`: the output is a copy, not a view (torch's split backward detaches the
+        stage output in place, which a view refuses)."""
         super().__init__()
-        self.chunk, self.log = chunk, log
+        self.chunk, self.log, self.copy_out = chunk, log, copy_out
         if chunk.spec.has_embedding:
             chunk.tok_embeddings.register_forward_hook(
                 lambda m, i, out: _Mark.apply(out, self.log, "b_end"))
@@ -70,7 +95,7 @@ class Timed(nn.Module):
         t0 = time.perf_counter()
         if x.is_floating_point():
             x = _Mark.apply(x, self.log, "b_end")
-        y = _Mark.apply(self.chunk(x), self.log, "b_start")
+        y = _Mark.apply(self.chunk(x), self.log, "b_start", self.copy_out)
         self.log.append(("f", time.perf_counter() - t0))
         return y
 
@@ -86,9 +111,12 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def make_chunks(cfg: ModelConfig, pp: int, v: int, rank: int, seq: int, log: list):
+def make_chunks(cfg: ModelConfig, pp: int, v: int, rank: int, seq: int, log: list,
+                chunks: list[int] | None = None, copy_out: bool = False):
+    """This rank's chunks: `chunks`, or looping placement (c on rank c % pp)."""
     specs = partition(cfg, pp * v, seq)
-    return {c: Timed(Chunk(cfg, specs[c], seed=0), log) for c in range(rank, pp * v, pp)}
+    mine = range(rank, pp * v, pp) if chunks is None else chunks
+    return {c: Timed(Chunk(cfg, specs[c], seed=0), log, copy_out) for c in mine}
 
 
 def batches(step: int, m: int, mbs: int, seq: int, vocab: int):
@@ -98,10 +126,12 @@ def batches(step: int, m: int, mbs: int, seq: int, vocab: int):
 
 
 class Ours:
-    def __init__(self, cfg, pp, v, m, rank, seq, tcfg, schedule_name):
+    def __init__(self, cfg, pp, v, m, rank, seq, tcfg, schedule_name, copy_out=False):
         self.log: list = []
-        self.chunks = make_chunks(cfg, pp, v, rank, seq, self.log)
         self.schedule = build_schedule(schedule_name, pp, m, v)
+        self.chunks = make_chunks(cfg, pp, v, rank, seq, self.log,
+                                  self.schedule.chunks_of(rank), copy_out)
+        self.records: list = []
         self.runtime = PipelineRuntime(self.chunks, rank, list(range(pp)), None,
                                        torch.device("cpu"), cfg.d_model)
         self.opt = adamw([p for c in self.chunks.values() for p in c.parameters()], tcfg)
@@ -110,11 +140,12 @@ class Ours:
     def pipeline_step(self, x, y):
         mbs = list(zip(x.tensor_split(self.m), y.tensor_split(self.m), strict=True))
         record = self.runtime.run(self.schedule, mbs, cross_entropy, scale=1.0 / self.m)
+        self.records.append((record.start, record.end, record.busy))
         self.last_loss = float(record.loss)
 
 
 class Torch:
-    def __init__(self, cfg, pp, v, m, rank, seq, tcfg, schedule_name):
+    def __init__(self, cfg, pp, v, m, rank, seq, tcfg, schedule_name, copy_out=False):
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -124,12 +155,15 @@ class Torch:
         )
 
         self.log: list = []
-        self.chunks = make_chunks(cfg, pp, v, rank, seq, self.log)
+        placement = build_schedule(schedule_name, pp, m, v).chunks_of(rank)
+        self.chunks = make_chunks(cfg, pp, v, rank, seq, self.log, placement, copy_out)
         stages = [PipelineStage(mod, c, pp * v, torch.device("cpu"))
                   for c, mod in sorted(self.chunks.items())]
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-               "interleaved": ScheduleInterleaved1F1B, "bfs": ScheduleLoopedBFS}[schedule_name]
-        self.schedule = cls(stages if v > 1 else stages[0], n_microbatches=m,
+               "interleaved": ScheduleInterleaved1F1B, "bfs": ScheduleLoopedBFS,
+               **ZB_PEERS}[schedule_name]
+        single = v == 1 and schedule_name != "zb-h1"
+        self.schedule = cls(stages[0] if single else stages, n_microbatches=m,
                             loss_fn=cross_entropy)
         self.first = 0 in self.chunks
         self.last = (pp * v - 1) in self.chunks
@@ -172,11 +206,12 @@ def bench_rank(a, pp: int):
                       n_heads=a.heads, max_seq_len=a.seq)
     tcfg = TrainConfig(lr=1e-3)
     out = []
-    for name, v in SCHEDULES:
-        ours = Ours(cfg, pp, v, a.microbatches, rank, a.seq, tcfg, name)
-        peer = Torch(cfg, pp, v, a.microbatches, rank, a.seq, tcfg, name)
+    for name, v in ZB_SCHEDULES if a.zero_bubble else SCHEDULES:
+        ours = Ours(cfg, pp, v, a.microbatches, rank, a.seq, tcfg, name, a.zero_bubble)
+        peer = Torch(cfg, pp, v, a.microbatches, rank, a.seq, tcfg, name, a.zero_bubble)
         for runner in (ours, peer):  # warm-up (torch infers shapes on its first step)
             timed_steps(runner, 1, 0, a)
+        ours.records.clear()
         rows = {"ours": [], "torch": []}
         step = 1
         for pair in range(a.pairs):
@@ -186,7 +221,7 @@ def bench_rank(a, pp: int):
                 rows[key].append(timed_steps(runner, a.steps, step, a))
             step += a.steps
         out.append(dict(schedule=name, v=v, rows=rows, loss_ours=ours.last_loss,
-                        loss_torch=peer.last_loss))
+                        loss_torch=peer.last_loss, records=ours.records))
     return out
 
 
@@ -227,6 +262,61 @@ def summarize(pp: int, per_rank: list, a) -> list[str]:
     return lines
 
 
+def summarize_zero_bubble(pp: int, per_rank: list, a) -> list[str]:
+    """One row per schedule of ZB_SCHEDULES (see the module doc); ratios to the first (1F1B)."""
+    from tessera.pipeline.simulator import StageCosts, simulate
+
+    rows, base = [], None
+    for i, (name, v) in enumerate(ZB_SCHEDULES):
+        wall, cpu, pairs = {}, {}, {}
+        for key in ("ours", "torch"):
+            blocks = [r[i]["rows"][key] for r in per_rank]  # [rank][pair] -> fields
+            steps = [(max(blocks[r][p][0][s] for r in range(pp)),
+                      sum(blocks[r][p][3][s] for r in range(pp)))
+                     for p in range(a.pairs) for s in range(a.steps)]
+            wall[key] = statistics.median(w for w, _ in steps)
+            cpu[key] = statistics.median(c for _, c in steps)
+            pairs[key] = [statistics.median(max(blocks[r][p][0][s] for r in range(pp))
+                                            for s in range(a.steps)) for p in range(a.pairs)]
+        records = [r[i]["records"] for r in per_rank]  # [rank][step] -> (start, end, busy)
+        bubbles = []
+        for k in range(len(records[0])):
+            start = min(rec[k][0] for rec in records)
+            end = max(rec[k][1] for rec in records)
+            busy = max(rec[k][2] for rec in records)
+            bubbles.append((end - start - busy) / busy)
+        schedule = build_schedule(name, pp, a.microbatches, v)
+        simulated = simulate(schedule, StageCosts.units(schedule)).bubble_fraction
+        base = base or (wall["ours"], cpu["ours"])
+        ratios = [o / t for o, t in zip(pairs["ours"], pairs["torch"], strict=True)]
+        last = per_rank[schedule.chunk_rank[-1]][i]  # the rank holding the last chunk
+        rows.append(
+            f"{pp:>2} {name:<10} {v:>1} {a.microbatches:>2} {wall['ours'] * 1e3:8.1f} "
+            f"{wall['ours'] / base[0]:6.3f} {cpu['ours']:6.2f} {cpu['ours'] / base[1]:6.3f} "
+            f"{statistics.median(bubbles):7.3f} {simulated:7.3f} {wall['torch'] * 1e3:9.1f} "
+            f"{statistics.median(ratios):6.3f} [{min(ratios):.3f}-{max(ratios):.3f}] "
+            f"{last['loss_ours']:.4f}/{last['loss_torch']:.4f}")
+    return rows
+
+
+def zero_bubble_header(a) -> list[str]:
+    return [
+        "",
+        f"# ---- zero-bubble schedules, bench_pipeline --zero-bubble {date.today()} ----",
+        f"# model as above: {a.layers} layers, d_model {a.d_model}; {a.microbatches} "
+        f"micro-batches x {a.micro_batch_size} x {a.seq} tokens; {a.pairs} alternating pairs "
+        f"x {a.steps} steps; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at "
+        "start (other jobs shared the machine)",
+        "# ours ms / cpu s: our step time and CPU seconds per step summed over ranks, with their "
+        "ratio to our 1F1B at the same m; bubble meas: from our runtime's F/B/I/W records "
+        "(max over ranks of busy); sim: simulator at F = I = W (1F1B: F = 1, B = 2); torch ms: "
+        "the peer's step time, ratio = median over pairs of ours/torch [spread]",
+        f"{'pp':>2} {'schedule':<10} v {'m':>2} {'ours ms':>8} {'x1f1b':>6} {'cpu s':>6} "
+        f"{'x1f1b':>6} {'bub me':>7} {'bub sim':>7} {'torch ms':>9} {'ratio':>6} "
+        f"{'[spread]':<13} loss ours/torch",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -240,7 +330,21 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5, help="alternating (ours, torch) blocks")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per block")
     ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--zero-bubble", action="store_true",
+                    help="the split-backward schedules beside 1F1B; appends to --out")
     a = ap.parse_args()
+    if a.zero_bubble:
+        lines = zero_bubble_header(a)
+        print("\n".join(lines), flush=True)
+        for pp in a.pp:
+            rows = summarize_zero_bubble(pp, run_ranks(bench_rank, pp, args=(a, pp),
+                                                       timeout=900), a)
+            print("\n".join(rows), flush=True)
+            lines += rows
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write("\n".join(lines) + "\n")
+        return
 
     header = [
         f"# bench_pipeline {date.today()}: ours (tessera.pipeline.runtime) vs "

@@ -31,7 +31,8 @@ def test_errors_module_imports_nothing_from_tessera():
 @pytest.mark.parametrize("fields, message", [
     (dict(dp=4, ep=3), "parallel.ep=3: must divide parallel.dp=4"),
     (dict(virtual_stages=2, schedule="1f1b"),
-     "parallel.virtual_stages=2: needs schedule interleaved, interleaved-lean, bfs, not '1f1b'"),
+     "parallel.virtual_stages=2: needs schedule interleaved, interleaved-lean, bfs, zb-v, "
+     "dualpipev, not '1f1b'"),
 ])
 def test_a_section_checks_its_fields_and_validate_ties_them(fields, message):
     """ParallelConfig accepts fields that are each valid; validate refuses the combination."""

@@ -37,12 +37,15 @@ MBS, SEQ, VOCAB = 2, 16, 64
 
 
 def case_config(schedule: str, pp: int, m: int, v: int = 1, dp: int = 1, tie: bool = False,
-                layers: int = 4, custom: str | None = None, group: int = 0):
+                layers: int = 4, custom: str | None = None, group: int = 0,
+                extra: dict | None = None):
+    """`extra`: more parallel settings (zero_stage, recompute, ...)."""
     return make_config(
         "tiny",
         model=dict(vocab_size=VOCAB, d_model=32, n_layers=layers, n_heads=2, n_kv_heads=1,
                    max_seq_len=32, tie_embeddings=tie),
-        parallel=dict(pp=pp, dp=dp, schedule=schedule, virtual_stages=v, microbatch_group=group),
+        parallel=dict(pp=pp, dp=dp, schedule=schedule, virtual_stages=v, microbatch_group=group,
+                      **(extra or {})),
         train=dict(grad_accum=m, micro_batch_size=MBS, steps=STEPS, lr=1e-3, grad_clip=0.5,
                    out_dir="/nonexistent-not-written"),
         data=dict(seq_len=SEQ))
@@ -97,11 +100,12 @@ def _check(used: dict[str, float], kind: str, got: torch.Tensor, want: torch.Ten
     return torch.equal(got, want)
 
 
-def run_parity_cases(cases, references: bytes):
-    """Train every case STEPS steps. Exact cases (`is_exact`) against the free-running
-    reference; the others next to a Shadow (tests/dp_parity.py) started each step from the
-    pipeline's own parameters, with the global batch as one micro-batch. Per case: the largest
-    share of each summation bound used, and whether gradients and weights were bitwise equal."""
+def run_parity_cases(cases, references: bytes, steps: int = STEPS):
+    """Train every case `steps` steps (at most STEPS). Exact cases (`is_exact`) against the
+    free-running reference; the others next to a Shadow (tests/dp_parity.py) started each step
+    from the pipeline's own parameters, with the global batch as one micro-batch. Per case: the
+    largest share of each summation bound used, and whether gradients and weights were bitwise
+    equal."""
     references = pickle.loads(references)
     topos: dict = {}
     out = []
@@ -122,7 +126,7 @@ def run_parity_cases(cases, references: bytes):
         tokens = p.dp * m * MBS * SEQ
         used = dict.fromkeys(("loss", "norm", "grad", "weight"), 0.0)
         exact = True
-        for step in range(STEPS):
+        for step in range(steps):
             batches = step_batches(step, p.dp * m)
             if shadow is not None:
                 before = engine.full_state_dict()

@@ -21,12 +21,19 @@ from tessera.pipeline.schedule import (
     lower_comms,
     parse,
 )
-from tessera.pipeline.schedules import SCHEDULES, ScheduleSpec, build_schedule, register
+from tessera.pipeline.schedules import (
+    SCHEDULES,
+    ScheduleSpec,
+    build_schedule,
+    closed_form_bubble,
+    register,
+)
 from tessera.pipeline.simulator import StageCosts, peak_inflight, prepare, simulate
 from tessera.pipeline.timeline import text_grid
 from tessera.pipeline.validator import validate
 
-VIRTUAL = {"interleaved": (1, 2, 3), "interleaved-lean": (1, 2, 3), "bfs": (1, 2, 3)}
+VIRTUAL = {"interleaved": (1, 2, 3), "interleaved-lean": (1, 2, 3), "bfs": (1, 2, 3),
+           "zb-v": (2,), "dualpipev": (2,)}
 INTERLEAVED = ("interleaved", "interleaved-lean")
 
 
@@ -35,7 +42,7 @@ def grid_cases():
     for name in SCHEDULES:
         for p, m in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 5, 8, 9, 12)):
             for v in VIRTUAL.get(name, (1,)):
-                if name in INTERLEAVED and m % p:
+                if SCHEDULES[name].refusal(p, m, v):
                     continue
                 yield name, p, v, m
 
@@ -67,6 +74,10 @@ def test_simulated_bubble_equals_closed_forms():
                     "interleaved-lean": (p - 1) / (v * m)}.get(name)
         if name == "bfs" and m >= p:
             expected = (p - 1) / (v * m)  # breadth-first matches interleaved once m >= p
+        if name in ("zb-h1", "zb-v", "dualpipev"):
+            # Split backwards at F = I = W (tests/test_zero_bubble.py): the closed forms
+            # where they hold, m >= p (zb-h1) and m >= 2p (the V shapes).
+            expected = closed_form_bubble(name, p, m, v)
         if expected is not None:
             assert r.bubble_fraction == pytest.approx(expected, abs=1e-9), (name, p, v, m)
         assert r.compute_time == pytest.approx(m * 3.0)

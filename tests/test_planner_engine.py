@@ -106,10 +106,11 @@ def test_planner_proposes_exactly_what_tessera_runs(preset, precision):
     assert (len(servers) > 0) == (precision == "fp32")
     assert all(key[1] == key[2] == 1 and key[6] == 0 for key in servers)
     assert any(key[2] == 1 and key[4] > 1 for key in proposed)
-    # Interleaving needs two chunks per rank, so pp = 2 needs 4 layers: tiny has 2.
+    # Interleaving and the V shapes need two chunks per rank, so pp = 2 needs 4 layers: tiny
+    # has 2.
     interleavable = load_model(preset).layers >= 4
     assert {key[5] for key in proposed if key[2] > 1} == set(SCHEDULES) - (
-        set() if interleavable else {"interleaved", "interleaved-lean"})
+        set() if interleavable else {"interleaved", "interleaved-lean", "zb-v", "dualpipev"})
 
 
 def test_catalog_models_keep_the_planners_rules():

@@ -94,11 +94,12 @@ def test_inflight_closed_forms_equal_the_schedules():
     from tessera.pipeline.schedules import SCHEDULES
 
     assert set(SCHEDULES) == {"naive", "gpipe", "1f1b", "interleaved", "interleaved-lean",
-                              "bfs"}
+                              "bfs", "zb-h1", "zb-v", "dualpipev"}
     for name, spec in SCHEDULES.items():
         assert spec.closed_form_inflight is not None, name
         for p in (1, 2, 3, 4, 5, 8):
-            for v in ((1, 2, 3) if spec.virtual else (1,)):
+            virtuals = (1, 2, 3) if spec.virtual else (1,)
+            for v in (spec.chunks_per_rank,) if spec.chunks_per_rank else virtuals:
                 if v < spec.min_virtual:
                     continue
                 for m in range(1, 3 * p + 2):

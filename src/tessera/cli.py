@@ -45,7 +45,7 @@ from tessera.config_io import load_file, make_config
 from tessera.config_warnings import config_warnings
 from tessera.data.cli import data_app
 from tessera.errors import ConfigError, UserError, shown
-from tessera.pipeline.schedules import SCHEDULES
+from tessera.pipeline.schedules import SCHEDULES, default_virtual
 from tessera.planner.cli import plan_app
 from tessera.presets import PRESETS
 from tessera.weights_cli import checkpoint_app, eval_cmd, export_hf_cmd, generate_cmd
@@ -357,7 +357,9 @@ def schedule_cmd(
         help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")] = "1f1b",
     pp: Annotated[int, typer.Option(help="Pipeline ranks.")] = 4,
     microbatches: Annotated[int, typer.Option(help="Micro-batches per step.")] = 8,
-    virtual: Annotated[int, typer.Option(help="Chunks per rank (interleaved, bfs).")] = 1,
+    virtual: Annotated[int, typer.Option(
+        help="Chunks per rank (interleaved, bfs; zb-v and dualpipev run 2); 0: the "
+             "schedule's default.")] = 0,
     microbatch_group: Annotated[int, typer.Option(
         help="Interleaved: micro-batches per chunk visit (0: pp, Megatron's default).")] = 0,
     out: Annotated[str | None, typer.Option(help="Write the PNG timeline and trace here.")
@@ -385,6 +387,7 @@ def schedule_cmd(
         raise ConfigError("--zero-stage", zero_stage, "must be 0, 1, 2 or 3")
     if gather and zero_stage != 3:
         raise ConfigError("--gather", gather, "parameter all-gathers need --zero-stage 3")
+    virtual = virtual or default_virtual(schedule)
     least = SCHEDULES[schedule].min_virtual if schedule in SCHEDULES else 1
     if virtual < least and file is None:
         raise ConfigError("--virtual", virtual, f"{schedule} needs --virtual >= {least} "

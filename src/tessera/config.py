@@ -220,7 +220,8 @@ class ParallelConfig:
     """The pipeline schedule's name in the registry ``tessera.pipeline.schedules.SCHEDULES``
     (the built-in schedules and any added with register())."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (v) for interleaved and breadth-first schedules."""
+    """Model chunks per pipeline rank (v) for interleaved and breadth-first schedules (zb-v and
+    dualpipev run exactly 2)."""
     microbatch_group: int = 0
     """Interleaved 1F1B: micro-batches run through one chunk before the next (Megatron-LM's
     microbatch_group_size_per_vp_stage, Llama 3's N); 0 means pp, Megatron's default; at

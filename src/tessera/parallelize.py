@@ -52,6 +52,7 @@ from torch import nn
 
 from tessera.config import Config
 from tessera.errors import ConfigError
+from tessera.layout import check_split_backward
 from tessera.model import init_tensor, rope_tables
 from tessera.moe import materialize_buffers
 from tessera.parallel.comm import CommStats
@@ -205,6 +206,7 @@ def parallelize(cfg: Config, topo: Topology, device: torch.device,
             raise ConfigError("schedule", schedule.name, f"is for {schedule.n_ranks} ranks, "
                               f"but parallel.pp={topo.pp}")
         cfg.train.grad_accum = schedule.n_microbatches
+        check_split_backward(p.zero_stage, schedule.name, schedule.split_backward)
     tp = TPContext(group=topo.group("tp"), sequence_parallel=cfg.parallel.sequence_parallel,
                    regather=regather, stats=tp_stats)
     cp = None

@@ -250,7 +250,7 @@ def summary_lines(cfg: Config, world: int, device: torch.device, median_step_s: 
                                     p.microbatch_group)
         closed_text = f"{closed:.3f}" if closed is not None else "n/a"
         lines.append(f"bubble      measured {timeline['measured_bubble']:.3f} (last step), "
-                     f"(p-1)/(v*m) = {closed_text}")
+                     f"closed form {closed_text}")
     lines.append("memory/rank params   grads  optimizer  activations (MiB; peak of saved "
                  "activations, last step)")
     for m in memory:

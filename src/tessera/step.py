@@ -10,7 +10,8 @@ runtime. One step:
    ``train.loss_chunk_tokens`` the last chunk returns the head's input and the loss applies the
    head a chunk of tokens at a time (``parallel.chunked_loss``).
 2. **data-parallel reduction, overlapped**: each chunk's backwards run under its wrapper's
-   ``no_sync()`` except the chunk's last one of the step, during which the reduction starts
+   ``no_sync()`` except the chunk's last one of the step (B, or W where the schedule splits
+   the backward: its I accumulates no weight gradient), during which the reduction starts
    (DDP buckets launch from gradient hooks as they fill; ZeRO-1 all-reduces and ZeRO-2/3
    reduce-scatters each unit as its backward ends). A chunk that finishes early (the last
    chunks, and breadth-first's early chunks) thus reduces while the pipeline computes the rest.
@@ -108,11 +109,12 @@ class StepResult:
 
 
 def last_backwards(schedule: Schedule, rank: int) -> set[Action]:
-    """The backward of each chunk of `rank` that comes last in its order: where the chunk's
-    data-parallel reduction starts."""
+    """The action of each chunk of `rank` that accumulates weight gradients (B, or W of a
+    split backward; never I) last in its order: where the chunk's data-parallel reduction
+    starts."""
     last: dict[int, Action] = {}
     for a in schedule.actions[rank]:
-        if a.kind is Kind.B:
+        if a.kind.ends_weight_grad:
             last[a.chunk] = a
     return set(last.values())
 
@@ -213,7 +215,7 @@ class Executor:
             self.model.reset_pre_reduction()
 
         def around(a: Action) -> contextlib.AbstractContextManager:
-            if a.kind is not Kind.B:
+            if not a.kind.ends_weight_grad:  # F, and I (no gradient hook fires)
                 return contextlib.nullcontext()
             return sync_context(wrappers[a.chunk], a in reduce_at)
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -68,21 +67,32 @@ def apply_recompute(module: nn.Module, mode: str) -> int:
 
 def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager,
                                           contextlib.AbstractContextManager]:
-    """checkpoint's ``context_fn``: nothing around the forward, :func:`replaying` around its
-    replay in backward."""
-    return contextlib.nullcontext(), replaying(module)
+    """checkpoint's ``context_fn``: nothing around the forward, :class:`Replaying` around each
+    replay in backward (one object for every replay of this forward: a split backward replays
+    twice, ``tessera.pipeline.split_backward``)."""
+    return contextlib.nullcontext(), Replaying(module)
 
 
-@contextlib.contextmanager
-def replaying(module: nn.Module) -> Iterator[None]:
-    """Set ``replaying`` on every module inside `module` that has the attribute, restoring the
-    previous values on exit."""
-    marked = [m for m in module.modules() if hasattr(m, "replaying")]
-    before = [m.replaying for m in marked]
-    for m in marked:
-        m.replaying = True
-    try:
-        yield
-    finally:
-        for m, was in zip(marked, before, strict=True):
+class Replaying:
+    """A reusable context that sets ``replaying`` on every module inside `module` that has the
+    attribute, restoring the previous values on exit."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._before: list[tuple[nn.Module, bool]] = []
+
+    def __enter__(self) -> None:
+        marked = [m for m in self.module.modules() if hasattr(m, "replaying")]
+        self._before = [(m, m.replaying) for m in marked]
+        for m in marked:
+            m.replaying = True
+
+    def __exit__(self, *exc: object) -> None:
+        for m, was in self._before:
             m.replaying = was
+        self._before = []
+
+
+def replaying(module: nn.Module) -> contextlib.AbstractContextManager:
+    """:class:`Replaying` of `module`."""
+    return Replaying(module)

@@ -2,11 +2,13 @@
 
     tessera schedule --schedule interleaved --pp 4 --microbatches 8 --virtual 2 --out runs/sched
 
-prints the text grid (ranks × time, unit forward and backward), the bubble fraction simulated
-with backward = 2 × forward (``--backward-ratio``) and its closed form, and each rank's peak
-in-flight micro-batches; writes ``<name>.png`` (timeline) and ``<name>.trace.json`` (Chrome /
-Perfetto) to ``--out``. ``--file`` reads a custom schedule in the string form instead
-(``rank 0: 0F0 0F1 0B0 0B1`` lines) and validates it. ``--dp-reduce`` adds a data-parallel
+prints the text grid (ranks × time, unit forward and backward; F = I = W = 1 for a schedule
+with split backwards), the bubble fraction simulated with backward = 2 × forward
+(``--backward-ratio``; split backwards: I = W = half of it) and its closed form, and each
+rank's peak in-flight micro-batches (a split backward's set counted until its W); writes
+``<name>.png`` (timeline) and ``<name>.trace.json`` (Chrome / Perfetto) to ``--out``.
+``--file`` reads a custom schedule in the string form instead (``rank 0: 0F0 0F1 0B0 0B1``
+lines) and validates it. ``--dp-reduce`` adds a data-parallel
 gradient reduction per chunk (in forward-time units) to show what overlaps.
 
 ``--zero-stage 3`` adds ZeRO-3's sharding actions (``schedule.add_sharding_actions``): prints
@@ -35,8 +37,9 @@ def load_schedule(name: str, pp: int, microbatches: int, virtual: int,
         try:
             return build_schedule(name, pp, microbatches, virtual, group)
         except ConfigError as e:
-            if e.field_name == "group":
-                raise ConfigError("--microbatch-group", e.value, e.rule) from None
+            flag = {"group": "--microbatch-group", "virtual": "--virtual"}.get(e.field_name)
+            if flag:
+                raise ConfigError(flag, e.value, e.rule) from None
             raise
     path = Path(file)
     if not path.is_file():
@@ -54,13 +57,16 @@ def describe(schedule: Schedule, backward_ratio: float = 2.0, dp_reduce: float =
     costs = StageCosts(forward=1.0 / v, backward=backward_ratio / v, dp_reduce=dp_reduce / v,
                        unshard=gather / v)
     result = simulate(schedule, costs)
+    units = ("forward = I = W = 1, B = I + W = 2" if schedule.split_backward
+             else "forward = backward = 1")
     lines = [f"schedule {schedule.name}: pp={p} virtual={v} microbatches={m} "
              f"chunks={schedule.n_chunks}", "", text_grid(schedule),
-             "(grid: one column per unit of time, forward = backward = 1; '.' is a bubble)", ""]
+             f"(grid: one column per unit of time, {units}; '.' is a bubble)", ""]
     closed = closed_form_bubble(schedule.name, p, m, v, group) if schedule.name in _registered() \
         else None
+    split = ", split into I = W = half of it" if schedule.split_backward else ""
     line = (f"bubble fraction: {result.bubble_fraction:.4f} simulated "
-            f"(backward = {backward_ratio:g} x forward, free communication)")
+            f"(backward = {backward_ratio:g} x forward{split}, free communication)")
     if closed is not None:
         line += f"; closed form {closed:.4f}"
     lines.append(line)

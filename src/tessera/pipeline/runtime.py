@@ -15,6 +15,11 @@ The runtime walks the lowered schedule (``schedule.lower_comms``) of its pipelin
 - ``B(c, m)``: backward from the loss (last chunk) or from the received / local gradient of the
   chunk's output; the gradient of its input is what ``SEND_B`` carries (or chunk c-1 on this
   rank consumes). Activations are freed as soon as their backward is done;
+- ``I(c, m)`` / ``W(c, m)``: the backward in two parts (``split_backward``): I computes only
+  the gradient of the chunk's input (what ``SEND_B`` carries) and keeps what the weight
+  gradients need; W accumulates the weight gradients later, and the chunk's gradient hooks
+  (data parallelism, ZeRO) fire there. The forward of a (chunk, micro-batch) whose backward is
+  split packs its saved tensors so that I can drop those W does not read;
 - sharding actions (ZeRO-3, ``schedule.add_sharding_actions``) call the chunk's wrapper:
   ``UNSHARD`` → ``unshard()`` (starts the all-gather), and the chunk's next compute action first
   calls ``wait_unsharded()``; ``RESHARD`` → ``reshard()``; ``REDUCE_GRAD`` → ``reduce_grad()``
@@ -36,7 +41,8 @@ simulator's definitions; an 'unshard' ('reduce') event runs from the UNSHARD (RE
 the end of the wait for it: an upper bound on when the collective finished; with
 ``measure_memory`` the bytes of tensors autograd saves for backward are counted per (chunk,
 micro-batch) (distinct storages; parameters, buffers and input tokens excluded), and the peak
-held over the step is reported.
+held over the step is reported (between I and W, what W still holds). Every step also counts
+the (chunk, micro-batch) pairs in flight: forwarded and not yet through their B or W.
 """
 
 from __future__ import annotations
@@ -53,10 +59,12 @@ from torch import nn
 from tessera.pipeline.scatter_gather import StageBoundary
 from tessera.pipeline.schedule import Action, Kind, Schedule, batches, lower_comms
 from tessera.pipeline.simulator import TimelineEvent
+from tessera.pipeline.split_backward import SavedActivations, backward_input, backward_weight
 from tessera.pipeline.validator import validate
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+COMPUTE_EVENTS = ("F", "B", "I", "W")
 
 
 @dataclass
@@ -66,10 +74,13 @@ class StepRecord:
     loss: torch.Tensor
     """Sum of the scaled losses of the micro-batches (non-zero on the last chunk's rank only)."""
     events: list[TimelineEvent] = field(default_factory=list)
-    """Compute actions ('F', 'B'), receive waits ('wait', with scatter/gather's all-gather) and
-    ZeRO-3 collectives ('unshard', 'reduce') with perf_counter times."""
+    """Compute actions ('F', 'B', 'I', 'W'), receive waits ('wait', with scatter/gather's
+    all-gather) and ZeRO-3 collectives
+    ('unshard', 'reduce') with perf_counter times."""
     peak_activation_bytes: int = 0
     """Most bytes saved for backward held at once (with measure_memory)."""
+    peak_in_flight: int = 0
+    """Most (chunk, micro-batch) pairs held at once: forwarded, their B or W not yet run."""
     sent_bytes: list[int] = field(default_factory=list)
     """Bytes of each point-to-point send this rank posted, in order."""
     start: float = 0.0
@@ -77,7 +88,7 @@ class StepRecord:
 
     @property
     def busy(self) -> float:
-        return sum(e.end - e.start for e in self.events if e.kind in ("F", "B"))
+        return sum(e.end - e.start for e in self.events if e.kind in COMPUTE_EVENTS)
 
 
 def measured_bubble(records: Sequence[StepRecord]) -> float:
@@ -119,6 +130,11 @@ class _SavedBytes:
     @property
     def total(self) -> int:
         return sum(self.storages.values())
+
+    def bytes_of(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Bytes of the distinct storages among `tensors` that this counter counted."""
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        return sum(n for ptr, n in self.storages.items() if ptr in ptrs)
 
 
 class PipelineRuntime:
@@ -175,6 +191,11 @@ class PipelineRuntime:
         grads_in: dict[tuple[int, int], torch.Tensor] = {}  # grad w.r.t. chunk input
         saved: dict[tuple[int, int], int] = {}
         held = peak = 0
+        split = {(a.chunk, a.microbatch) for a in s.actions[me] if a.kind is Kind.I}
+        packed: dict[tuple[int, int], SavedActivations] = {}  # forwards of split backwards
+        pending: dict[tuple[int, int], object] = {}  # between I and W: what W needs
+        in_flight = peak_in_flight = 0
+        counters: dict[tuple[int, int], _SavedBytes] = {}
         send_works: list = []
         sent_bytes: list[int] = []
         loss_sum = torch.zeros((), device=self.device)
@@ -298,8 +319,12 @@ class PipelineRuntime:
                 if self.measure_memory:
                     tokens = [x] if c == 0 else []
                     counter = _SavedBytes([*stage.parameters(), *stage.buffers(), *tokens])
-                hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) \
-                    if counter else contextlib.nullcontext()
+                if training and (c, mb) in split:
+                    hooks = packed[(c, mb)] = SavedActivations(counter and counter.pack)
+                elif counter:
+                    hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+                else:
+                    hooks = contextlib.nullcontext()
                 with hooks, self.autocast(), around(a):
                     out = stage(x)
                     if c == last:
@@ -308,30 +333,51 @@ class PipelineRuntime:
                     loss_sum += out.detach()
                 if training:
                     inputs[(c, mb)], outputs[(c, mb)] = x, out
+                    in_flight += 1
+                    peak_in_flight = max(peak_in_flight, in_flight)
                 elif c != last:
                     outputs[(c, mb)] = out
                 if counter is not None:
+                    counters[(c, mb)] = counter
                     saved[(c, mb)] = counter.total
                     held += counter.total
                     peak = max(peak, held)
+            elif a.kind is Kind.W:
+                with around(a):
+                    backward_weight(pending.pop((c, mb)))
+                held -= saved.pop((c, mb), 0)
+                in_flight -= 1
             else:
                 out = outputs.pop((c, mb))
-                with around(a):
-                    if c == last:
-                        torch.autograd.backward(out)
-                    else:
-                        grad = received.pop(Action(c, Kind.RECV_B, mb)) \
-                            if owner[c + 1] != me else grads_in.pop((c + 1, mb))
-                        torch.autograd.backward(out, grad.to(out.dtype))
+                grad = None
+                if c != last:
+                    grad = received.pop(Action(c, Kind.RECV_B, mb)) \
+                        if owner[c + 1] != me else grads_in.pop((c + 1, mb))
+                    grad = grad.to(out.dtype)
                 x = inputs.pop((c, mb))
+                with around(a):
+                    if a.kind is Kind.B:
+                        torch.autograd.backward(out, grad)
+                        dx = x.grad
+                    else:  # I
+                        dx, pending[(c, mb)] = backward_input(
+                            out, grad, x if c > 0 else None, packed.pop((c, mb)))
+                        del out, grad
                 if c > 0:
-                    grads_in[(c, mb)] = x.grad
+                    grads_in[(c, mb)] = dx
                 held -= saved.pop((c, mb), 0)
+                counter = counters.pop((c, mb), None)
+                if a.kind is Kind.I and counter is not None:  # what W still holds
+                    saved[(c, mb)] = counter.bytes_of(pending[(c, mb)].kept)
+                    held += saved[(c, mb)]
+                if a.kind is Kind.B:
+                    in_flight -= 1
             events.append(TimelineEvent(me, a.kind.value, mb, c, t0, time.perf_counter()))
 
         for w in send_works:
             w.wait()
         for c in list(reducing):
             wait_reduced(c)
-        return StepRecord(loss=loss_sum, events=events, peak_activation_bytes=peak, start=start,
+        return StepRecord(loss=loss_sum, events=events, peak_activation_bytes=peak,
+                          peak_in_flight=peak_in_flight, start=start,
                           end=time.perf_counter(), sent_bytes=sent_bytes)

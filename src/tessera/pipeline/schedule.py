@@ -8,6 +8,10 @@ trace), and the planner reads the simulator's numbers.
 An :class:`Action` is one of
 
 - ``F``/``B``: forward/backward of micro-batch ``m`` on model chunk ``c`` (compute actions);
+- ``I``/``W`` (split backward, Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the
+  backward in two, the gradient w.r.t. the chunk's input (what the previous chunk waits for)
+  and, later, the gradient w.r.t. its weights (which nobody waits for). Each (chunk,
+  micro-batch) has either one ``B`` or one ``I`` followed later by its ``W``;
 - ``SEND_F``/``RECV_F``: the activation leaving chunk ``c`` / entering chunk ``c`` for ``m``;
 - ``SEND_B``/``RECV_B``: the gradient leaving chunk ``c`` (w.r.t. its input) / entering it
   (w.r.t. its output);
@@ -57,6 +61,8 @@ class ScheduleError(UserError):
 class Kind(enum.Enum):
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 (the paper's name: input gradient)
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -67,7 +73,18 @@ class Kind(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B)
+        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+
+    @property
+    def is_backward(self) -> bool:
+        """B, or one of its halves I and W."""
+        return self in (Kind.B, Kind.I, Kind.W)
+
+    @property
+    def ends_weight_grad(self) -> bool:
+        """Completes a (chunk, micro-batch)'s weight gradient: B or W (not I). A chunk's
+        gradient reduction may start after the last of these."""
+        return self in (Kind.B, Kind.W)
 
     @property
     def is_send(self) -> bool:
@@ -84,7 +101,7 @@ class Kind(enum.Enum):
         return self in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)
 
 
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 _SHARDING_RE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)$")
 
 
@@ -116,7 +133,7 @@ class Action:
         if match:
             return cls(int(match[1]), Kind(match[2]))
         raise ScheduleError(f"action {text!r}: expected {{chunk}}{{kind}}{{microbatch}} with kind "
-                            f"in F, B, SEND_F, RECV_F, SEND_B, RECV_B (e.g. 1F0), or "
+                            f"in F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B (e.g. 1F0), or "
                             f"{{chunk}}{{kind}} with kind in UNSHARD, RESHARD, REDUCE_GRAD "
                             f"(e.g. 1UNSHARD)")
 
@@ -132,6 +149,18 @@ def F(chunk: int, mb: int) -> Action:
 def B(chunk: int, mb: int) -> Action:
     """The backward of micro-batch `mb` on chunk `chunk` (shared, as :func:`F`)."""
     return Action(chunk, Kind.B, mb)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def I(chunk: int, mb: int) -> Action:  # noqa: E743 (the paper's name)
+    """The input-gradient half of the backward of micro-batch `mb` on chunk `chunk`."""
+    return Action(chunk, Kind.I, mb)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def W(chunk: int, mb: int) -> Action:
+    """The weight-gradient half of the backward of micro-batch `mb` on chunk `chunk`."""
+    return Action(chunk, Kind.W, mb)
 
 
 @dataclass(eq=False)
@@ -162,8 +191,13 @@ class Schedule:
 
     @property
     def forward_only(self) -> bool:
-        """No backward anywhere: an evaluation schedule."""
-        return not any(a.kind is Kind.B for acts in self.actions for a in acts)
+        """No backward (B, I or W) anywhere: an evaluation schedule."""
+        return not any(a.kind.is_backward for acts in self.actions for a in acts)
+
+    @property
+    def split_backward(self) -> bool:
+        """Some backward is split into I and W."""
+        return any(a.kind is Kind.I for acts in self.actions for a in acts)
 
     @property
     def is_lowered(self) -> bool:
@@ -179,7 +213,7 @@ class Schedule:
         return [c for c, r in enumerate(self.chunk_rank) if r == rank]
 
     def compute_only(self) -> Schedule:
-        """The F/B actions alone (no communication, no sharding actions)."""
+        """The compute actions alone (no communication, no sharding actions)."""
         compute = [[a for a in acts if a.kind.is_compute] for acts in self.actions]
         return Schedule(self.name, compute, self.n_chunks, self.n_microbatches, self.chunk_rank)
 
@@ -258,37 +292,56 @@ def parse(text: str, name: str | None = None) -> Schedule:
 # Dependencies and lowering
 
 
-def inputs_of(a: Action, n_chunks: int) -> list[Action]:
-    """Compute actions whose results `a` consumes (the loss sits in the last chunk's F)."""
+Key = tuple[int, str, int]
+"""What a compute action makes ready, as (chunk, what, micro-batch): ``what`` is ``"F"``, the
+chunk's output (activation) for the micro-batch; ``"I"``, the gradient w.r.t. the chunk's input
+(made by B or by I, whichever the schedule uses for that pair); ``"W"``, its weight gradient
+(made by W; B makes it too, but nothing waits for it). Plain tuples, for the simulator's hot
+loop."""
+
+_MAKES = {Kind.F: "F", Kind.B: "I", Kind.I: "I", Kind.W: "W"}
+
+
+def output_key(a: Action) -> Key:
+    """The :data:`Key` compute action `a` makes ready."""
+    return (a.chunk, _MAKES[a.kind], a.microbatch)
+
+
+def input_keys(chunk: int, kind: Kind, mb: int, n_chunks: int) -> list[Key]:
+    """What compute action (`chunk`, `kind`, `mb`) waits for, as :data:`Key`s: F(c, m) needs the
+    output of chunk c-1; B(c, m) and I(c, m) need F(c, m) and the input gradient of chunk c+1
+    (B(c+1, m) or I(c+1, m); the last chunk starts from the loss, computed in its F); W(c, m)
+    needs I(c, m)."""
+    if kind is Kind.F:
+        return [(chunk - 1, "F", mb)] if chunk > 0 else []
+    if kind is Kind.W:
+        return [(chunk, "I", mb)]
+    return [(chunk, "F", mb)] + ([(chunk + 1, "I", mb)] if chunk < n_chunks - 1 else [])
+
+
+def inputs_of(a: Action, n_chunks: int) -> list[Key]:
+    """:func:`input_keys` of compute action `a`."""
     if not a.kind.is_compute:
         raise ValueError(a)
-    return [F(c, mb) if forward else B(c, mb)
-            for c, forward, mb in input_keys(a.chunk, a.kind is Kind.F, a.microbatch, n_chunks)]
-
-
-def input_keys(chunk: int, forward: bool, mb: int,
-               n_chunks: int) -> list[tuple[int, bool, int]]:
-    """:func:`inputs_of` as (chunk, is forward, micro-batch) keys: F(c, m) needs F(c-1, m);
-    B(c, m) needs F(c, m) and B(c+1, m). Plain tuples, for the simulator's hot loop."""
-    if forward:
-        return [(chunk - 1, True, mb)] if chunk > 0 else []
-    return [(chunk, True, mb)] + ([(chunk + 1, False, mb)] if chunk < n_chunks - 1 else [])
+    return input_keys(a.chunk, a.kind, a.microbatch, n_chunks)
 
 
 def send_for(producer: Action, n_chunks: int) -> Action | None:
-    """The send that carries `producer`'s result to the next chunk in its direction, if any."""
+    """The send that carries `producer`'s result to the next chunk in its direction, if any
+    (B and I send the input gradient; W sends nothing)."""
     if producer.kind is Kind.F and producer.chunk < n_chunks - 1:
         return Action(producer.chunk, Kind.SEND_F, producer.microbatch)
-    if producer.kind is Kind.B and producer.chunk > 0:
+    if producer.kind in (Kind.B, Kind.I) and producer.chunk > 0:
         return Action(producer.chunk, Kind.SEND_B, producer.microbatch)
     return None
 
 
 def recv_for(consumer: Action, n_chunks: int) -> Action | None:
-    """The receive that brings `consumer` its input from the neighbouring chunk, if any."""
+    """The receive that brings `consumer` its input from the neighbouring chunk, if any (B and
+    I receive the output gradient; W receives nothing)."""
     if consumer.kind is Kind.F and consumer.chunk > 0:
         return Action(consumer.chunk, Kind.RECV_F, consumer.microbatch)
-    if consumer.kind is Kind.B and consumer.chunk < n_chunks - 1:
+    if consumer.kind in (Kind.B, Kind.I) and consumer.chunk < n_chunks - 1:
         return Action(consumer.chunk, Kind.RECV_B, consumer.microbatch)
     return None
 
@@ -362,7 +415,8 @@ def add_sharding_actions(schedule: Schedule, prefetch: int = 1) -> Schedule:
     - two runs of a chunk whose gap is too short for that (the ``UNSHARD`` would come right
       after, or before, the ``RESHARD``) are joined: the chunk stays gathered across the gap.
 
-    The ``REDUCE_GRAD`` of a chunk comes right after its last backward, before its ``RESHARD``.
+    The ``REDUCE_GRAD`` of a chunk comes right after its last backward (B or W: an I leaves
+    the weight gradient to its W), before its ``RESHARD``.
 
     Breadth-first (``bfs``, v chunks c_1 < ... < c_v on a rank) runs F(c_1)×m, ..., F(c_v)×m
     B(c_v)×m, B(c_(v-1))×m, ..., B(c_1)×m: each chunk is gathered twice per step (its forwards,
@@ -398,7 +452,7 @@ def add_sharding_actions(schedule: Schedule, prefetch: int = 1) -> Schedule:
                 intervals.append(open_interval[c])
             i += 1
         for j, a in enumerate(acts):
-            if a.kind is Kind.B:
+            if a.kind.ends_weight_grad:
                 last_backward[a.chunk] = j
         unshard_before: dict[int, list[int]] = defaultdict(list)
         reshard_after: dict[int, list[int]] = defaultdict(list)
@@ -431,7 +485,7 @@ def batches(actions: Sequence[Action]) -> list[list[Action]]:
 
 
 def forward_only(schedule: Schedule) -> Schedule:
-    """The same schedule without backward work (and its communication): for evaluation.
+    """The same schedule without backward work (B, I, W and their communication): for evaluation.
     Sharding actions are dropped too (``add_sharding_actions`` gives the forward pass its own)."""
     keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
     return Schedule(f"{schedule.name}-forward", [[a for a in acts if a.kind in keep]

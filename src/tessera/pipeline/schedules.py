@@ -31,6 +31,10 @@ placement), and equal forward/backward costs F, B per micro-batch per *rank's wo
   order. Bubble (p-1)/(v·m) once m >= p, activations of all v·m (chunk, micro-batch) pairs held,
   but a chunk's gradients are complete early, so its data-parallel reduction overlaps compute.
 
+Zero-bubble schedules, which split backwards into I and W (``zero_bubble.py``): ``zb-h1``,
+``zb-v`` and ``dualpipev``; the last two run two chunks per rank in a V (chunk c < p on rank c,
+chunk c >= p on rank 2p-1-c).
+
 A new schedule plugs in with :func:`register`: give a generator ``(pp, m, v) -> per-rank
 orders of F/B actions`` and the rules it needs (and where known, its closed-form bubble and
 in-flight counts, and when it reaches its steady state); the runtime, simulator, pictures,
@@ -46,6 +50,7 @@ from dataclasses import dataclass, replace
 from tessera.errors import ConfigError
 from tessera.pipeline.schedule import Action, B, F, Schedule
 from tessera.pipeline.validator import validate
+from tessera.pipeline.zero_bubble import dualpipev_orders, v_placement, zb_h1_orders, zb_v_orders
 
 Orders = list[list[Action]]
 
@@ -57,21 +62,32 @@ class ScheduleSpec:
     name: str
     """Registry key (the --schedule value)."""
     generate: Callable[..., Orders]
-    """(pp, microbatches, virtual) -> per-rank ordered F/B actions; chunk c runs on rank c % pp.
-    A ``grouped`` schedule's generator also takes the micro-batch group size (0: default)."""
+    """(pp, microbatches, virtual) -> per-rank ordered compute actions, chunks placed by
+    `placement`. A ``grouped`` schedule's generator also takes the micro-batch group size (0:
+    default)."""
     description: str
     """One line for help texts."""
     virtual: bool = False
     """Whether v > 1 chunks per rank are supported."""
     min_virtual: int = 1
     """Fewest chunks per rank (interleaving with one chunk per rank is plain 1F1B)."""
+    chunks_per_rank: int = 0
+    """The one number of chunks per rank the schedule runs (2 for the V shapes); 0: any
+    (``virtual``, ``min_virtual``)."""
+    placement: Callable[[int, int], tuple[int, ...]] = lambda pp, n_chunks: tuple(
+        c % pp for c in range(n_chunks))
+    """(pp, n_chunks) -> the rank of each chunk; default looping, chunk c on rank c % pp."""
+    split_backward: bool = False
+    """Backwards split into I and W (zero-bubble): a rank's last action may be a W that no
+    other rank waits for (the planner's lower bound then counts no drain after it)."""
     microbatch_rule: Callable[..., str | None] = lambda pp, m, v: None
     """(pp, m, v) -> why m is not allowed, or None (``grouped``: (pp, m, v, group))."""
     grouped: bool = False
     """Whether the micro-batch group size can be chosen: generate and microbatch_rule then
     take it as a fourth argument."""
-    closed_form_bubble: Callable[[int, int, int], float] | None = None
-    """(pp, m, v) -> bubble fraction with equal costs and free communication."""
+    closed_form_bubble: Callable[[int, int, int], float | None] | None = None
+    """(pp, m, v) -> bubble fraction with equal costs (F = B, or F = I = W for split
+    backwards) and free communication; None where it has none for these arguments."""
     breadth_first: bool = False
     """Each chunk runs all its micro-batches' forwards in a row, and all its backwards in a
     row, so under ZeRO-3 the schedule itself gathers each chunk once per run and reduces its
@@ -122,6 +138,10 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
     for field_name, value in (("pp", pp), ("microbatches", microbatches), ("virtual", virtual)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(field_name, value, "must be a positive integer")
+    if spec.chunks_per_rank and virtual != spec.chunks_per_rank:
+        raise ConfigError("virtual", virtual, f"{name} runs {spec.chunks_per_rank} chunks per "
+                          f"rank (rank r holds chunks r and 2*pp-1-r); set it to "
+                          f"{spec.chunks_per_rank}")
     if virtual > 1 and not spec.virtual:
         raise ConfigError("virtual", virtual, f"schedule {name!r} has one chunk per rank; "
                           f"use {' or '.join(n for n, s in SCHEDULES.items() if s.virtual)} "
@@ -157,8 +177,13 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1,
     check_schedule(name, pp, microbatches, virtual, group)
     spec = SCHEDULES[name]
     schedule = Schedule(spec.name, spec.orders(pp, microbatches, virtual, group), pp * virtual,
-                        microbatches, tuple(c % pp for c in range(pp * virtual)))
+                        microbatches, spec.placement(pp, pp * virtual))
     return validate(schedule)
+
+
+def default_virtual(name: str) -> int:
+    """Chunks per rank when none are asked for: the schedule's fixed number, else 1."""
+    return SCHEDULES[name].chunks_per_rank or 1 if name in SCHEDULES else 1
 
 
 def is_breadth_first(name: str) -> bool:
@@ -277,6 +302,20 @@ def _bfs_bubble(pp: int, m: int, v: int) -> float:
     return ((v - 1) * loop + pp - 1 + m - v * m) / (v * m)
 
 
+def _v_fill_bubble(pp: int, m: int, v: int) -> float | None:
+    # F = I = W per chunk: only the fill, the p-1 chunk forwards before the last rank's first,
+    # which no schedule avoids; a rank computes 2m chunk-micro-batches of 3 units.
+    return (pp - 1) / (6 * m) if m >= 2 * pp else None
+
+
+def _v_inflight(pp: int, m: int, v: int, group: int, *, paired: bool = False) -> tuple[int, ...]:
+    # Rank r's forwards before its first backward: 2p-r-1 of the down chunk (r), r+1 of the up
+    # chunk (2p-1-r), at most m each; DualPipeV's paired steady state (m >= 2p-r) then runs
+    # one more forward before each full backward.
+    return tuple(min(m, 2 * pp - r - 1) + min(m, r + 1) + (paired and m >= 2 * pp - r)
+                 for r in range(pp))
+
+
 register(ScheduleSpec(
     name="naive", generate=naive_orders,
     description="model parallel, one micro-batch at a time (no overlap)",
@@ -308,3 +347,19 @@ register(ScheduleSpec(
     description="breadth-first looping over v chunks per rank (Lamy-Poirier 2023)",
     closed_form_bubble=_bfs_bubble, breadth_first=True,
     closed_form_inflight=_all_forwards_first))
+register(ScheduleSpec(
+    name="zb-h1", generate=zb_h1_orders, split_backward=True,
+    description="1F1B with split backwards, W deferred into the cool-down (Qi et al. 2023)",
+    closed_form_bubble=lambda pp, m, v: (pp - 1) / (3 * m) if m >= pp else None,
+    closed_form_inflight=lambda pp, m, v, group: (min(pp, m),) * pp, steady_after_periods=1))
+register(ScheduleSpec(
+    name="zb-v", generate=zb_v_orders, virtual=True, chunks_per_rank=2, placement=v_placement,
+    split_backward=True,
+    description="zero-bubble V: two chunks per rank, r and 2p-1-r (Qi et al. 2023)",
+    closed_form_bubble=_v_fill_bubble, closed_form_inflight=_v_inflight))
+register(ScheduleSpec(
+    name="dualpipev", generate=dualpipev_orders, virtual=True, chunks_per_rank=2,
+    placement=v_placement, split_backward=True,
+    description="DeepSeek-V3's DualPipeV: V shape, paired forward/backward of two micro-batches",
+    closed_form_bubble=_v_fill_bubble,
+    closed_form_inflight=functools.partial(_v_inflight, paired=True)))

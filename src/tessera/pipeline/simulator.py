@@ -4,14 +4,17 @@ Model. Each rank runs its compute actions in its listed order, one at a time. A 
 micro-batch m on chunk c starts when the rank is free and the forward of (c-1, m) has finished,
 plus one point-to-point transfer if chunk c-1 lives on another rank; a backward of (c, m)
 needs its own forward and the backward of (c+1, m) (plus a transfer); the last chunk's backward
-starts from the loss, computed in its forward. Transfers cost ``p2p_latency + p2p_bytes /
-p2p_bandwidth`` and do not occupy the ranks (non-blocking sends, as in the runtime).
+starts from the loss, computed in its forward. A split backward's I waits as a B does (for the
+next chunk's B or I), and its W for its I alone; I and W have their own costs
+(``StageCosts.input_grad``, ``weight_grad``; by default half the backward each). Transfers
+cost ``p2p_latency + p2p_bytes / p2p_bandwidth`` and do not occupy the ranks (non-blocking
+sends, as in the runtime).
 
 Data-parallel gradient reduction: each chunk's gradients take ``dp_reduce[c]`` seconds to
 reduce over the dp group, on a per-rank communication channel that runs one reduction at a
-time. With ``dp_overlap`` a chunk's reduction may start as soon as its last backward is done
-(overlapping later compute, as bucketed DDP does); otherwise all start after the rank's last
-compute action. The step ends when every rank's compute and reductions are done.
+time. With ``dp_overlap`` a chunk's reduction may start as soon as its last backward (B or W)
+is done (overlapping later compute, as bucketed DDP does); otherwise all start after the
+rank's last compute action. The step ends when every rank's compute and reductions are done.
 
 ZeRO-3 sharding actions (``schedule.add_sharding_actions``) use the same channel, in the order
 the rank reaches them: ``UNSHARD`` of chunk c takes ``unshard[c]`` seconds from when the rank
@@ -27,7 +30,8 @@ Definitions (shared with the planner and the runtime's measured numbers):
   communication give (p-1)/m for GPipe and 1F1B and (p-1)/(v·m) for interleaved 1F1B;
 - ``step_time``: the makespan plus the data-parallel reduction left exposed after it;
 - ``peak_inflight[r]``: the largest number of (micro-batch, chunk) activation sets rank r holds
-  at once (forward done, backward not yet).
+  at once (forward done, backward not yet; a split backward's set counts until its W, see
+  :data:`W_HELD`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tessera.pipeline.schedule import Action, Kind, Schedule, ScheduleError, input_keys
+from tessera.pipeline.schedule import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    input_keys,
+    output_key,
+)
 
 
 @dataclass(kw_only=True)
@@ -47,7 +58,11 @@ class StageCosts:
     forward: float | Sequence[float]
     """Forward time of one micro-batch on a chunk."""
     backward: float | Sequence[float]
-    """Backward time of one micro-batch on a chunk."""
+    """Backward time of one micro-batch on a chunk (a B action)."""
+    input_grad: float | Sequence[float] | None = None
+    """Time of an I action (input gradient only); None: half the backward."""
+    weight_grad: float | Sequence[float] | None = None
+    """Time of a W action (weight gradient only); None: the backward less the I time."""
     p2p_latency: float = 0.0
     """Fixed cost of one point-to-point transfer between ranks."""
     p2p_bytes: float = 0.0
@@ -64,8 +79,11 @@ class StageCosts:
     """A chunk's reduction may start once its last backward is done (else all at the end)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "dp_reduce", "unshard"):
+        for name in ("forward", "backward", "input_grad", "weight_grad", "dp_reduce",
+                     "unshard"):
             values = getattr(self, name)
+            if values is None:
+                continue
             values = [values] if isinstance(values, int | float) else list(values)
             if any(not math.isfinite(x) or x < 0 for x in values):
                 raise ValueError(f"StageCosts.{name}={getattr(self, name)!r}: must be finite "
@@ -85,10 +103,30 @@ class StageCosts:
                              f"needs one")
         return float(values[chunk])
 
+    @classmethod
+    def units(cls, schedule: Schedule | None = None) -> StageCosts:
+        """Unit costs: F = B = 1, or, for a schedule with split backwards, F = I = W = 1 and
+        B = I + W = 2 (the zero-bubble paper's T_F = T_B = T_W)."""
+        if schedule is not None and schedule.split_backward:
+            return cls(forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0)
+        return cls(forward=1.0, backward=1.0)
+
     def compute(self, a: Action) -> float:
-        values, name = (self.forward, "forward") if a.kind is Kind.F else \
-            (self.backward, "backward")
-        return self._at(values, a.chunk, name)
+        return self.cost(a.kind, a.chunk)
+
+    def cost(self, kind: Kind, chunk: int) -> float:
+        """Seconds of compute action `kind` on `chunk`."""
+        if kind is Kind.F:
+            return self._at(self.forward, chunk, "forward")
+        backward = self._at(self.backward, chunk, "backward")
+        if kind is Kind.B:
+            return backward
+        i = (backward / 2 if self.input_grad is None
+             else self._at(self.input_grad, chunk, "input_grad"))
+        if kind is Kind.I:
+            return i
+        return (max(backward - i, 0.0) if self.weight_grad is None
+                else self._at(self.weight_grad, chunk, "weight_grad"))
 
     def reduce(self, chunk: int) -> float:
         return self._at(self.dp_reduce, chunk, "dp_reduce")
@@ -104,9 +142,9 @@ class StageCosts:
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One box of the timeline: kind 'F', 'B' (compute), 'dp' (gradient reduction of a chunk),
-    'unshard' / 'reduce' (ZeRO-3's parameter all-gather / gradient reduce-scatter of a chunk),
-    'wait' (the runtime waiting for a receive); microbatch -1 for all but compute."""
+    """One box of the timeline: kind 'F', 'B', 'I', 'W' (compute), 'dp' (gradient reduction of
+    a chunk), 'unshard' / 'reduce' (ZeRO-3's parameter all-gather / gradient reduce-scatter of
+    a chunk), 'wait' (the runtime waiting for a receive); microbatch -1 for all but compute."""
 
     rank: int
     kind: str
@@ -157,18 +195,31 @@ def unshard_counts(schedule: Schedule) -> list[dict[int, int]]:
              for c in schedule.chunks_of(r)} for r, acts in enumerate(schedule.actions)]
 
 
-def peak_inflight(schedule: Schedule) -> list[int]:
-    """Per rank, the most (micro-batch, chunk) activation sets held at once."""
-    peaks = []
+W_HELD = 1.0
+"""How much of a (micro-batch, chunk) activation set counts as held between its I and its W.
+W needs the inputs of the chunk's linear layers and the output gradients I computed for them;
+the runtime frees the rest at I, but how much that is depends on the model, so the count is
+the upper bound: the whole set, until W. With it ZB-H1's and ZB-V's peaks equal 1F1B's
+largest (rank 0's p sets; ZB-V's 2p half-size sets), the zero-bubble paper's accounting."""
+
+
+def peak_inflight(schedule: Schedule, w_held: float = W_HELD) -> list[float]:
+    """Per rank, the most (micro-batch, chunk) activation sets held at once: a set counts 1
+    from its F to its B (or its I), then `w_held` until its W."""
+    peaks: list[float] = []
     for acts in schedule.actions:
-        held = peak = 0
+        held = peak = 0.0
         for a in acts:
             if a.kind is Kind.F:
                 held += 1
                 peak = max(peak, held)
             elif a.kind is Kind.B:
                 held -= 1
-        peaks.append(peak)
+            elif a.kind is Kind.I:
+                held -= 1 - w_held
+            elif a.kind is Kind.W:
+                held -= w_held
+        peaks.append(int(peak) if peak == int(peak) else peak)
     return peaks
 
 
@@ -176,24 +227,28 @@ def peak_inflight(schedule: Schedule) -> list[int]:
 class Prepared:
     """What :func:`simulate` reads off a schedule before timing it; it depends on the
     schedule alone, so a caller timing one schedule under many costs (the planner) makes it
-    once with :func:`prepare`. Compute actions are numbered, keyed (chunk, is forward,
-    micro-batch): plain tuples are cheaper than Actions. Each rank's steps are (action, its
-    number, the (number, on another rank) pairs it waits for, is forward), number -1 for a
+    once with :func:`prepare`. Compute actions are numbered, keyed by ``schedule.output_key``
+    (chunk, what, micro-batch): plain tuples are cheaper than Actions. Each rank's steps are
+    (action, its number, the (number, on another rank) pairs it waits for, its kind's value),
+    number
+    -1 for a
     sharding action; a dependency missing from the schedule gets the number `never`, which
     never finishes: its rank stays blocked and the schedule is refused."""
 
     orders: list[list[Action]]
-    steps: list[list[tuple[Action, int, tuple[tuple[int, bool], ...], bool]]]
+    steps: list[list[tuple[Action, int, tuple[tuple[int, bool], ...], str]]]
     never: int
     computed: frozenset[int]
     """The chunks with compute actions."""
-    peak_inflight: list[int]
+    peak_inflight: list[float]
+    split: bool = False
+    """Some backward is split into I and W."""
 
 
 def prepare(schedule: Schedule) -> Prepared:
     owner, n = schedule.chunk_rank, schedule.n_chunks
     orders = [[a for a in acts if not a.kind.is_p2p] for acts in schedule.actions]
-    number = {(a.chunk, a.kind is Kind.F, a.microbatch): i
+    number = {output_key(a): i
               for i, a in enumerate(a for acts in orders for a in acts if a.kind.is_compute)}
     never = len(number)
     steps = []
@@ -201,16 +256,15 @@ def prepare(schedule: Schedule) -> Prepared:
         mine = []
         for a in order:
             if a.kind.is_sharding:
-                mine.append((a, -1, (), False))
+                mine.append((a, -1, (), a.kind.value))
                 continue
-            c, mb, forward = a.chunk, a.microbatch, a.kind is Kind.F
             deps = tuple((number.get(d, never), owner[d[0]] != r)
-                         for d in input_keys(c, forward, mb, n))
-            mine.append((a, number[(c, forward, mb)], deps, forward))
+                         for d in input_keys(a.chunk, a.kind, a.microbatch, n))
+            mine.append((a, number[output_key(a)], deps, a.kind.value))
         steps.append(mine)
     return Prepared(orders=orders, steps=steps, never=never,
                     computed=frozenset(c for c, _, _ in number),
-                    peak_inflight=peak_inflight(schedule))
+                    peak_inflight=peak_inflight(schedule), split=schedule.split_backward)
 
 
 def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True,
@@ -223,8 +277,8 @@ def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True,
     orders, steps, never = prepared.orders, prepared.steps, prepared.never
     finish: list[float | None] = [None] * (never + 1)
     # Per-chunk compute costs, looked up once (a chunk that has actions and no entry raises).
-    forward_cost = {c: costs._at(costs.forward, c, "forward") for c in prepared.computed}
-    backward_cost = {c: costs._at(costs.backward, c, "backward") for c in prepared.computed}
+    kinds = (Kind.F, Kind.B, Kind.I, Kind.W) if prepared.split else (Kind.F, Kind.B)
+    cost_of = {(k.value, c): costs.cost(k, c) for k in kinds for c in prepared.computed}
     transfer = costs.transfer
     free = [0.0] * schedule.n_ranks
     busy = [0.0] * schedule.n_ranks
@@ -251,7 +305,7 @@ def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True,
         r = runnable.popleft()
         mine, i = steps[r], pc[r]
         while i < len(mine):
-            a, me, deps, forward = mine[i]
+            a, me, deps, kind = mine[i]
             if me < 0:  # a sharding action
                 if a.kind is Kind.UNSHARD:
                     gathered[a.chunk] = collective(r, "unshard", a.chunk, costs.gather(a.chunk))
@@ -271,12 +325,12 @@ def simulate(schedule: Schedule, costs: StageCosts, timeline: bool = True,
             if blocked >= 0:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            cost = forward_cost[a.chunk] if forward else backward_cost[a.chunk]
+            cost = cost_of[kind, a.chunk]
             finish[me] = free[r] = end = ready + cost
             busy[r] += cost
             if timeline:
                 events.append(TimelineEvent(r, a.kind.value, a.microbatch, a.chunk, ready, end))
-            if not forward and end > last_backward.get(a.chunk, 0.0):
+            if (kind == "B" or kind == "W") and end > last_backward.get(a.chunk, 0.0):
                 last_backward[a.chunk] = end
             runnable.extend(waiting.pop(me, ()))
             i += 1

@@ -3,7 +3,10 @@
 :func:`validate` checks a schedule of ``schedule.py``'s IR:
 
 1. every forward and backward of every (chunk, micro-batch) appears exactly once, all of a
-   chunk's actions on one rank, and each forward before its backward on that rank;
+   chunk's actions on one rank, and each forward before its backward on that rank; a backward
+   is either one B or an I and, after it, a W (split backward: I waits for the same F and
+   for the next chunk's B or I, W for its own I; every W is in the step's lists, so it runs
+   before the optimizer step);
 2. (lowered schedules) every send has its receive and vice versa, on the right ranks, each
    receive before the compute that consumes it and each send after the compute that produces it;
 3. it cannot deadlock: execution is simulated with *blocking* semantics, where a batch of
@@ -14,8 +17,9 @@
 4. (sharded schedules: any sharding action present) every compute action of a chunk runs while
    the chunk is unsharded (an ``UNSHARD`` before it and no ``RESHARD`` in between), every chunk
    ends the step resharded, and a chunk with backwards has exactly one ``REDUCE_GRAD``, after
-   its last backward. Sharding actions are local to a rank and may repeat: the exactly-once
-   rule of 1 is for compute and send/receive actions.
+   its last B or W (an I leaves the weight gradient unfinished). Sharding actions are local
+   to a rank and may repeat: the exactly-once rule of 1 is for compute and send/receive
+   actions.
 
 A compute-only schedule is checked together with its lowered form (``lower_comms``), which is
 what the runtime runs. The verdict depends on the schedule's content alone, so the schedules
@@ -29,15 +33,19 @@ from collections import defaultdict
 
 from tessera.pipeline.schedule import (
     Action,
+    B,
     F,
+    I,
     Kind,
     Schedule,
     ScheduleError,
+    W,
     batches,
     infer_chunk_rank,
     inputs_of,
     lower_comms,
     matching,
+    output_key,
     peer_chunk,
     recv_for,
     send_for,
@@ -81,18 +89,42 @@ def _check_structure(s: Schedule) -> None:
                 if s.chunk_rank[peer_chunk(a)] == r:
                     raise ScheduleError(f"rank {r}: {a} talks to chunk {peer_chunk(a)} on the "
                                         f"same rank; local hand-offs need no communication")
-    for kind in (Kind.F,) if s.forward_only else (Kind.F, Kind.B):
-        for c in range(s.n_chunks):
-            for m in range(s.n_microbatches):
-                if Action(c, kind, m) not in seen:
-                    raise ScheduleError(f"action {Action(c, kind, m)} (the {kind.name} of "
-                                        f"micro-batch {m} on chunk {c}) is missing")
+    for c in range(s.n_chunks):
+        for m in range(s.n_microbatches):
+            _check_pair(s, seen, c, m)
     for r, acts in enumerate(s.actions):
         position = {a: i for i, a in enumerate(acts)}
         for a in acts:
-            if a.kind is Kind.B and position[F(a.chunk, a.microbatch)] > position[a]:
+            if a.kind in (Kind.B, Kind.I) and position[F(a.chunk, a.microbatch)] > position[a]:
                 raise ScheduleError(f"rank {r}: backward {a} comes before its forward "
                                     f"{F(a.chunk, a.microbatch)}")
+            if a.kind is Kind.W and position[I(a.chunk, a.microbatch)] > position[a]:
+                raise ScheduleError(f"rank {r}: weight gradient {a} comes before its input "
+                                    f"gradient {I(a.chunk, a.microbatch)}")
+
+
+def _check_pair(s: Schedule, seen: dict[Action, int], c: int, m: int) -> None:
+    """(chunk c, micro-batch m) has its F and (unless forward-only) either a B, or an I and a
+    W."""
+    def missing(a: Action, what: str) -> ScheduleError:
+        return ScheduleError(f"action {a} (the {what} of micro-batch {m} on chunk {c}) is "
+                             f"missing")
+
+    if F(c, m) not in seen:
+        raise missing(F(c, m), "F")
+    if s.forward_only:
+        return
+    has_b, has_i, has_w = B(c, m) in seen, I(c, m) in seen, W(c, m) in seen
+    if has_b and (has_i or has_w):
+        raise ScheduleError(f"micro-batch {m} on chunk {c} has {B(c, m)} and "
+                            f"{I(c, m) if has_i else W(c, m)}: a backward is either B, or I "
+                            f"then W")
+    if has_i and not has_w:
+        raise missing(W(c, m), "weight gradient (W) after I")
+    if has_w and not has_i:
+        raise missing(I(c, m), "input gradient (I) before W")
+    if not (has_b or has_i):
+        raise missing(B(c, m), "B")
 
 
 def _check_comms(s: Schedule) -> None:
@@ -131,7 +163,7 @@ def _simulate_blocking(s: Schedule) -> None:
     steps = [batches(acts) for acts in s.actions]
     lowered = s.is_lowered
     pc = [0] * s.n_ranks
-    done: set[Action] = set()
+    done: set = set()  # Actions (communication) and output_keys (compute)
     posted: dict[int, bool] = defaultdict(bool)  # rank -> its current batch is posted
     # FIFO channels: (src, dst) -> actions posted and not yet matched.
     sends: dict[tuple[int, int], list[Action]] = defaultdict(list)
@@ -152,12 +184,12 @@ def _simulate_blocking(s: Schedule) -> None:
                     pass  # local to this rank (its dp-group collective never waits on pp peers)
                 elif step[0].kind.is_compute:
                     a = step[0]
-                    local = [d for d in inputs_of(a, n) if owner[d.chunk] == r]
+                    local = [d for d in inputs_of(a, n) if owner[d[0]] == r]
                     remote_ok = (lowered or
-                                 all(d in done for d in inputs_of(a, n) if owner[d.chunk] != r))
+                                 all(d in done for d in inputs_of(a, n) if owner[d[0]] != r))
                     if not (all(d in done for d in local) and remote_ok):
                         break
-                    done.add(a)
+                    done.add(output_key(a))
                 else:
                     if not posted[r]:
                         posted[r] = True
@@ -216,10 +248,10 @@ def _check_sharding(s: Schedule) -> None:
                 if not unsharded.get(c):
                     raise ScheduleError(f"rank {r}: {a} runs while chunk {c} is sharded (needs "
                                         f"{c}UNSHARD before it, with no {c}RESHARD in between)")
-                if a.kind is Kind.B:
+                if a.kind.ends_weight_grad:
                     if reduced.get(c):
                         raise ScheduleError(f"rank {r}: {c}REDUCE_GRAD comes before {a}; it "
-                                            f"must follow the chunk's last backward")
+                                            f"must follow the chunk's last backward (B or W)")
                     last_backward[c] = a
         still = [c for c, on in unsharded.items() if on]
         if still:

@@ -45,6 +45,7 @@ from tessera.planner.comm import (
 from tessera.planner.compute import ChunkCosts, ChunkList, compute_chunks, hidden_state_bytes
 from tessera.planner.local.terms import local_terms, rank_skew, zero_unit_work
 from tessera.planner.models import ModelSpec
+from tessera.planner.pipeline import rank_chunks
 from tessera.planner.rules import chunk_sizes
 from tessera.planner.state import RankState, rank_state
 from tessera.planner.workload import Layout, Workload
@@ -85,21 +86,23 @@ class LayoutCosts:
 
 
 def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
-    """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p)."""
+    """Per-chunk times and bytes of `L` on `w` (chunk c runs on rank c mod p, or in the V
+    shapes' placement: ``pipeline.rank_chunks``)."""
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual_stages, L.micro_batch, L.recompute,
         L.sequence_parallel, L.zero_stage, L.dp_mode, L.cp_method, chunk_sizes(w, L),
         zero3_by_actions(L))
-    n_chunks = L.pp * L.virtual_stages
     wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if chunks.uniform_middle else range(L.pp)
     ranks: dict[int, RankState] = {}
     by_chunks: dict[tuple[int, ...], RankState] = {}  # ranks holding the same chunks
     for r in wanted:
-        mine = tuple(id(chunks[c]) for c in range(r, n_chunks, L.pp))
+        mine = tuple(id(chunks[c]) for c in rank_chunks(L.schedule, L.pp, L.virtual_stages, r))
         if mine not in by_chunks:
             by_chunks[mine] = rank_state(w, L, r, chunks)
         ranks[r] = by_chunks[mine]
-    dp_time = max(sum(chunks[c].dp_total for c in range(r, n_chunks, L.pp)) for r in ranks)
+    dp_time = max(sum(chunks[c].dp_total for c in rank_chunks(L.schedule, L.pp,
+                                                                L.virtual_stages, r))
+                  for r in ranks)
     optimizer_time = max(rs.optimizer_time for rs in ranks.values())
     return LayoutCosts(chunks=chunks, ranks=ranks, p2p_latency=p2p_latency,
                        p2p_bytes=p2p_bytes, p2p_bandwidth=p2p_bandwidth,

@@ -140,17 +140,21 @@ def chunk_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, c: int,
 
 
 def rank_units(w: Workload, L: Layout, pp_rank: int) -> tuple[tuple[int, int], ...]:
-    """Every ZeRO unit of the chunks pipeline rank `pp_rank` holds (chunk c on rank c mod p)."""
-    return _rank_units(w.model, w.seq_len, L.tp, L.pp, L.virtual_stages, pp_rank, L.stage_layout)
+    """Every ZeRO unit of the chunks pipeline rank `pp_rank` holds (chunk c on rank c mod p, or
+    the V shapes' placement)."""
+    return _rank_units(w.model, w.seq_len, L.tp, L.pp, L.virtual_stages, pp_rank, L.stage_layout,
+                       L.schedule)
 
 
 @lru_cache(maxsize=65536)
 def _rank_units(spec: ModelSpec, seq_len: int, t: int, pp: int, v: int,
-                pp_rank: int, stage_layout: tuple[int, ...] | None = None
-                ) -> tuple[tuple[int, int], ...]:
+                pp_rank: int, stage_layout: tuple[int, ...] | None = None,
+                schedule: str = "1f1b") -> tuple[tuple[int, int], ...]:
+    from tessera.planner.pipeline import rank_chunks
+
     n = pp * v
     sizes = stage_layout or blocks_per_chunk(spec, n, seq_len)
-    return tuple(u for c in range(pp_rank, n, pp)
+    return tuple(u for c in rank_chunks(schedule, pp, v, pp_rank)
                  for u in chunk_units(spec, t, pp, n, c, sizes[c]))
 
 

@@ -21,11 +21,18 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from tessera.errors import UserError
+from tessera.pipeline.schedules import SCHEDULES
 from tessera.pipeline.simulator import StageCosts
 from tessera.planner.cost import LayoutCosts, layout_costs, zero3_by_actions
 from tessera.planner.formulas import hardware_flops_per_step, model_flops_per_step
 from tessera.planner.local.terms import shared_cpu_bound
-from tessera.planner.pipeline import chunk_inflight, inflight, lower_bound, time_pipeline
+from tessera.planner.pipeline import (
+    chunk_inflight,
+    inflight,
+    lower_bound,
+    rank_chunks,
+    time_pipeline,
+)
 from tessera.planner.rules import check_layout
 from tessera.planner.state import RankState, rank_state
 from tessera.planner.workload import GB, Layout, Workload
@@ -188,7 +195,7 @@ class Estimate:
 
 def _busiest_rank_chunks(est: Estimate) -> list[int]:
     L = est.layout
-    per_rank = [list(range(r, L.pp * L.virtual_stages, L.pp)) for r in range(L.pp)]
+    per_rank = [rank_chunks(L.schedule, L.pp, L.virtual_stages, r) for r in range(L.pp)]
     return max(per_rank, key=lambda cs: sum(est.costs.chunks[c].forward +
                                             est.costs.chunks[c].backward for c in cs))
 
@@ -221,7 +228,12 @@ def estimate(w: Workload, L: Layout, simulate: bool = True, check: bool = True,
 def step_lower_bound(w: Workload, L: Layout, costs: LayoutCosts, m: int) -> float:
     """No schedule runs `L`'s step faster: the busiest pipeline rank's work, fill and drain
     (:func:`chunk_lower_bound`) with the step's tail, or what ranks sharing cores must do."""
-    return max(chunk_lower_bound(costs, L.pp, m) + costs.optimizer_time + costs.ps_time
+    spec = SCHEDULES[L.schedule] if _pipelined(L) else None
+    owner = (spec.placement(L.pp, L.pp * L.virtual_stages) if spec and spec.chunks_per_rank
+             else None)
+    drain = not (spec and spec.split_backward)
+    return max(chunk_lower_bound(costs, L.pp, m, drain, owner) + costs.optimizer_time
+               + costs.ps_time
                + costs.sync_time,
                shared_cpu_bound(w, L, costs.chunks, costs.optimizer_time,
                                 sync_time=costs.sync_time))
@@ -233,17 +245,20 @@ def _pipelined(L: Layout) -> bool:
     return L.pp > 1 or L.virtual_stages > 1
 
 
-def chunk_lower_bound(costs: LayoutCosts, p: int, m: int) -> float:
+def chunk_lower_bound(costs: LayoutCosts, p: int, m: int, drain: bool = True,
+                      owner: tuple[int, ...] | None = None) -> float:
     """:func:`tessera.planner.pipeline.lower_bound` for the planner's chunk structure (chunk
     0 and the last chunk special, all others equal) in O(1): the middle ranks all bound the
     same work, so the one with the longest fill and drain, p−2, stands for them. Chunks of
-    unequal middles (tessera's cost-balanced split) take the generic O(chunks) bound."""
+    unequal middles (tessera's cost-balanced split) take the generic O(chunks) bound.
+    `drain`: False for split backwards (no drain after a rank's last W); `owner`: the rank of
+    each chunk where it is not c mod p (the V shapes: the generic bound)."""
     transfer = costs.p2p_latency + costs.p2p_bytes / costs.p2p_bandwidth if p > 1 else 0.0
     chunks = costs.chunks
     n = len(chunks)
-    if not costs.uniform_middle:
+    if not costs.uniform_middle or owner is not None:
         fs, bs, ds = _per_chunk(costs)
-        return lower_bound(fs, bs, ds, transfer, costs.dp_overlap, p, m)
+        return lower_bound(fs, bs, ds, transfer, costs.dp_overlap, p, m, drain, owner)
     if n == 1:
         ch = chunks[0]
         return m * (ch.forward + ch.backward) + ch.dp_reduce
@@ -260,7 +275,7 @@ def chunk_lower_bound(costs: LayoutCosts, p: int, m: int) -> float:
             [last.dp_reduce] if mine_last else []) + ([mid.dp_reduce] * n_mid if n_mid else [])
         reduce = min(reductions) if costs.dp_overlap else sum(reductions)
         start = (ff + (r - 1) * mf + r * transfer) if r else 0.0
-        tail = (fb + (r - 1) * mb + r * transfer) if r else 0.0
+        tail = (fb + (r - 1) * mb + r * transfer) if r and drain else 0.0
         best = max(best, start + m * work + max(tail, reduce))
     return best
 
@@ -344,7 +359,7 @@ def _rank_memory(L: Layout, costs: LayoutCosts, state: RankState, r: int, count:
     action (:func:`tessera.planner.pipeline.chunk_inflight`): the peak over time of the bytes
     of the (micro-batch, chunk) pairs held, each chunk weighing its own activations (the LM
     head's chunk, with its fp32 logits, is held at most a few times)."""
-    chunks = costs.chunks[r::L.pp]
+    chunks = [costs.chunks[c] for c in rank_chunks(L.schedule, L.pp, L.virtual_stages, r)]
     if L.virtual_stages == 1:
         acts = count * chunks[0].act_bytes
     elif L.schedule == "bfs":

@@ -69,8 +69,18 @@ def build(name: str, p: int, m: int, v: int, group: int = 0) -> Schedule:
     why = spec.refusal(p, m, v, group)
     if why:
         raise ValueError(f"microbatches={m}: {why}")
-    return Schedule(name, spec.orders(p, m, v, group), p * v, m,
-                    tuple(c % p for c in range(p * v)))
+    return Schedule(name, spec.orders(p, m, v, group), p * v, m, spec.placement(p, p * v))
+
+
+@lru_cache(maxsize=4096)
+def rank_chunks(name: str, p: int, v: int, rank: int) -> tuple[int, ...]:
+    """The chunks pipeline rank `rank` holds, ascending: the schedule's placement (chunk c on
+    rank c mod p, or the V shapes' chunks r and 2p-1-r)."""
+    spec = SCHEDULES.get(name)
+    if spec is None or not spec.chunks_per_rank:
+        return tuple(range(rank, p * v, p))
+    placement = spec.placement(p, p * v)
+    return tuple(c for c in range(p * v) if placement[c] == rank)
 
 
 def period(p: int, group: int = 0) -> int:
@@ -107,16 +117,17 @@ def _chunk_inflight(name: str, p: int, m: int, v: int, group: int,
                     rank: int) -> tuple[tuple[int, ...], ...]:
     from tessera.pipeline.schedule import Kind
 
-    mine = [c for c in range(p * v) if c % p == rank]
+    schedule = _built(name, p, m, v, group)
+    mine = schedule.chunks_of(rank)
     slot = {c: i for i, c in enumerate(mine)}
     held = [0] * len(mine)
     peaks: set[tuple[int, ...]] = {tuple(held)}
     rising = False
-    for a in _built(name, p, m, v, group).actions[rank]:
+    for a in schedule.actions[rank]:
         if a.kind is Kind.F:
             held[slot[a.chunk]] += 1
             rising = True
-        elif a.kind is Kind.B:
+        elif a.kind.ends_weight_grad:  # B, or W: a set is held until its W (W_HELD)
             if rising:  # only the last of a run of forwards can peak: the others are below
                 peaks.add(tuple(held))
                 rising = False
@@ -216,27 +227,31 @@ def _prepared(name: str, p: int, m: int, v: int, group: int,
 
 
 def lower_bound(chunk_f: list[float], chunk_b: list[float], dp: list[float], transfer: float,
-                overlap: bool, p: int, m: int) -> float:
+                overlap: bool, p: int, m: int, drain: bool = True,
+                owner: tuple[int, ...] | None = None) -> float:
     """A bound below the simulated step time of *any* schedule, from dependencies alone.
 
-    Rank r (chunks c ≡ r mod p) cannot start before micro-batch 0 has gone forward through
+    Rank r (chunks c ≡ r mod p, or those `owner` gives it; chunk r is on rank r in every
+    placement here) cannot start before micro-batch 0 has gone forward through
     chunks 0..r−1 (and r transfers), must do m·Σ(f + b) of its own work, and after its last
     backward that micro-batch's gradient still has to go back through chunks r−1..0, while
     the reduction of the chunk it finished last (all its chunks, without overlap) runs.
-    Used only to skip layouts that cannot enter the top of the ranking."""
+    Without `drain` (split backwards: the rank may end on weight gradients nobody waits for)
+    only the reduction follows. Used only to skip layouts that cannot enter the top of the
+    ranking."""
     n = len(chunk_f)
     work = [0.0] * p
     reduce_sum = [0.0] * p
     reduce_min = [math.inf] * p
     for c in range(n):
-        r = c % p
+        r = c % p if owner is None else owner[c]
         work[r] += chunk_f[c] + chunk_b[c]
         reduce_sum[r] += dp[c]
         reduce_min[r] = min(reduce_min[r], dp[c])
     best = start = tail = 0.0
     for r in range(p):
         reduce = reduce_min[r] if overlap else reduce_sum[r]
-        best = max(best, start + m * work[r] + max(tail, reduce))
+        best = max(best, start + m * work[r] + max(tail if drain else 0.0, reduce))
         start += chunk_f[r] + transfer
         tail += chunk_b[r] + transfer
     return best
@@ -250,4 +265,4 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1, group: int = 0) ->
 
 
 __all__ = ["PipelineTiming", "chunk_inflight", "inflight", "time_pipeline", "lower_bound", "build",
-           "closed_form_bubble"]
+           "closed_form_bubble", "rank_chunks"]

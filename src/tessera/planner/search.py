@@ -29,7 +29,12 @@ from tessera.planner.estimate import Estimate, PlanError, estimate, run_simulati
 from tessera.planner.rules import check_layout
 from tessera.planner.workload import GB, RECOMPUTE, Layout, Workload
 
-SCHEDULE_CHOICES = ("1f1b", "interleaved", "interleaved-lean", "bfs", "gpipe", "naive")
+SCHEDULE_CHOICES = ("1f1b", "interleaved", "interleaved-lean", "bfs", "gpipe", "naive", "zb-h1",
+                    "zb-v", "dualpipev")
+"""The schedules a search tries. The zero-bubble ones split each backward into I and W of half
+the backward each (the simulator's default split: I ≈ W ≈ F for a transformer's matrix
+multiplications without recomputation, the zero-bubble paper's assumption); zb-v and
+dualpipev place a rank's two chunks in a V (``pipeline.rank_chunks``)."""
 
 
 # ---------------------------------------------------------------------------------------------

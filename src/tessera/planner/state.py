@@ -18,6 +18,7 @@ from tessera.planner import engine
 from tessera.planner.compute import ChunkCosts
 from tessera.planner.hardware import Hardware
 from tessera.planner.local.terms import cpu_ranks, local_terms
+from tessera.planner.pipeline import rank_chunks
 from tessera.planner.workload import Layout, Workload
 
 OPS_PER_TENSOR_ADAMW = 12
@@ -67,14 +68,15 @@ def optimizer_step_time(hw: Hardware, stepped: float, normed: float, tensors: in
 
 
 def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> RankState:
-    """Pipeline rank `rank`'s model state (it holds chunks rank, rank + p, ... of `chunks`).
+    """Pipeline rank `rank`'s model state (it holds chunks rank, rank + p, ... of `chunks`, or
+    the V shapes' rank and 2p-1-rank: ``pipeline.rank_chunks``).
 
     ZeRO (Rajbhandari et al. 2020 §5): stage 1 shards optimizer state over the dp·cp ranks
     that hold the same parameters, stage 2 also gradients, stage 3 also parameters, which
     are then gathered two blocks at a time (one computing, one prefetched). For a tessera
     model, the bytes tessera allocates (``engine.model_state_bytes``)."""
     pb, gb, ob, _ = w.bytes
-    mine = chunks[rank::L.pp]
+    mine = [chunks[c] for c in rank_chunks(L.schedule, L.pp, L.virtual_stages, rank)]
     params = sum(ch.params for ch in mine)
     tensors = sum(ch.tensors for ch in mine)
     shard = L.dp * L.cp

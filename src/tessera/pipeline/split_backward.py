@@ -1,0 +1,285 @@
+"""A chunk's backward in two parts: the input gradient (I) now, the weight gradients (W) later.
+
+Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024): the previous stage waits only for
+the gradient of this stage's input, so a schedule runs that part (I) first and the weight
+gradients (W), which nobody waits for, later, in what would be a bubble.
+
+How the autograd graph of one (chunk, micro-batch) is cut. Walking the graph from the output:
+
+- the *input path* is every node on a path to the stage input's gradient accumulator;
+- each parameter's gradient flows from the input path into a *branch* of nodes that leads only
+  to parameters (a linear's weight: the matrix product's node on the input path, then the
+  transpose to the weight). The input-path nodes where a parameter's branches start are its
+  *entries*; parameters that share an entry are one group.
+
+``backward_input`` (I) runs ``torch.autograd.grad`` of the output with respect to the stage
+input alone (``retain_graph=True``): the engine runs the input path and skips every branch
+(a matrix product's node computes the input's gradient, not the weight's), so no parameter's
+gradient accumulator runs and no gradient hook fires. Prehooks on the entries record the
+gradient arriving at each. ``backward_weight`` (W) then runs, per group,
+``torch.autograd.backward`` from the entries with the recorded gradients and the group's
+parameters as ``inputs``: only the entries and the branches run, and the parameters'
+accumulators run as in a plain backward, so ``.grad`` accumulates in place and the
+post-accumulate-grad hooks of data parallelism and ZeRO fire there, at W. A group with several
+entries where one lies below another on the input path would see the lower one's gradient
+twice (recorded, and again through the upper one): W replaces what reaches an entry with what
+it recorded.
+
+Memory between I and W. The tensors autograd saves in the chunk's forward are packed into
+holders (``SavedActivations``, installed around the forward). Each unpack in I records which
+node read the holder; after I the holders read only by input-path nodes that W does not run
+are emptied. What W still holds: the tensors saved by the entries and the branches (a linear's
+input, a norm's normalized input, the weights themselves) and the recorded gradients at the
+entries (one per weight group: a linear's output gradient). The stage output, its gradient and
+the stage input's gradient (sent at I) are not kept.
+
+A chunk whose input needs no gradient (chunk 0: token ids) has no input path: its I does
+nothing and its W is the whole backward from the output (so W keeps the output and its
+gradient).
+
+Recomputation (``torch.utils.checkpoint``, non-reentrant): the tensors a checkpointed region
+saves are packed by checkpoint's own hooks, not these. I recomputes the region's forward (as a
+plain backward does) and checkpoint drops each recomputed tensor once it is read; W reads a
+linear's input again, so the region is recomputed once more in W (all of W's per-group calls
+run in one ``GraphExecGroup``, so once, not once per group; what W does not read of that
+recomputation lives until the chunk's W ends). Keeping the first recomputation until W would
+hold what recomputation exists to drop, for the whole gap between I and W. Selective
+recomputation (the attention core) has no weights inside the region: W does not enter it, so
+it runs once, in I.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import GraphExecGroup
+
+
+class _Holder:
+    """One saved tensor, owned here so that it can be dropped before the graph dies."""
+
+    __slots__ = ("readers", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor: torch.Tensor | None = tensor
+        self.readers: list[Node] = []
+
+
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks for one (chunk, micro-batch)'s forward: each saved tensor goes in a
+    holder; each unpack records the node that reads it (see the module doc). `on_pack` sees
+    every saved tensor (the runtime's byte counter)."""
+
+    def __init__(self, on_pack: Callable[[torch.Tensor], object] | None = None):
+        self.holders: list[_Holder] = []
+
+        def pack(t: torch.Tensor) -> _Holder:
+            if on_pack is not None:
+                on_pack(t)
+            holder = _Holder(t)
+            self.holders.append(holder)
+            return holder
+
+        def unpack(holder: _Holder) -> torch.Tensor:
+            if holder.tensor is None:
+                raise RuntimeError("split backward: a saved tensor dropped after the input "
+                                   "gradient was read again")
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                holder.readers.append(node)
+            return holder.tensor
+
+        super().__init__(pack, unpack)
+
+    def drop_unneeded(self, needed: set[Node]) -> list[torch.Tensor]:
+        """Empty the holders that no node in `needed` read; return the tensors kept."""
+        kept = []
+        for h in self.holders:
+            if h.tensor is None:
+                continue
+            if h.readers and not any(r in needed for r in h.readers):
+                h.tensor = None
+            else:
+                kept.append(h.tensor)
+            h.readers = []
+        return kept
+
+    def release(self) -> None:
+        """Drop every holder's tensor and the nodes it names (a holder naming a node of the
+        graph that holds it is a cycle through C++ that Python's collector does not see)."""
+        for h in self.holders:
+            h.tensor, h.readers = None, []
+        self.holders = []
+
+
+@dataclass(eq=False)
+class _Group:
+    params: list[torch.Tensor]
+    entries: list[Node]
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingWeightGrad:
+    """What I keeps for W (see the module doc)."""
+
+    groups: list[_Group] = field(default_factory=list)
+    whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    """(output, its gradient) when W is the whole backward (no input path)."""
+    kept: list[torch.Tensor] = field(default_factory=list)
+    """The saved tensors W still needs (those packed by SavedActivations)."""
+    saved: SavedActivations | None = None
+    """Released after W."""
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """The node a gradient for `t` enters: its grad_fn, or its accumulator (a leaf)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _consumers(root: Node) -> dict[Node, list[Node]]:
+    """node -> the nodes whose next_functions hold it (the graph's edges reversed)."""
+    parents: dict[Node, list[Node]] = {root: []}
+    queue = deque([root])
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                queue.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _upward(starts: Sequence[Node], parents: dict[Node, list[Node]],
+            stop: set[Node] | frozenset = frozenset()) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable from `starts` towards the output, not passing through `stop`; and the
+    `stop` nodes met."""
+    seen, met = set(starts), set()
+    queue = deque(starts)
+    while queue:
+        for parent in parents[queue.popleft()]:
+            if parent in stop:
+                met.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return seen, met
+
+
+def _downward(starts: Sequence[Node]) -> set[Node]:
+    seen = set(starts)
+    queue = deque(starts)
+    while queue:
+        for child, _ in queue.popleft().next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return seen
+
+
+def _weight_groups(parents: dict[Node, list[Node]], input_node: Node
+                   ) -> tuple[list[_Group], set[Node]]:
+    """The parameter groups and their entries (module doc), and the nodes W runs."""
+    input_path, _ = _upward([input_node], parents)
+    input_path.discard(input_node)
+    group_of: dict[Node, _Group] = {}  # entry -> its group
+    groups: list[_Group] = []
+    needed: set[Node] = set()
+    for node in parents:
+        param = getattr(node, "variable", None)
+        if node is input_node or param is None:
+            continue
+        branch, entries = _upward([node], parents, stop=input_path)
+        needed |= branch | entries
+        merged = {id(group_of[e]): group_of[e] for e in entries if e in group_of}
+        group = _Group([param], list(entries))
+        for other in merged.values():
+            group.params += other.params
+            group.entries += [e for e in other.entries if e not in group.entries]
+            groups.remove(other)
+        groups.append(group)
+        for e in group.entries:
+            group_of[e] = group
+    for group in groups:
+        if len(group.entries) > 1:  # the input path between its entries runs in W too
+            accumulators = [_grad_node(p) for p in group.params]
+            above, _ = _upward(accumulators, parents)
+            needed |= above & _downward(group.entries)
+    return groups, needed
+
+
+def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
+                   stage_input: torch.Tensor | None,
+                   saved: SavedActivations | None = None
+                   ) -> tuple[torch.Tensor | None, PendingWeightGrad]:
+    """I: the gradient of `stage_input` (None when it needs none), and what W needs. `grad`:
+    the output's gradient (None for a scalar loss)."""
+    input_node = _grad_node(stage_input) if stage_input is not None else None
+    root = output.grad_fn
+    parents = _consumers(root) if root is not None else {}
+    if input_node is None or input_node not in parents:
+        kept = [h.tensor for h in saved.holders] if saved is not None else []
+        return None, PendingWeightGrad(whole=(output, grad), kept=kept, saved=saved)
+    groups, needed = _weight_groups(parents, input_node)
+    order: list[_Group] = []  # groups by when their first entry ran: a plain backward's order
+    handles = []
+    for group in groups:
+        for entry in group.entries:
+            def record(grads, group=group, entry=entry):
+                if not group.grads:
+                    order.append(group)
+                group.grads[entry] = tuple(grads)
+            handles.append(entry.register_prehook(record))
+    try:
+        (dx,) = torch.autograd.grad(output, stage_input, grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    order += [g for g in groups if not g.grads]  # entries I did not reach: no gradient
+    kept = saved.drop_unneeded(needed) if saved is not None else []
+    return dx, PendingWeightGrad(groups=[g for g in order if g.grads], kept=kept, saved=saved)
+
+
+def backward_weight(pending: PendingWeightGrad) -> None:
+    """W: accumulate the parameters' gradients into ``.grad`` (their hooks fire here)."""
+    if pending.whole is not None:
+        output, grad = pending.whole
+        pending.whole = None
+        torch.autograd.backward(output, grad)
+    else:
+        with GraphExecGroup():  # one recomputation of a checkpointed region for all groups
+            for group in pending.groups:
+                _group_backward(group)
+    if pending.saved is not None:
+        pending.saved.release()
+    pending.groups, pending.kept, pending.saved = [], [], None
+
+
+def _group_backward(group: _Group) -> None:
+    """One group's weight gradients, from its entries with the gradients I recorded there."""
+    edges, grads = [], []
+    for entry, recorded in group.grads.items():
+        for i, g in enumerate(recorded):
+            if g is not None:
+                edges.append(GradientEdge(entry, i))
+                grads.append(g)
+    handles = []
+    if len(group.entries) > 1:  # what reaches an entry is what it recorded, nothing more
+        handles = [entry.register_prehook(lambda _g, rec=rec: rec)
+                   for entry, rec in group.grads.items()]
+    try:
+        torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()

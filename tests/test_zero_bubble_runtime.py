@@ -1,0 +1,348 @@
+"""Zero-bubble pipelines at run time: the backward split into I and W (``pipeline.split_backward``)
+and the schedules that use it, against the single-device model.
+
+In one process: a chunk's I then W gives exactly one plain backward's input gradient and weight
+gradients (bitwise: the same kernels on the same numbers, each gradient one term per
+micro-batch), I accumulates no weight gradient and fires no gradient hook, W fires each once,
+and what I keeps for W is less than what the forward saved; with every recompute mode; and the
+first chunk (token ids, no input gradient) does its whole backward in W.
+
+On gloo ranks (tests/test_pipeline_runtime.py's harness and tolerances, tests/
+test_composition.py's for composed layouts): hand-written split schedules, then each
+registered zero-bubble schedule at pp 2 and 4 with m = p and 2p; composed with dp 2 (DDP,
+ZeRO-1), tp 2 and full recompute; the peak of (chunk, micro-batch) sets in flight counted by the
+runtime; checkpoint resume.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from tessera.config_io import make_config
+from tessera.errors import ConfigError
+from tessera.layout import check_split_backward, validate
+from tessera.model import build_model, cross_entropy
+from tessera.parallel.recompute import apply_recompute
+from tessera.pipeline.schedule import W, parse
+from tessera.pipeline.simulator import peak_inflight
+from tessera.pipeline.split_backward import SavedActivations, backward_input, backward_weight
+from tessera.step import build_executor, last_backwards
+from tessera.testing import assert_close_summed, run_ranks
+from tessera.topology import Topology
+from test_checkpoint import _check_resumed, _resume_rank
+from test_composition import MATRIX, _cfg, _check, _reference, _run_layout
+from test_pipeline_runtime import (
+    case_config,
+    check_results,
+    references_for,
+    run_parity_cases,
+    step_batches,
+)
+
+SEQ, VOCAB = 16, 64
+STEPS = 3
+"""Steps per multi-process case: the first step's gradients are the parity check; two more
+check that the optimizer steps on what the split backward accumulated."""
+
+
+def _tiny(recompute: str = "none"):
+    cfg = make_config("tiny", model=dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2,
+                                         n_kv_heads=1, max_seq_len=32))
+    model = build_model(cfg.model, 0)
+    apply_recompute(model, recompute)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+    return model, tokens[:, :-1], tokens[:, 1:]
+
+
+def _body(model, x, y):
+    """The model after its embedding, as a last pipeline chunk: blocks, head, loss."""
+    cos, sin = model.rope_cos[:SEQ], model.rope_sin[:SEQ]
+    for layer in model.layers:
+        x = layer(x, cos, sin)
+    return cross_entropy(model.output(model.norm(x)), y)
+
+
+def _storage_bytes(tensors) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_input_then_weight_gradients_equal_one_backward(recompute):
+    model, tokens, y = _tiny(recompute)
+    x0 = model.tok_embeddings(tokens).detach()
+    x = x0.clone().requires_grad_()
+    _body(model, x, y).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    want_dx = x.grad.clone()
+    model.zero_grad(set_to_none=True)
+
+    fired: list[str] = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.append(n))
+    forwards = []
+    for layer in model.layers:  # a module inside the block: a replay calls it again
+        layer.attention_norm.register_forward_hook(lambda *_: forwards.append(1))
+    x = x0.clone().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        loss = _body(model, x, y)
+    packed = _storage_bytes([h.tensor for h in saved.holders])
+    dx, pending = backward_input(loss, None, x, saved)
+    assert torch.equal(dx, want_dx)
+    assert x.grad is None
+    assert fired == []  # I: no weight gradient accumulated, no hook (no reduction) fired
+    assert all(p.grad is None for p in model.parameters())
+    del loss
+    # W needs the linears' inputs and the norms' normalized inputs, not what only the input
+    # path reads (attention's and the activation function's saved tensors, the loss's).
+    assert 0 < _storage_bytes(pending.kept) < packed
+    backward_weight(pending)
+    assert sorted(fired) == sorted(want)  # each parameter's hook once, at W
+    for n, p in model.named_parameters():
+        if n in want:
+            assert torch.equal(p.grad, want[n]), n
+    # The forward, then each recomputation: full recompute replays each block in I and again
+    # in W (split_backward's doc); selective replays only the attention core (no weights).
+    assert len(forwards) == (3 if recompute == "full" else 1) * len(model.layers)
+
+
+def test_w_frees_what_i_kept():
+    """After W nothing of the (chunk, micro-batch)'s saved tensors stays alive: a holder names
+    the nodes that read it, a cycle through the graph that the collector cannot see, so W must
+    break it."""
+    model, tokens, y = _tiny()
+    x = model.tok_embeddings(tokens).detach().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        loss = _body(model, x, y)
+    state = {t.untyped_storage().data_ptr() for t in [x, *model.parameters(), *model.buffers()]}
+    alive = [weakref.ref(h.tensor) for h in saved.holders
+             if h.tensor.untyped_storage().data_ptr() not in state]
+    _, pending = backward_input(loss, None, x, saved)
+    del loss, saved
+    assert any(r() is not None for r in alive)  # what W reads
+    backward_weight(pending)
+    del pending
+    gc.collect()
+    assert all(r() is None for r in alive)
+
+
+def test_first_chunk_does_its_whole_backward_in_w():
+    model, tokens, y = _tiny()
+    cross_entropy(model(tokens), y).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    saved = SavedActivations()
+    with saved:
+        loss = cross_entropy(model(tokens), y)
+    dx, pending = backward_input(loss, None, None, saved)
+    assert dx is None and all(p.grad is None for p in model.parameters())
+    backward_weight(pending)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, want[n]), n
+
+
+def test_parameters_sharing_an_entry_form_one_group():
+    """Two weights whose branches meet before the input path (x·(A + B)ᵀ, as sequence
+    parallelism's gather-then-linears node takes several weights) and a weight used twice on
+    the input path (entries one above the other: W must not count the lower one twice)."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(8, 8, generator=g, requires_grad=True) for _ in range(3))
+    x0 = torch.randn(4, 8, generator=g)
+
+    def f(x):
+        h = x @ (a + b).t()
+        return ((h @ c.t()).tanh() @ c.t()).square().sum()
+
+    x = x0.clone().requires_grad_()
+    f(x).backward()
+    want = [t.grad.clone() for t in (a, b, c)]
+    want_dx = x.grad.clone()
+    for t in (a, b, c):
+        t.grad = None
+    x = x0.clone().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        out = f(x)
+    dx, pending = backward_input(out, None, x, saved)
+    assert [len(group.params) for group in pending.groups] == [1, 2]  # {c}, {a, b}
+    assert len(pending.groups[0].entries) == 2  # c's two uses
+    backward_weight(pending)
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+    for t, w in zip((a, b, c), want, strict=True):  # c's two parts may add in another order
+        assert_close_summed(t.grad, w, terms=2, msg="weight gradient")
+
+
+def test_two_micro_batches_accumulate_like_two_backwards():
+    """I of both micro-batches before either W (as ZB schedules order them): each W adds its
+    own micro-batch's part, once."""
+    model, tokens, y = _tiny()
+    xs = [model.tok_embeddings(tokens).detach(), model.tok_embeddings(tokens.flip(1)).detach()]
+    for x in xs:
+        _body(model, x.clone().requires_grad_(), y).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    pendings = []
+    for x in xs:
+        saved = SavedActivations()
+        x = x.clone().requires_grad_()
+        with saved:
+            loss = _body(model, x, y)
+        pendings.append(backward_input(loss, None, x, saved)[1])
+    for pending in pendings:
+        backward_weight(pending)
+    for n, p in model.named_parameters():
+        if n in want:
+            assert torch.equal(p.grad, want[n]), n
+
+
+def test_a_chunks_reduction_starts_at_its_last_w():
+    """The executor's hook point for data parallelism: the chunk's last W (never its I)."""
+    schedule = parse(SPLIT_1F1B)
+    assert last_backwards(schedule, 0) == {W(0, 1)}
+    assert last_backwards(schedule, 1) == {W(1, 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# On gloo ranks
+
+
+ZB = ("zb-h1", "zb-v", "dualpipev")
+SPLIT_1F1B = ("rank 0: 0F0 0F1 0I0 0I1 0W0 0W1\n"  # 1F1B at p = m = 2, every W deferred
+              "rank 1: 1F0 1I0 1F1 1I1 1W0 1W1")
+
+
+def _v(name: str) -> int:
+    return 2 if name in ("zb-v", "dualpipev") else 1
+
+
+def pipeline_cases(pp: int) -> list[dict]:
+    """Each zero-bubble schedule at m = p and 2p (tied embeddings at m = p, so the V shapes'
+    first and last chunks share one weight on rank 0), and with full recompute at m = 2p."""
+    layers = 4 if pp == 2 else 8
+    cases = [dict(schedule=s, pp=pp, m=m, v=_v(s), layers=layers, tie=m == pp)
+             for s in ZB for m in (pp, 2 * pp)]
+    cases += [dict(schedule=s, pp=pp, m=2 * pp, v=_v(s), layers=layers,
+                   extra=dict(recompute="full")) for s in ZB]
+    return cases
+
+
+def in_flight_records(pp: int, m: int) -> dict[str, tuple[int, int, float]]:
+    """Per schedule: this rank's runtime count of (chunk, micro-batch) sets in flight at peak,
+    its peak saved bytes, and the simulator's count for the rank."""
+    out = {}
+    for name in ("1f1b", *ZB):
+        cfg = case_config(name, pp, m, v=_v(name))
+        engine = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"),
+                                measure_memory=True)
+        engine.cfg.train.steps = 0
+        engine.forward_backward(step_batches(0, m))
+        record, rank = engine.last_record, engine.pp_rank
+        out[name] = (record.peak_in_flight, record.peak_activation_bytes,
+                     peak_inflight(engine.model.schedule)[rank])
+    return out
+
+
+def _pp2_rank(cases, references):
+    return run_parity_cases(cases, references, STEPS), in_flight_records(2, 8)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_zero_bubble_schedules_match_reference_pp2_and_hold_1f1b_memory():
+    cases = pipeline_cases(2)
+    results = run_ranks(_pp2_rank, 2, args=(cases, references_for(cases)), timeout=600)
+    for per_rank, _ in results:
+        assert [c for c, *_ in per_rank] == cases
+        check_results(per_rank)
+    inflight = [records for _, records in results]
+    for rank, records in enumerate(inflight):
+        for name, (count, _, simulated) in records.items():
+            assert count == simulated, (rank, name)  # the runtime and the simulator agree
+    peak = {name: [records[name][0] for records in inflight] for name in inflight[0]}
+    # Sets held at once, m = 8 >= 2p: 1F1B's most is rank 0's p; ZB-H1 holds no more on any
+    # rank (its later ranks keep sets until their deferred W); the V shapes' sets are half a
+    # stage each (two chunks per rank), ZB-V holding at most 2p of them (1F1B's memory) and
+    # DualPipeV 2p + 1 on its first rank (DeepSeek's "PP + 1" for PP = 2p chunks).
+    p = 2
+    assert max(peak["1f1b"]) == peak["1f1b"][0] == p
+    assert max(peak["zb-h1"]) == p
+    assert max(peak["zb-v"]) == 2 * p
+    assert peak["dualpipev"][0] == max(peak["dualpipev"]) == 2 * p + 1
+    # Bytes: between I and W a set holds only what W reads. ZB-H1's last rank holds two sets
+    # at its peak where 1F1B's holds one: one whole, and one past its I.
+    last = inflight[-1]
+    assert last["1f1b"][1] < last["zb-h1"][1] < 2 * last["1f1b"][1]
+
+
+def _pp4_rank(cases, references, layouts):
+    MATRIX.update(composed())
+    return (run_parity_cases(cases, references, STEPS),
+            {n: _run_layout(MATRIX[n], STEPS) for n in layouts})
+
+
+def composed() -> dict:
+    """(dp, tp, pp=2) layouts of each zero-bubble schedule on tests/test_composition.py's
+    bench and tolerances, and sequence parallelism and bf16 once each."""
+    return {f"{s} {label}": _cfg(dp, tp, 2, m=4 // dp, schedule=s, virtual_stages=_v(s),
+                                 **extra)
+            for s in ZB for label, dp, tp, extra in (("dp2 ddp", 2, 1, {}),
+                                                     ("dp2 zero1", 2, 1, dict(zero_stage=1)),
+                                                     ("tp2", 1, 2, {}))} | {
+        # a gather-then-linears node is the entry of several weights; bf16 (ZeRO's buffers)
+        "zb-v tp2 sp": _cfg(1, 2, 2, m=4, schedule="zb-v", virtual_stages=2,
+                            sequence_parallel=True),
+        "dualpipev dp2 bf16": _cfg(2, 1, 2, m=2, schedule="dualpipev", virtual_stages=2,
+                                   precision="bf16")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_zero_bubble_schedules_match_reference_pp4_and_composed():
+    layouts = composed()
+    MATRIX.update(layouts)  # _check reads a layout's config there
+    ref = _reference()
+    cases = pipeline_cases(4)
+    results = run_ranks(_pp4_rank, 4, args=(cases, references_for(cases), list(layouts)),
+                        timeout=900)
+    for rank, (per_rank, layouts) in enumerate(results):
+        assert [c for c, *_ in per_rank] == cases
+        check_results(per_rank)
+        for name, got in layouts.items():
+            _check(name, rank, got, ref)
+
+
+def _resume_ranks(data: str, root: str) -> dict:
+    return {s: _resume_rank(data, f"{root}/{s}", {"pp": 2, "schedule": s,
+                                                  "virtual_stages": _v(s), "model.n_layers": 4})
+            for s in ZB}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_resumed_zero_bubble_runs_continue_exactly(tiny_data, tmp_path):
+    """tests/test_checkpoint.py's check (tolerance 0) for each schedule: 6 steps saving at 3,
+    and a run resumed from step 3, log the same steps 4-6 and end with the same model."""
+    got = run_ranks(_resume_ranks, 2, args=(tiny_data, str(tmp_path)), timeout=600)[0]
+    for name, result in got.items():
+        _check_resumed(result, name)
+
+
+def test_zero3_with_a_split_backward_is_refused_in_one_line():
+    cfg = make_config("tiny", model=dict(n_layers=4),
+                      parallel=dict(dp=2, pp=2, zero_stage=3, schedule="zb-h1"),
+                      train=dict(grad_accum=2))
+    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3: schedule zb-h1 splits each "
+                                          r"backward into I and W"):
+        validate(cfg, 4)
+    validate(make_config("tiny", model=dict(n_layers=4),
+                         parallel=dict(dp=2, pp=2, zero_stage=2, schedule="zb-h1"),
+                         train=dict(grad_accum=2)), 4)
+    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3: schedule custom splits"):
+        check_split_backward(3, "custom", parse(SPLIT_1F1B).split_backward)
