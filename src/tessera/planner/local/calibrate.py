@@ -332,7 +332,7 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int,
         compiled = compiled_passes(spec, seq, micro_batch, bw)
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
-        zero_unit, zero_passes = zero_unit_costs(spec, bw)
+        zero_unit, zero_passes = zero_unit_costs(bw)
         zero_waits = 0.0  # none measured
         # the collectives in flight, on this machine's ranks (a GPU's wait on a handle does
         # not block the host, so there wall time less the waits would hold the collectives)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 import torch
 
 from tessera.planner.local.timing import samples
-from tessera.planner.models import ModelSpec
 
 
 class _Chain(torch.nn.Module):
@@ -67,7 +66,7 @@ def extra_per_layer(make: Callable[[torch.nn.Module], torch.nn.Module], count: i
     return max(0.0, statistics.median(wrapped_t) - statistics.median(plain_t)) / count
 
 
-def zero_unit_costs(spec: ModelSpec, bandwidth: float) -> tuple[float, float]:
+def zero_unit_costs(bandwidth: float) -> tuple[float, float]:
     """tessera's ZeRO-3 work per unit per micro-batch besides its collectives, as (seconds
     fixed, passes over the unit's parameter bytes at `bandwidth` bytes/s): a chain of one-layer
     units wrapped in ZeRO-3 over a group of this rank alone (Topology.solo: its gathers and
