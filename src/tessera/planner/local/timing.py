@@ -42,7 +42,5 @@ def samples(fn: Callable[[], object], repeats: int, warmup: int = 2,
 
 
 def typical_time(fn: Callable[[], object], repeats: int = 11, warmup: int = 2) -> float:
-    """The median of `repeats` calls, in this thread's CPU time. With one intra-op thread
-    torch runs every kernel in the calling thread, so CPU time is what the kernel costs, and
-    unlike wall time it does not grow when other jobs on a shared machine take the core."""
+    """The median of `repeats` calls of `fn` on :func:`samples`' clock (module docstring)."""
     return statistics.median(samples(fn, repeats, warmup))
