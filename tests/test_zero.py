@@ -22,11 +22,7 @@ from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy
 from tessera.optim import lr_lambda
 from tessera.parallel.zero import ZeroModel
-from tessera.parallel.zero_state import (
-    allocated_model_state,
-    load_full_state_dict,
-    zero_formula_bytes,
-)
+from tessera.parallel.zero_state import zero_formula_bytes
 from tessera.step import Executor, build_executor
 from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
 from tessera.topology import Topology
@@ -146,39 +142,11 @@ def _check_stage(cfg: Config) -> tuple[Executor, torch.optim.Optimizer]:
 
 
 def _parity_rank(dp: int) -> None:
-    engines = {stage: _check_stage(_cfg(dp, stage)) for stage in (1, 2, 3)}
+    for stage in (1, 2, 3):
+        _check_stage(_cfg(dp, stage))
     if dp == 2:
         # Tied embeddings: the embedding and the head form one unit that stays gathered.
         _check_stage(_cfg(dp, 3, tie=True))
-        _check_round_trip(dp, engines[3])
-
-
-def _check_round_trip(dp: int, saved_run: tuple[Executor, torch.optim.Optimizer]) -> None:
-    """A stage-3 run's gathered state, loaded into a fresh stage-2 run, is the same state,
-    and one more step on both gives the same weights."""
-    cfg = _cfg(dp, 2)
-    topo = Topology.build(cfg.parallel)
-    saved, saved_opt = saved_run
-    fresh = build_executor(cfg, topo, torch.device("cpu"))
-    fresh_opt = fresh.optimizer(cfg.train)
-    load_full_state_dict(fresh.model.zeros[0], saved.full_state_dict())
-    fresh_opt.load_full_state(saved_opt.full_state())
-    assert _equal(fresh.full_state_dict(), saved.full_state_dict())
-    a, b = saved_opt.full_state(), fresh_opt.full_state()
-    assert a["step"] == b["step"] and all(_equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
-    for engine, opt in ((saved, saved_opt), (fresh, fresh_opt)):
-        opt.param_groups[0]["lr"] = LR
-        opt.zero_grad()
-        engine.forward_backward(_my_micro_batches(STEPS, topo.rank, dp))
-        engine.clip_grad_norm_(CLIP)
-        opt.step()
-    a, b = saved.full_state_dict(), fresh.full_state_dict()
-    for k in a:
-        assert_close_summed(a[k], b[k], terms=_rows(dp) * SEQ, msg=f"round trip {k}")
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.multiprocess
@@ -282,7 +250,8 @@ def _memory_rank(dp: int) -> list[str]:
             engine.forward_backward(_my_micro_batches(0, engine.topo.rank, dp))
             engine.clip_grad_norm_(CLIP)
             opt.step()
-            report, allocated = engine.model.model_state_bytes(), allocated_model_state(zero, opt)
+            report = engine.model.model_state_bytes()
+            allocated = engine.model.allocated_model_state(opt)
             # The report is exactly what the tensors hold.
             assert report == allocated, (precision, stage, report, allocated)
             # ... and the paper's formula up to the padding: each unit is padded to a multiple

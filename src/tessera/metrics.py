@@ -82,16 +82,14 @@ class JsonlLogger:
     """Appends one JSON object per line; only the writing rank opens the file. With
     `tensorboard` (a directory) every number of a record also goes there as a scalar.
 
-    With `resumed_from` (the step a resumed run restored) the existing file is continued and
-    begins the continuation with a restart marker; TensorBoard drops its own records of the
-    steps after `resumed_from` (the resumed run writes them again)."""
+    A new file; or for a resumed run (`resumed_from`: the step it restored; `restart`: the
+    launcher's restart count, 0 for a resume by hand; `checkpoint`: the one it restored) the
+    existing file, if any, continued, with a restart marker first; TensorBoard drops its own
+    records of the steps after `resumed_from` (the resumed run writes them again)."""
 
     def __init__(self, path: str | Path | None, resumed_from: int | None = None,
                  tensorboard: str | Path | None = None, restart: int = 0,
                  checkpoint: str | Path | None = None):
-        """A new file; or for a resumed run (`resumed_from`: its first step is that + 1;
-        `restart`: the launcher's restart count, 0 for a resume by hand; `checkpoint`: the one
-        it restored) the existing file, if any, continued, with a restart marker first."""
         self.path = Path(path) if path else None
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)

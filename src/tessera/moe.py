@@ -272,10 +272,10 @@ def update_router_bias(modules: list[nn.Module], group: dist.ProcessGroup | None
         m.step_load.zero_()
 
 
-def collect_stats(modules: list[nn.Module], reset: bool = True) -> dict[str, torch.Tensor]:
+def collect_stats(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Summed over the MoE layers of `modules`: tokens per expert (E,), dropped assignments,
     all assignments, summed aux and z losses and the number of layer calls (fp64 tensors, to be
-    summed over ranks). `reset` clears the layers' counters."""
+    summed over ranks). Clears the layers' counters."""
     layers = [m for module in modules for m in moe_layers(module)]
     if not layers:
         return {}
@@ -286,9 +286,8 @@ def collect_stats(modules: list[nn.Module], reset: bool = True) -> dict[str, tor
            "aux": torch.tensor(sum(m.stats.aux_sum for m in layers), dtype=torch.float64),
            "z": torch.tensor(sum(m.stats.z_sum for m in layers), dtype=torch.float64),
            "calls": torch.tensor(sum(m.stats.calls for m in layers), dtype=torch.float64)}
-    if reset:
-        for m in layers:
-            m.stats.reset()
+    for m in layers:
+        m.stats.reset()
     return out
 
 

@@ -96,8 +96,8 @@ def _rank_main(fn: Callable, args: Sequence, kwargs: dict, rank: int, world_size
 def collective_timeout_s() -> float:
     """The timeout a test rank's collectives get: TESSERA_TEST_COLLECTIVE_TIMEOUT seconds, 20
     unless set. Collectives in these tests move kilobytes between ranks doing the same work,
-    so a wait of 20 s means a rank is missing, not slow; gloo's default (30 min; torch's
-    default_pg_timeout) or the 120 s used before would only delay the report of a deadlock."""
+    so a wait of 20 s means a rank is missing, not slow; gloo's default (30 min) would only
+    delay the report of a deadlock."""
     return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT))
 
 

@@ -105,14 +105,6 @@ class Topology:
     def local_rank_in(self, axis: str) -> int:
         return self.ranks(axis).index(self.rank)
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coords()["pp"] == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coords()["pp"] == self.pp - 1
-
     def describe(self) -> str:
         return (f"world={self.world_size} pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}"
                 f" ep={self.ep} rank={self.rank} coords={self.coords()}")

@@ -18,9 +18,9 @@ In plain fp32 the weight is its own master copy: 4 (weight) + 4 (gradient) + 8 (
 same 16 bytes per parameter split (P, G, K) = (4, 4, 8) instead of (2, 2, 12); the formulas
 keep their shape with those numbers (stage 1: 8 Psi + 8 Psi / N, and so on).
 
-Checkpoint hooks: ``full_state_dict`` all-gathers the fp32 master shards into the reference
-model's state dict and ``ShardedAdamW.full_state`` the Adam moments by reference name; the
-``load_*`` counterparts cut a rank's shard out of full ones (any dp size, any stage).
+Gathering: ``ShardedAdamW.full_state`` all-gathers the Adam moments by reference name (tests
+compare them with torch's AdamW); ``gather_owned`` and ``unflatten`` serve
+``ParallelModel.full_state_dict``.
 """
 
 from __future__ import annotations
@@ -106,18 +106,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                     out[key].update(unflatten(u, gather_owned(z, u, state[key])))
         return out
 
-    @torch.no_grad()
-    def load_full_state(self, full: dict) -> None:
-        """Take this rank's shard of a state produced by `full_state` (any dp size)."""
-        for u in self.units:
-            state = self.state[u.master]
-            state["step"] = int(full["step"])
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key].copy_(flatten(u, full[key])[u.own_lo:u.own_hi])
-
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoint hooks
+# Gathering a unit
 
 
 @torch.no_grad()
@@ -133,35 +124,6 @@ def gather_owned(zero: ZeroModel, u: FlatUnit, t: torch.Tensor) -> torch.Tensor:
 def unflatten(u: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """Unit-flat (padded,) tensor -> {reference name: tensor shaped like the parameter}."""
     return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in u.slots}
-
-
-def flatten(u: FlatUnit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """{reference name: tensor} -> the unit's padded fp32 flat layout."""
-    flat = torch.zeros(u.padded, dtype=torch.float32, device=u.master.device)
-    for s in u.slots:
-        flat[s.offset:s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
-    return flat
-
-
-@torch.no_grad()
-def full_state_dict(zero: ZeroModel) -> dict[str, torch.Tensor]:
-    """Reference-named fp32 weights gathered from the master shards, on every rank (every key
-    of the model's state dict, a tied weight under both names)."""
-    by_id: dict[int, torch.Tensor] = {}
-    for u in zero.units:
-        weights = unflatten(u, gather_owned(zero, u, u.master))
-        for s, p in zip(u.slots, u.params, strict=True):
-            by_id[id(p)] = weights[s.name]
-    return {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
-            for k, v in zero.module.state_dict(keep_vars=True).items()}
-
-
-@torch.no_grad()
-def load_full_state_dict(zero: ZeroModel, state: dict[str, torch.Tensor]) -> None:
-    """Set the masters, then the compute parameters, from a reference-named state dict."""
-    for u in zero.units:
-        u.master.copy_(flatten(u, state)[u.own_lo:u.own_hi])
-    zero.publish_parameters()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,19 +164,3 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int
             total += storage.nbytes()
     return total
 
-
-def allocated_model_state(zero: ZeroModel, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of the storages actually allocated for parameters, gradients and optimizer state.
-
-    Counts the model's parameters and the units' parameter shards, the parameters' .grad and
-    the units' gradient buffers, and the optimizer's parameters (the masters) and state tensors.
-    A storage is counted once, under the first of those it appears in (an fp32 master that is a
-    view of the parameter buffer counts as parameter memory)."""
-    seen: set[int] = set()
-    model_params = list(zero.module.parameters())
-    params = storage_bytes([*model_params, *(u.shard for u in zero.units)], seen)
-    grads = storage_bytes([*(p.grad for p in model_params), *(u.grad for u in zero.units)], seen)
-    opt_tensors = [p for g in optimizer.param_groups for p in g["params"]]
-    opt_tensors += [v for s in optimizer.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor)]
-    return {"params": params, "grads": grads, "optimizer": storage_bytes(opt_tensors, seen)}

@@ -44,12 +44,13 @@ def _degrees(text: str | None, name: str) -> tuple[int, ...] | None:
     return values
 
 
-def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(x.strip() for x in text.split(","))
-    for mode in modes:
-        if mode not in DP_MODES:
-            raise ConfigError("--dp-mode", mode, f"must be one of {', '.join(DP_MODES)}")
-    return modes
+def _choices(text: str, option: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """Comma-separated values of `option`, each one of `allowed`."""
+    values = tuple(x.strip() for x in text.split(","))
+    for value in values:
+        if value not in allowed:
+            raise ConfigError(option, value, f"must be one of {', '.join(allowed)}")
+    return values
 
 
 LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual_stages",
@@ -118,14 +119,6 @@ def parse_layout(text: str, gpus: int, layers: int):
                                   if stages == "first-last-fewer"
                                   else parse_stage_layout(str(stages), "--layout stages"))
     return Layout(**fields)  # type: ignore[arg-type]
-
-
-def _cp_methods(text: str) -> tuple[str, ...]:
-    methods = tuple(x.strip() for x in text.split(","))
-    for method in methods:
-        if method not in CP_METHODS:
-            raise ConfigError("--cp-method", method, f"must be one of {', '.join(CP_METHODS)}")
-    return methods
 
 
 @plan_app.callback()
@@ -245,7 +238,8 @@ def plan(
     else:
         space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"),
                             dp=_degrees(dp, "dp"), cp=_degrees(cp, "cp"),
-                            dp_mode=_modes(dp_mode), cp_method=_cp_methods(cp_method))
+                            dp_mode=_choices(dp_mode, "--dp-mode", DP_MODES),
+                            cp_method=_choices(cp_method, "--cp-method", CP_METHODS))
         moe = moe_for_model(model)
         if moe is not None:  # rank the active model's layouts with ep (tessera.planner.moe)
             active = search(dataclasses.replace(w, model=active_spec(spec, moe)), space,

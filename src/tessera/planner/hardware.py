@@ -214,14 +214,10 @@ class Hardware:
 
     def link(self, intra_node: bool) -> Link:
         """The α–β parameters of the intra-node or the inter-node link."""
-        gather = local_terms(self).gather_efficiency
-        if intra_node:
-            return Link(alpha=self.intra_node_alpha_us * 1e-6,
-                        bandwidth=self.intra_node_gbs * 1e9 * self.link_efficiency,
-                        gather_efficiency=gather)
-        return Link(alpha=self.inter_node_alpha_us * 1e-6,
-                    bandwidth=self.inter_node_gbs * 1e9 * self.link_efficiency,
-                    gather_efficiency=gather)
+        alpha_us, gbs = ((self.intra_node_alpha_us, self.intra_node_gbs) if intra_node
+                         else (self.inter_node_alpha_us, self.inter_node_gbs))
+        return Link(alpha=alpha_us * 1e-6, bandwidth=gbs * 1e9 * self.link_efficiency,
+                    gather_efficiency=local_terms(self).gather_efficiency)
 
     def to_dict(self) -> dict[str, Any]:
         """The hardware file's flat fields (the local terms beside the others, the GPU values

@@ -135,13 +135,6 @@ class ModelSpec:
         """Total parameters N (each tied matrix counted once)."""
         return self.layers * self.layer_params + self.embedding_params + self.head_params
 
-    @property
-    def is_gpt_form(self) -> bool:
-        """True when Megatron-LM's closed forms (eq. 2 and 3) describe this model exactly up to
-        biases and norms: MHA, a 4h GeLU MLP, tied embeddings."""
-        return (self.mlp == "gelu" and self.ffn_hidden == 4 * self.hidden
-                and self.kv_heads == self.heads and self.tied_embeddings)
-
 
 def gpt(name: str, hidden: int, layers: int, heads: int, vocab_size: int = 51200,
         max_seq_len: int = 2048) -> ModelSpec:

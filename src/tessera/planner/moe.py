@@ -31,7 +31,7 @@ every ep dividing dp and E, fitting layouts first, then by step time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tessera.config import ModelConfig
@@ -156,16 +156,12 @@ def ep_degrees(dp: int, experts: int) -> list[int]:
     return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
 
 
-def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout],
-                    estimate: Callable | None = None) -> list[EPPlan]:
+def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout]) -> list[EPPlan]:
     """Every (layout, ep) with ep dividing dp and E, priced as the active model's estimate
-    plus the MoE terms; fitting layouts first, then by predicted step time. `estimate(w, L)`
-    returns an object with ``step_time`` and ``memory.total`` (default: the planner's
-    ``estimate.estimate``); layouts it refuses (PlanError, ConfigError) are skipped."""
-    if estimate is None:
-        from tessera.planner.estimate import estimate
+    plus the MoE terms; fitting layouts first, then by predicted step time. Layouts the
+    estimate refuses (PlanError, ConfigError) are skipped."""
     from tessera.errors import ConfigError
-    from tessera.planner.estimate import PlanError
+    from tessera.planner.estimate import PlanError, estimate
 
     active = dataclasses.replace(w, model=active_spec(w.model, moe))
     plans = []

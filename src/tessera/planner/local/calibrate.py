@@ -258,20 +258,15 @@ def ddp_copy_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: floa
                     pairs: int = WRAPPED_PAIRS, **steps) -> float:
     """Passes over the gradient bytes, at `bandwidth` bytes/s, of what tessera's DataParallel
     adds to a training step besides its waits on the all-reduce, its fixed `per_tensor`
-    seconds per parameter tensor (``ddp_tensor_us``, measured from outside on tiny layers)
-    and the division of the buckets by dp after the wait (2 passes, priced on its own by
-    ``cost.ddp_bucket_time``): each fresh gradient's copy into its bucket slot and what that
-    copy slows the backward around it, the bucket's launch inside the last hook, gloo's
-    thread taking the core while the all-reduce is in flight, and the work after the wait
-    (the used flags, the gradients re-pointed; clipping and AdamW over the bucket's views).
-    Measured where training runs it (:func:`wrapped_step_extra`): whole training steps
-    (forward, backward, gradient sync, norm, clipping, AdamW) as the trainer runs them, in
-    DataParallel over the default group with the gradients reduced, against the same model
-    at dp 1, the slowest rank's; the median over the pairs. The whole cost, not the hooks'
-    own timer (``DataParallel.hook_seconds``), which misses most of it, nor the backward
-    alone inside ``no_sync()``, which leaves out the launch, the all-reduce in flight and
-    the work after the wait. Every rank of the default
-    group must call it. `steps`: :func:`wrapped_step_extra`'s injection points (tests)."""
+    seconds per parameter tensor (``ddp_tensor_us``) and the division of the buckets by dp
+    after the wait (2 passes, priced by ``cost.ddp_bucket_time``): each gradient's copy into
+    its bucket and what it slows the backward around it, the bucket's launch, gloo's thread
+    on the core while the all-reduce is in flight, and the work after the wait. The median
+    over the pairs of :func:`wrapped_step_extra` at ZeRO stage 0 with the full step (norm,
+    clipping, AdamW). The hooks' own timer (``DataParallel.hook_seconds``) misses most of
+    this, and a backward inside ``no_sync()`` leaves out the launch, the all-reduce in flight
+    and the work after the wait. Every rank of the default group must call it. `steps`:
+    :func:`wrapped_step_extra`'s injection points (tests)."""
     extra, _, plain = wrapped_step_extra(spec, seq, micro_batch, 0, True, builds, pairs,
                                          **steps)
     params = [p for p in plain.parameters() if p.requires_grad]
@@ -284,24 +279,17 @@ def zero_step_passes(spec: ModelSpec, seq: int, micro_batch: int, bandwidth: flo
                      per_unit: float, builds: int = WRAPPED_BUILDS,
                      pairs: int = WRAPPED_PAIRS, **steps) -> tuple[float, float]:
     """Passes over the parameter bytes, at `bandwidth` bytes/s, of what tessera's ZeRO-3 adds
-    to a micro-batch's forward and backward besides its waits on its gathers and
-    reductions and its fixed `per_unit` seconds per unit (``zero_unit_us``, from tiny
-    layers): the gathered buffers' allocation and fill, the gradients flattened and their
-    shards kept, the hooks and the launches, and gloo's thread taking the rank's core while
-    the prefetched gathers and the reduce-scatters are in flight (on a CPU, what a collective
-    hidden behind compute still costs it). Measured where training runs it
-    (:func:`wrapped_step_extra`): the trainer's forward, backward and gradient sync of the
-    model in ZeRO-3 over the default group (its units: the embedding, each block, the head),
-    against the same model at dp 1, the slowest rank's; the median over the pairs. Not the
-    clipping nor the optimizer, which the planner prices on their own (the sharded AdamW,
-    ``cost.optimizer_step_time``; the norm's scalar all-reduce, ``cost.scalar_sync_times``).
-    It replaces the one-rank group's figure of :func:`zero_unit_costs` wherever the default
-    group has several CPU ranks: with nothing in flight, that figure leaves out what the
-    collectives in flight take from the rank's core. Also returns the steps' waits
-    (seconds per micro-batch, the ranks' mean, the median over the pairs), from which
-    :func:`in_step_overlap` reads ``dp_overlap``. Every rank of the default group must call
-    it (the steps gather and reduce). `steps`: :func:`wrapped_step_extra`'s injection points
-    (tests)."""
+    to a micro-batch's forward and backward besides its waits and its fixed `per_unit`
+    seconds per unit (``zero_unit_us``): the gathered buffers' allocation and fill, the
+    gradients flattened and their shards kept, the hooks and launches, and gloo's thread on
+    the rank's core while the prefetched gathers and the reduce-scatters are in flight. The
+    median over the pairs of :func:`wrapped_step_extra` at ZeRO stage 3 without clipping or
+    the optimizer (the planner prices those on their own: ``cost.optimizer_step_time``,
+    ``cost.scalar_sync_times``). Where the default group has several CPU ranks it replaces
+    :func:`zero_unit_costs`' one-rank figure, which has nothing in flight. Also returns the
+    steps' waits (seconds per micro-batch, the ranks' mean, the median over the pairs), from
+    which :func:`in_step_overlap` reads ``dp_overlap``. Every rank of the default group must
+    call it. `steps`: :func:`wrapped_step_extra`'s injection points (tests)."""
     from tessera.parallel.zero_units import transformer_units
 
     extra, waits, plain = wrapped_step_extra(spec, seq, micro_batch, 3, False, builds, pairs,
@@ -332,7 +320,7 @@ def _compute_rates(spec: ModelSpec, seq: int, micro_batch: int,
         compiled = compiled_passes(spec, seq, micro_batch, bw)
         optimizer = optimizer_tensor_seconds()
         fixed, rate = jitter(spec, seq, micro_batch)  # every rank at once (collectives)
-        zero_unit, zero_passes = zero_unit_costs(spec, bw)
+        zero_unit, zero_passes = zero_unit_costs(bw)
         zero_waits = 0.0  # none measured
         # the collectives in flight, on this machine's ranks (a GPU's wait on a handle does
         # not block the host, so there wall time less the waits would hold the collectives)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 import torch
 
 from tessera.planner.local.timing import samples
-from tessera.planner.models import ModelSpec
 
 
 class _Chain(torch.nn.Module):
@@ -43,7 +42,7 @@ def _chain_backward(model: torch.nn.Module, x: torch.Tensor, sync: str) -> None:
 
 
 def extra_per_layer(make: Callable[[torch.nn.Module], torch.nn.Module], count: int, d: int,
-                     hooks_only: bool = False, repeats: int = 15) -> float:
+                     hooks_only: bool = False) -> float:
     """Seconds per layer that wrapping a `_Chain(count, d)` with `make` adds to its forward +
     backward on one row, in thread CPU time (medians over interleaved rounds, so a slow minute
     hits both alike): with the wrapper's gradient sync, or with `hooks_only` its backward
@@ -62,12 +61,12 @@ def extra_per_layer(make: Callable[[torch.nn.Module], torch.nn.Module], count: i
 
     plain_t, wrapped_t = [], []
     for _ in range(3):
-        plain_t += samples(base, repeats // 3, warmup=1)
-        wrapped_t += samples(other, repeats // 3, warmup=1)
+        plain_t += samples(base, 5, warmup=1)
+        wrapped_t += samples(other, 5, warmup=1)
     return max(0.0, statistics.median(wrapped_t) - statistics.median(plain_t)) / count
 
 
-def zero_unit_costs(spec: ModelSpec, bandwidth: float) -> tuple[float, float]:
+def zero_unit_costs(bandwidth: float) -> tuple[float, float]:
     """tessera's ZeRO-3 work per unit per micro-batch besides its collectives, as (seconds
     fixed, passes over the unit's parameter bytes at `bandwidth` bytes/s): a chain of one-layer
     units wrapped in ZeRO-3 over a group of this rank alone (Topology.solo: its gathers and

@@ -38,15 +38,15 @@ from tessera.planner.models import ModelSpec
 
 def matmul_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
     """FLOP/s of one block's forward and backward GEMMs at the model's shapes."""
-    flops, seconds, _ = matmul_totals(spec, micro_batch * seq)
+    flops, seconds = matmul_totals(spec, micro_batch * seq)
     return flops / seconds
 
 
 def matmul_curve(spec: ModelSpec, seq: int, micro_batch: int) -> tuple[float, float]:
     """(large-GEMM FLOP/s, fixed seconds per GEMM) from the block's GEMMs on b·s and b·s/8
     tokens (module docstring); (rate at the model's shapes, 0) if the tail is not positive."""
-    f1, t1, _ = matmul_totals(spec, micro_batch * seq)
-    f2, t2, _ = matmul_totals(spec, max(1, micro_batch * seq // 8))
+    f1, t1 = matmul_totals(spec, micro_batch * seq)
+    f2, t2 = matmul_totals(spec, max(1, micro_batch * seq // 8))
     # Per GEMM as the cost model counts them (cost.block_matmul_times: QKV as one GEMM, the
     # output projection, the MLP's matrices; forward and two backward each), so that the
     # model reproduces the measured total at the model's shapes.
@@ -59,8 +59,8 @@ def matmul_curve(spec: ModelSpec, seq: int, micro_batch: int) -> tuple[float, fl
     return f1 / t1, 0.0
 
 
-def matmul_totals(spec: ModelSpec, tokens: int) -> tuple[float, float, int]:
-    """(FLOPs, seconds, GEMMs) of one block's forward and backward GEMMs on `tokens`."""
+def matmul_totals(spec: ModelSpec, tokens: int) -> tuple[float, float]:
+    """(FLOPs, seconds) of one block's forward and backward GEMMs on `tokens`."""
     h = spec.hidden
     shapes = [(h, h), (h, spec.kv_dim), (h, spec.kv_dim), (h, h)]
     shapes += [(h, spec.ffn_hidden)] * (spec.mlp_matrices - 1) + [(spec.ffn_hidden, h)]
@@ -78,7 +78,7 @@ def matmul_totals(spec: ModelSpec, tokens: int) -> tuple[float, float, int]:
 
         total_s += typical_time(run)
         total_flops += flops
-    return total_flops, total_s, 3 * len(shapes)
+    return total_flops, total_s
 
 
 def attention_rate(spec: ModelSpec, seq: int, micro_batch: int) -> float:
@@ -117,19 +117,12 @@ def block_config(spec: ModelSpec, seq: int):
                        ffn_hidden=spec.ffn_hidden, max_seq_len=seq)
 
 
-def _block(spec: ModelSpec, seq: int) -> torch.nn.Module:
-    """One block of tessera's reference model at the model's shapes."""
-    from tessera.model import Block
-
-    return Block(block_config(spec, seq))
-
-
 def block_step(spec: ModelSpec, seq: int, micro_batch: int) -> Callable[[], None]:
     """Forward + backward of one block of tessera's reference model at the model's shapes."""
-    from tessera.model import rope_tables
+    from tessera.model import Block, rope_tables
 
     cfg = block_config(spec, seq)
-    block = _block(spec, seq)
+    block = Block(cfg)
     cos, sin = rope_tables(cfg.head_dim, seq, cfg.rope_theta)
     x = torch.randn(micro_batch, seq, spec.hidden, requires_grad=True)
     grad = torch.randn(micro_batch, seq, spec.hidden)

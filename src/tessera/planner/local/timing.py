@@ -27,11 +27,10 @@ def wall_clock() -> float:
     return time.perf_counter()
 
 
-def samples(fn: Callable[[], object], repeats: int, warmup: int = 2,
-             clock: Callable[[], float] | None = None) -> list[float]:
-    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones, on `clock` (default:
-    this thread's CPU time on the CPU, synchronized wall time on a GPU)."""
-    clock = clock or (wall_clock if on_gpu() else time.thread_time)
+def samples(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[float]:
+    """Seconds of `repeats` calls of `fn` after `warmup` untimed ones: this thread's CPU time
+    on the CPU, synchronized wall time on a GPU."""
+    clock = wall_clock if on_gpu() else time.thread_time
     samples = []
     for i in range(warmup + repeats):
         start = clock()
@@ -41,8 +40,6 @@ def samples(fn: Callable[[], object], repeats: int, warmup: int = 2,
     return samples
 
 
-def typical_time(fn: Callable[[], object], repeats: int = 11, warmup: int = 2) -> float:
-    """The median of `repeats` calls, in this thread's CPU time. With one intra-op thread
-    torch runs every kernel in the calling thread, so CPU time is what the kernel costs, and
-    unlike wall time it does not grow when other jobs on a shared machine take the core."""
-    return statistics.median(samples(fn, repeats, warmup))
+def typical_time(fn: Callable[[], object], repeats: int = 11) -> float:
+    """The median of `repeats` calls of `fn` on :func:`samples`' clock (module docstring)."""
+    return statistics.median(samples(fn, repeats))
