@@ -267,3 +267,42 @@ def test_planner_prices_the_v_placement_and_split_backwards():
     assert (zb.makespan - zb.busy) < 0.5 * (one.makespan - one.busy)
     assert zb.step_time < one.step_time
     assert zb.lower_bound == pytest.approx(zb.step_time, rel=1e-6)
+
+
+def test_planner_extrapolation_matches_full_simulation():
+    """At large m the planner simulates two m a period apart past the warm-up
+    (``ScheduleSpec.steady_after_periods``: 1 for zb-h1, 2 for the V shapes) and extrapolates:
+    equal to simulating the true m to 1e-5 (costs normalized to 6 significant digits) on the
+    planner's cost structure (heavier last chunk, p2p latency, dp reductions)."""
+    from tessera.planner.estimate import _per_chunk, estimate
+    from tessera.planner.hardware import load_hardware
+    from tessera.planner.models import load_model
+    from tessera.planner.pipeline import build, time_pipeline
+    from tessera.planner.workload import Layout, Workload
+
+    w = Workload(model=load_model("megatron-145.6b"), hardware=load_hardware("A100-80GB"),
+                 gpus=384, global_batch=2304, seq_len=2048)
+    for name, v in ZB.items():
+        L = Layout(dp=6, tp=8, pp=8, virtual_stages=v, micro_batch=1, schedule=name,
+                   recompute="selective")
+        est = estimate(w, L, simulate=False)
+        c = est.costs
+        fs, bs, ds = _per_chunk(c)
+        costs = StageCosts(forward=fs, backward=bs, p2p_latency=c.p2p_latency,
+                           p2p_bytes=c.p2p_bytes, p2p_bandwidth=c.p2p_bandwidth, dp_reduce=ds,
+                           dp_overlap=c.dp_overlap)
+        fast = time_pipeline(name, L.pp, est.m, v, costs)
+        assert len(fast.simulated_m) == 2, name
+        full = simulate(build(name, L.pp, est.m, v), costs, timeline=False)
+        assert fast.step_time == pytest.approx(full.step_time, rel=1e-5), name
+        assert fast.makespan == pytest.approx(full.makespan, rel=1e-5), name
+    # Slow transfers (70% of a forward) and a 6% heavier head: zb-h1 is linear in m only from
+    # two periods on, the V shapes from up to seven (ScheduleSpec.steady_after_periods).
+    for name, v in ZB.items():
+        n = 8 * v
+        costs = StageCosts(forward=[1.0] * (n - 1) + [1.06], backward=[2.0] * (n - 1) + [2.12],
+                           p2p_latency=0.7)
+        fast = time_pipeline(name, 8, 400, v, costs)
+        assert len(fast.simulated_m) == 2, name
+        full = simulate(build(name, 8, 400, v), costs, timeline=False)
+        assert fast.makespan == pytest.approx(full.makespan, rel=1e-5), name

@@ -299,12 +299,13 @@ chunk's output (activation) for the micro-batch; ``"I"``, the gradient w.r.t. th
 (made by W; B makes it too, but nothing waits for it). Plain tuples, for the simulator's hot
 loop."""
 
-_MAKES = {Kind.F: "F", Kind.B: "I", Kind.I: "I", Kind.W: "W"}
+_MAKES = {"F": "F", "B": "I", "I": "I", "W": "W"}
+"""Kind name -> what it makes ready (by name: an Enum member hashes in Python code)."""
 
 
 def output_key(a: Action) -> Key:
     """The :data:`Key` compute action `a` makes ready."""
-    return (a.chunk, _MAKES[a.kind], a.microbatch)
+    return (a.chunk, _MAKES[a.kind._name_], a.microbatch)
 
 
 def input_keys(chunk: int, kind: Kind, mb: int, n_chunks: int) -> list[Key]:

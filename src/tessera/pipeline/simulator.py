@@ -255,12 +255,13 @@ def prepare(schedule: Schedule) -> Prepared:
     for r, order in enumerate(orders):
         mine = []
         for a in order:
-            if a.kind.is_sharding:
-                mine.append((a, -1, (), a.kind.value))
+            kind = a.kind
+            if kind.is_sharding:
+                mine.append((a, -1, (), kind._value_))
                 continue
             deps = tuple((number.get(d, never), owner[d[0]] != r)
-                         for d in input_keys(a.chunk, a.kind, a.microbatch, n))
-            mine.append((a, number[output_key(a)], deps, a.kind.value))
+                         for d in input_keys(a.chunk, kind, a.microbatch, n))
+            mine.append((a, number[output_key(a)], deps, kind._value_))
         steps.append(mine)
     return Prepared(orders=orders, steps=steps, never=never,
                     computed=frozenset(c for c, _, _ in number),

@@ -44,29 +44,26 @@ def v_placement(pp: int, n_chunks: int) -> tuple[int, ...]:
 
 
 class _Rank:
-    """One rank's order under construction: next micro-batch per (chunk, kind), and the W
-    that wait (oldest first) after their I."""
+    """One rank's order under construction: the next micro-batch of each chunk's forwards and
+    backwards, and the W that wait (oldest first) after their I. (Plain dicts of ints: the
+    planner generates these orders by the hundred.)"""
 
     def __init__(self, m: int):
         self.m = m
         self.order: list[Action] = []
-        self.next: dict[tuple[int, str], int] = {}
+        self.forwards: dict[int, int] = {}
+        self.backwards: dict[int, int] = {}
         self.deferred: deque[tuple[int, int]] = deque()
 
-    def count(self, chunk: int, kind: str) -> int:
-        return self.next.get((chunk, kind), 0)
-
-    def _take(self, chunk: int, kind: str) -> int:
-        mb = self.count(chunk, kind)
-        self.next[chunk, kind] = mb + 1
-        return mb
-
     def f(self, chunk: int) -> None:
-        self.order.append(F(chunk, self._take(chunk, "F")))
+        mb = self.forwards.get(chunk, 0)
+        self.forwards[chunk] = mb + 1
+        self.order.append(F(chunk, mb))
 
     def i(self, chunk: int, w_now: bool = False) -> None:
         """The next input gradient of `chunk`; its W right after (`w_now`) or deferred."""
-        mb = self._take(chunk, "B")
+        mb = self.backwards.get(chunk, 0)
+        self.backwards[chunk] = mb + 1
         self.order.append(I(chunk, mb))
         if w_now:
             self.order.append(W(chunk, mb))
@@ -75,7 +72,9 @@ class _Rank:
 
     def b(self, chunk: int) -> None:
         """The next full backward of `chunk`."""
-        self.order.append(B(chunk, self._take(chunk, "B")))
+        mb = self.backwards.get(chunk, 0)
+        self.backwards[chunk] = mb + 1
+        self.order.append(B(chunk, mb))
 
     def backward(self, chunk: int, split: bool) -> None:
         self.i(chunk) if split else self.b(chunk)
@@ -90,6 +89,8 @@ class _Rank:
 
     def actions(self) -> list[Action]:
         """The order without micro-batches past m (generated as if there were more)."""
+        if max(self.forwards.values(), default=0) <= self.m:
+            return self.order
         return [a for a in self.order if a.microbatch < self.m]
 
 
@@ -124,8 +125,10 @@ def zb_v_orders(pp: int, m: int, v: int) -> Orders:
         for _ in range(pp - r):
             rank.f(up)
             rank.i(up, w_now=True)
-        while rank.count(down, "F") < n or rank.count(up, "F") < rank.count(down, "F"):
-            if rank.count(down, "F") < n:
+        # Steady state until every forward ran: p forwards of the up chunk so far, 2p-r-1 of
+        # the down chunk.
+        for k in range(n - pp):
+            if k < n - (2 * pp - r - 1):
                 rank.f(down)
             rank.i(down, w_now=True)
             rank.f(up)

@@ -137,9 +137,11 @@ def _chunk_inflight(name: str, p: int, m: int, v: int, group: int,
     return _undominated(peaks)
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=128)
 def _built(name: str, p: int, m: int, v: int, group: int) -> Schedule:
-    """One schedule walked for the few ranks the planner weighs (first, second, last)."""
+    """One schedule walked for the few ranks the planner weighs (first, second, last). The
+    1T search walks 126 distinct ones (interleaved, the V shapes), a few MB in all; with
+    room for 16 it regenerated them 398 times."""
     return build(name, p, m, v, group)
 
 
