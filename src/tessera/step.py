@@ -64,7 +64,7 @@ from tessera.parallel_model import ParallelModel, training_schedule
 from tessera.parallelize import sync_context
 from tessera.pipeline.runtime import PipelineRuntime, StepRecord, measured_bubble
 from tessera.pipeline.scatter_gather import StageBoundary
-from tessera.pipeline.schedule import Action, F, Kind, Schedule, forward_only
+from tessera.pipeline.schedule import Action, F, Schedule, forward_only
 from tessera.pipeline.simulator import StageCosts, TimelineEvent, simulate
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
