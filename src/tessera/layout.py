@@ -23,11 +23,8 @@ change: virtual stages and micro-batch groups need a schedule that has them, and
 
 from __future__ import annotations
 
-import functools
-
 from tessera.config import Config
 from tessera.errors import ConfigError, require
-from tessera.pipeline.schedule import Kind
 from tessera.pipeline.schedules import SCHEDULES, check_schedule
 from tessera.pipeline.split import check_split, parse_stage_layout
 
@@ -199,7 +196,7 @@ def _check_pipeline(cfg: Config) -> None:
                           f"different ranks or in one chunk (pp=1 with virtual_stages="
                           f"{p.virtual_stages} puts both on one rank)")
     if p.pp > 1 or p.virtual_stages > 1:
-        check_split_backward(p.zero_stage, p.schedule, splits_backward(p.schedule))
+        check_split_backward(p.zero_stage, p.schedule, SCHEDULES[p.schedule].split_backward)
     # The chunked loss reads the head's weight outside the chunk's forward, where ZeRO-3 has
     # already released it.
     require(not (t.loss_chunk_tokens and p.zero_stage == 3), "train.loss_chunk_tokens",
@@ -218,17 +215,3 @@ def check_split_backward(zero_stage: int, schedule: str, splits: bool) -> None:
             "zero_stage <= 2")
 
 
-@functools.cache
-def splits_backward(name: str) -> bool:
-    """Whether registered schedule `name` splits backwards into I and W: read off its
-    orders at pp = 2 and the smallest of m = 2, 4, 8 it allows (a family splits at every size
-    or at none)."""
-    spec = SCHEDULES[name]
-    v = spec.chunks_per_rank or spec.min_virtual
-    for m in (2, 4, 8):
-        try:
-            check_schedule(name, 2, m, v)
-        except ConfigError:
-            continue
-        return any(a.kind is Kind.I for acts in spec.orders(2, m, v) for a in acts)
-    return False
