@@ -53,6 +53,7 @@ from tessera.config import Config
 from tessera.model import cross_entropy
 from tessera.moe import set_loss_scale, update_router_bias
 from tessera.parallel.chunked_loss import chunked_head_cross_entropy
+from tessera.parallel.compile import compiled_loss
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.parallel_model import ParallelModel, training_schedule
 from tessera.parallelize import sync_context
@@ -131,6 +132,9 @@ class Executor:
             for chunk in model.chunks.values():
                 if chunk.spec.has_head:
                     chunk.head_in_loss, self.head_chunk = True, chunk
+        self.cross_entropy = cross_entropy  # the loss of tp = 1 without chunks
+        if self.cfg.train.compile:
+            self.cross_entropy = compiled_loss(cross_entropy)
         self.last_record: StepRecord | None = None
         self.last_comm_wait_s = 0.0
         """The last step's measured exposed data-parallel communication: seconds this rank
@@ -171,7 +175,7 @@ class Executor:
         if self.model.tp.size > 1:
             return vocab_parallel_cross_entropy(logits, targets, self.cfg.model.vocab_size,
                                                 self.model.tp)
-        return cross_entropy(logits, targets)
+        return self.cross_entropy(logits, targets)
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
         """One step's forward and backward over this rank's micro-batches; leaves synchronized

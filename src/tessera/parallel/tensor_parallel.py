@@ -87,12 +87,16 @@ class TPContext:
         object.__setattr__(self, "size", group_size(self.group))
         object.__setattr__(self, "rank", group_rank(self.group))
 
+    # Both collectives are graph breaks under torch.compile (``parallel.compile``): dynamo does
+    # not trace blocking process-group calls, so they run eagerly between compiled graphs.
+    @torch.compiler.disable
     def enter(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Enter a tensor-parallel region: f, or SP's g (all-gather along the sequence)."""
         if self.sequence_parallel:
             return sp.g(x, self.group, self.stats, tag + ":enter")
         return f(x, self.group, self.stats, tag + ":enter")
 
+    @torch.compiler.disable
     def exit(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Leave a tensor-parallel region: g, or SP's ḡ (reduce-scatter along the sequence)."""
         if self.sequence_parallel:
