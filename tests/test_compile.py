@@ -1,13 +1,14 @@
 """Regional compilation (``train.compile``, ``tessera.parallel.compile``) against eager.
 
-Layouts: (dp,tp,pp) = (2,2,2) 1F1B, (4,1,1) ZeRO-3, (1,2,2) SP with full recomputation, cp 2
-ring and ep 2 (MoE), each run compiled and eager on the same batches in the same ranks: the
-loss of every step and every parameter's first-step gradient must agree, the blocks must be
-compiled (dynamo captured graphs), and no step after the first may compile anything. These
-use the ``aot_eager`` backend: dynamo's graphs, graph breaks and guards and AOTAutograd's
-forward/backward split, exactly as inductor receives them, without generating code, which
-would take minutes per layout on gloo ranks sharing two cores. Inductor itself runs in the
-one-process test (the same graphs, through the trainer), whose checkpoint also resumes.
+Layouts: (dp,tp,pp) = (2,2,2) 1F1B, (4,1,1) ZeRO-3 (with selective recomputation), (1,2,2)
+SP with full recomputation, cp 2 ring (in bf16) and ep 2 (MoE), each run compiled and eager
+on the same batches in the same ranks: the loss of every step and every parameter's
+first-step gradient must agree, the blocks must be compiled (dynamo captured graphs), and the
+second step must compile nothing. These use the ``aot_eager`` backend: dynamo's graphs, graph
+breaks and guards and AOTAutograd's forward/backward split, exactly as inductor receives
+them, without generating code, which would take minutes per layout on gloo ranks sharing two
+cores. Inductor itself runs in the one-process test; a checkpoint taken compiled resumes
+exactly through the trainer.
 
 Tolerances. A compiled graph computes the same sums in another order: inductor fuses and
 blocks its reductions (RMSNorm's mean over h, softmax over V, a weight gradient over the
@@ -41,25 +42,27 @@ N_TERMS = max(GLOBAL_BATCH * SEQ, VOCAB)
 
 
 def _cfg(dp: int = 1, tp: int = 1, pp: int = 1, m: int = 2, model: dict | None = None,
-         compile: bool = False, **parallel: Any):
+         compile: bool = False, precision: str = "fp32", **parallel: Any):
     return make_config(
         None, model=dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
                          vocab_size=VOCAB, **(model or {})),
         data=dict(seq_len=SEQ), parallel=dict(dp=dp, tp=tp, pp=pp, **parallel),
         train=dict(lr=1e-3, warmup_steps=0, steps=STEPS, grad_accum=m, grad_clip=0.0,
-                   micro_batch_size=GLOBAL_BATCH // (dp * m), compile=compile))
+                   micro_batch_size=GLOBAL_BATCH // (dp * m), compile=compile,
+                   precision=precision))
 
 
 MOE = dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden=32)
 LAYOUTS: dict[str, dict[str, Any]] = {
     "(2,2,2) 1f1b": dict(dp=2, tp=2, pp=2, schedule="1f1b"),
-    "(4,1,1) zero3": dict(dp=4, zero_stage=3),
+    "(4,1,1) zero3 selective": dict(dp=4, zero_stage=3, recompute="selective"),
     "(1,2,2) sp full recompute": dict(tp=2, pp=2, sequence_parallel=True, recompute="full"),
-    "dp2 cp2 ring": dict(dp=2, cp=2, cp_method="ring"),
+    "dp2 cp2 ring bf16": dict(dp=2, cp=2, cp_method="ring", precision="bf16"),
     "dp4 ep2 moe": dict(dp=4, ep=2, model=MOE),
 }
 LAUNCHES = {8: ["(2,2,2) 1f1b"],
-            4: ["(4,1,1) zero3", "(1,2,2) sp full recompute", "dp2 cp2 ring", "dp4 ep2 moe"]}
+            4: ["(4,1,1) zero3 selective", "(1,2,2) sp full recompute", "dp2 cp2 ring bf16",
+                "dp4 ep2 moe"]}
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,12 +133,32 @@ def test_compiled_layouts_match_eager(world):
             assert compiled["graphs"][-1] == compiled["graphs"][0], (
                 f"{label}: steps after the first compiled again: graphs {compiled['graphs']}")
             assert eager["graphs"] == [0] * STEPS, label
+            assert compiled["grads"].keys() == eager["grads"].keys(), label
+            if LAYOUTS[name].get("precision") == "bf16":
+                _check_bf16(label, compiled, eager)
+                continue
             assert_curves_close(compiled["losses"], eager["losses"], terms_per_step=N_TERMS,
                                 msg=f"{label} losses")
-            assert compiled["grads"].keys() == eager["grads"].keys(), label
             for k, want in eager["grads"].items():
                 assert_close_summed(compiled["grads"][k], want, terms=N_TERMS,
                                     msg=f"{label} step-1 grad {k}")
+
+
+def _check_bf16(label: str, compiled: dict[str, Any], eager: dict[str, Any]) -> None:
+    """bf16: every activation between two operations is rounded to bf16 (u = 2⁻⁸), and a fused
+    kernel keeps some of them in fp32 instead, so the two runs differ by a few u of the
+    magnitudes flowing into each value, not by reordered fp32 sums. The bounds are
+    tests/test_composition.py's for bf16 against fp32 (its docstring): the step-1 gradient
+    model-wide, ‖Δg‖ ≤ 4u·‖g‖ and every element within 6u of the largest; the loss of step k
+    within k·4u of itself."""
+    u = 2.0 ** -8
+    diff = [compiled["grads"][k].float() - g.float() for k, g in eager["grads"].items()]
+    norm = sum(float(g.float().pow(2).sum()) for g in eager["grads"].values()) ** 0.5
+    largest = max(float(g.float().abs().max()) for g in eager["grads"].values())
+    assert sum(float(d.pow(2).sum()) for d in diff) ** 0.5 <= 4 * u * norm, label
+    assert max(float(d.abs().max()) for d in diff) <= 6 * u * largest, label
+    for k, (got, want) in enumerate(zip(compiled["losses"], eager["losses"], strict=True), 1):
+        assert abs(got - want) <= k * 4 * u * abs(want), f"{label} loss step {k}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,13 +177,15 @@ def _one_process(compile: bool) -> dict[str, Any]:
 def test_inductor_matches_eager():
     """Inductor (C++ kernels on CPU): losses and first-step gradients within the summation
     bound over N_TERMS (module docstring); the blocks and the final norm are compiled, and the
-    graphs of step 1 serve steps 2 and 3."""
+    graphs of step 1 serve step 2."""
     import tessera.parallel.compile as compile_module
 
     assert compile_module.BACKEND == "inductor"
     eager, compiled = _one_process(False), _one_process(True)
     assert compiled["compiled"] == 3  # two blocks and the final norm
-    assert compiled["graphs"][0] > 0 and compiled["graphs"][-1] == compiled["graphs"][0]
+    # One graph serves both blocks (a guard on something per block would compile one each),
+    # one the final norm, one the loss; step 2 compiles nothing.
+    assert compiled["graphs"] == [3] * STEPS
     assert compiled["compile_s"] > 0 and eager["compile_s"] == 0
     assert_curves_close(compiled["losses"], eager["losses"], terms_per_step=N_TERMS,
                         msg="inductor losses")

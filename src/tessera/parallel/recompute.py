@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from tessera.model import AttentionCore, Block
 
@@ -73,8 +73,12 @@ def checkpointed(module: nn.Module, body: Callable[..., Any]) -> Callable[..., A
     a checkpoint without a ``context_fn`` (a dense attention core's, under selective
     recomputation) but not one with. A closure rather than a ``functools.partial``: dynamo
     guards on a partial's bound arguments, so every block would compile its own graph."""
-    context = (functools.partial(_contexts, module)
-               if any(hasattr(m, "replaying") for m in module.modules()) else noop_context_fn)
+    if not any(hasattr(m, "replaying") for m in module.modules()):
+        def forward(*args: Any, _body: Callable[..., Any] = body, **kwargs: Any) -> Any:
+            return checkpoint(_body, *args, use_reentrant=False, **kwargs)
+
+        return forward
+    context = functools.partial(_contexts, module)
 
     def forward(*args: Any, _body: Callable[..., Any] = body, **kwargs: Any) -> Any:
         return checkpoint(_body, *args, use_reentrant=False, context_fn=context, **kwargs)
