@@ -8,7 +8,8 @@ runtime. One step:
    so the m micro-batches' gradients accumulate to the gradient of the whole batch's mean loss.
    The loss is the reference cross-entropy, or its vocabulary-parallel form under tp; with
    ``train.loss_chunk_tokens`` the last chunk returns the head's input and the loss applies the
-   head a chunk of tokens at a time (``parallel.chunked_loss``).
+   head a chunk of tokens at a time (``parallel.chunked_loss``). With ``train.compile`` the
+   reference cross-entropy is compiled (``parallel.compile.compiled_loss``).
 2. **data-parallel reduction, overlapped**: each chunk's backwards run under its wrapper's
    ``no_sync()`` except the chunk's last one of the step, during which the reduction starts
    (DDP buckets launch from gradient hooks as they fill; ZeRO-1 all-reduces and ZeRO-2/3

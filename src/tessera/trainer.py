@@ -105,8 +105,8 @@ class RunResult:
     moe: dict[str, Any] | None = None
     """Mixture of experts: the whole run's tokens per expert, busiest/mean, dropped share."""
     compile_s: float | None = None
-    """train.compile: seconds this rank spent compiling (steps and evaluations); the steps
-    that compiled are left out of median_step_s and tokens_per_s."""
+    """train.compile: seconds this rank spent compiling; the steps that compiled are left out
+    of median_step_s and tokens_per_s."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -378,9 +378,9 @@ def finish(run: Run, result: RunResult, step_times: list[float], work: StepWork,
                               mfu(flops_per_s, work.peak_tflops, topo.world_size),
                               timeline, memory, moe=result.moe)
         if result.compile_s is not None:
-            lines.insert(3, f"compile     {result.compile_s:.1f} s (rank 0: steps "
-                            f"{sorted(i + run.start + 1 for i in compiling or ())} and "
-                            "evaluations), left out of the step time and tokens/s")
+            steps = ", ".join(str(i + run.start + 1) for i in sorted(compiling or ()))
+            lines.insert(3, f"compile     {result.compile_s:.1f} s on rank 0 (step {steps}), "
+                            "left out of the step time and tokens/s")
         print("\n".join(lines), flush=True)
         result.timeline = timeline
         result.memory = memory
