@@ -6,22 +6,23 @@
 Models: the demo preset's (1.7M parameters) and a 23.5M-parameter one (d_model 512, 8
 layers, 8 heads, 4 key/value heads), sequence 128, global batch 8, fp32, AdamW. Layouts: one
 process (``--single-threads``, 2 by default), dp 2 and tp 2 × pp 2 (1F1B, 2 micro-batches;
-one thread per rank, 4 ranks time-sharing 2 cores). Each (model, layout) runs eager and
-compiled (``train.compile``, inductor's C++ backend) in fresh processes: the first step
-(which compiles), then ``--steps`` timed steps; we print the median step after the first, the
-compiled/eager ratio, the compile seconds (``tessera.parallel.compile.compile_seconds``:
-dynamo + inductor, forward and backward graphs, rank 0) and the first step's wall time, and
-both runs' last losses.
+one thread per rank, 4 ranks time-sharing 2 cores). Each (model, layout) builds an eager
+and a compiled (``train.compile``, inductor's C++ backend) executor in the same processes and
+alternates their steps (eager, compiled, eager, ...), so both see the same load: the first
+step of each (the compiled one compiles), then ``--steps`` more; we print each side's median
+step after the first, the compiled/eager ratio, the compile seconds
+(``tessera.parallel.compile.compile_seconds``: dynamo + inductor, forward and backward graphs,
+rank 0) and the compiled first step's wall time, and both sides' last losses.
 
 Peer (one process, with the one-process layout's threads): the reference model in a plain
 loop (cross-entropy, backward, AdamW), eager and ``torch.compile(model)`` (whole model, one
-graph: nanoGPT's way), timed the same.
+graph: nanoGPT's way), alternated the same way.
 
 Compile cache: the run uses one fresh inductor cache directory (TORCHINDUCTOR_CACHE_DIR), so
 the first compile of each graph is cold; a later run whose graphs match an earlier one's
 (dp 2's are the one-process graphs at half the batch: other shapes, so cold too) would load
-them. One pass per row, no pairs: a machine shared by other jobs moves these figures by tens
-of percent (benchmarks/results header states the load).
+them. One pass per row: a machine shared by other jobs moves single figures by tens of percent
+(the header states the load); alternating steps keeps the ratio fairer than the figures.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import resource
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,59 +66,71 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+def _alternate(steps: int, step_fns: dict[bool, Callable[[int], float]]) -> list[dict]:
+    """Run step 0 (which compiles) and then `steps` steps of each side, alternating eager and
+    compiled step by step in this process, so that both see the same load; per side, the
+    first step's seconds, the median of the rest, the last loss and the compile seconds."""
+    from tessera.parallel.compile import compile_seconds
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    losses: dict[bool, float] = {}
+    compiled_s = 0.0
+    for step in range(steps + 1):
+        for compiled, fn in step_fns.items():
+            before = compile_seconds()
+            start = time.perf_counter()
+            losses[compiled] = fn(step)
+            times[compiled].append(time.perf_counter() - start)
+            if compiled:
+                compiled_s += compile_seconds() - before
+    return [dict(first=times[c][0], median=statistics.median(times[c][1:]), loss=losses[c],
+                 compile_s=compiled_s if c else 0.0) for c in (False, True)]
 
 
-def _tessera_rank(model: dict, layout: dict, compile: bool, steps: int) -> dict:
+def _tessera_rank(model: dict, layout: dict, steps: int) -> list[dict]:
     import torch.distributed as dist
 
-    from tessera.parallel.compile import compile_seconds
     from tessera.step import build_executor
     from tessera.topology import Topology
 
-    cfg = _cfg(model, layout, compile)
-    topo = Topology.build(cfg.parallel)
-    ex = build_executor(cfg, topo, torch.device("cpu"))
-    opt = ex.optimizer(cfg.train)
-    dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
-    times, loss, cpu = [], 0.0, 0.0
-    for step in range(steps + 1):
-        x, y = _batch(step)
+    def side(compile: bool) -> Callable[[int], float]:
+        cfg = _cfg(model, layout, compile)
+        topo = Topology.build(cfg.parallel)
+        ex = build_executor(cfg, topo, torch.device("cpu"))
+        opt = ex.optimizer(cfg.train)
+        dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
         rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
-        dist.barrier()
-        start, cpu0 = time.perf_counter(), _cpu_s()
-        done = ex.train_step(list(zip(x[rows].chunk(m), y[rows].chunk(m), strict=True)),
-                             opt, grad_clip=1.0)
-        times.append(time.perf_counter() - start)
-        if step:
-            cpu += _cpu_s() - cpu0
-        loss = done.loss
-    return dict(first=times[0], median=statistics.median(times[1:]), loss=loss,
-                compile_s=compile_seconds(), cpu=cpu / steps)
+
+        def step(k: int) -> float:
+            x, y = _batch(k)
+            dist.barrier()
+            return ex.train_step(list(zip(x[rows].chunk(m), y[rows].chunk(m), strict=True)),
+                                 opt, grad_clip=1.0).loss
+
+        return step
+
+    return _alternate(steps, {False: side(False), True: side(True)})
 
 
-def _peer_rank(model: dict, compile: bool, steps: int) -> dict:
-    from tessera.parallel.compile import compile_seconds
+def _peer_rank(model: dict, steps: int) -> list[dict]:
+    def side(compile: bool) -> Callable[[int], float]:
+        cfg = _cfg(model, {}, False)
+        net = build_model(cfg.model, cfg.train.seed)
+        opt = adamw(net.parameters(), cfg.train)
+        forward = torch.compile(net) if compile else net
 
-    cfg = _cfg(model, {}, False)
-    net = build_model(cfg.model, cfg.train.seed)
-    opt = adamw(net.parameters(), cfg.train)
-    forward = torch.compile(net) if compile else net
-    times, loss = [], 0.0
-    for step in range(steps + 1):
-        x, y = _batch(step)
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        out = cross_entropy(forward(x), y)
-        out.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        times.append(time.perf_counter() - start)
-        loss = out.item()
-    return dict(first=times[0], median=statistics.median(times[1:]), loss=loss,
-                compile_s=compile_seconds())
+        def step(k: int) -> float:
+            x, y = _batch(k)
+            opt.zero_grad(set_to_none=True)
+            loss = cross_entropy(forward(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            return loss.item()
+
+        return step
+
+    return _alternate(steps, {False: side(False), True: side(True)})
 
 
 def _row(label: str, eager: dict, compiled: dict) -> str:
@@ -155,15 +168,14 @@ def main() -> None:
             layout = LAYOUTS[layout_name]
             world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
             threads = args.single_threads if world == 1 else 1
-            runs = [run_ranks(_tessera_rank, world, args=(model, layout, c, args.steps),
-                              threads=threads, timeout=1800, collective_timeout=900)[0]
-                    for c in (False, True)]
+            runs = run_ranks(_tessera_rank, world, args=(model, layout, args.steps),
+                             threads=threads, timeout=1800, collective_timeout=900)[0]
             lines.append(_row(f"{name} ({n / 1e6:.1f}M) {layout_name}", *runs))
             print(lines[-1], flush=True)
         if "1" not in args.layouts:
             continue
-        peer = [run_ranks(_peer_rank, 1, args=(model, c, args.steps),
-                          threads=args.single_threads, timeout=1800)[0] for c in (False, True)]
+        peer = run_ranks(_peer_rank, 1, args=(model, args.steps),
+                         threads=args.single_threads, timeout=1800)[0]
         lines.append(_row(f"{name} peer: plain loop", *peer))
         print(lines[-1], flush=True)
     lines.append(f"# load average at end {os.getloadavg()[0]:.1f}")

@@ -238,3 +238,17 @@ def test_compiled_checkpoint_resumes_exactly(tiny_data, tmp_path, monkeypatch):
     assert models[0].keys() == models[1].keys()
     for name, value in models[0].items():
         torch.testing.assert_close(models[1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_cpu_run_without_a_cpp_compiler_is_refused_at_start_up(monkeypatch):
+    from tessera.errors import ConfigError
+    from tessera.preflight import check_options
+
+    cfg = make_config("tiny", overrides=["train.compile=true"])
+    check_options(cfg, "cpu")  # this machine has g++
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match=r"train.compile=True: needs a C\+\+ compiler on a "
+                                          r"CPU \(inductor builds C\+\+ kernels\)"):
+        check_options(cfg, "cpu")
+    check_options(cfg, "cuda")  # Triton's compiler ships with torch

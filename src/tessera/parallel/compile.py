@@ -58,6 +58,8 @@ generating them (dynamo still traces each graph, which takes seconds).
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -152,6 +154,17 @@ def compiled_loss(fn: Callable[..., torch.Tensor], backend: str | None = None
     return _training_only(_compile(fn, backend), fn)
 
 
+def compiler_missing(device_type: str) -> str | None:
+    """Why `train.compile` cannot run on `device_type`, or None: on a CPU inductor builds C++
+    kernels, so a C++ compiler (``$CXX``, g++ or clang++) must be on the PATH."""
+    if device_type != "cpu" or BACKEND != "inductor":
+        return None
+    if any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++") if c):
+        return None
+    return ("needs a C++ compiler on a CPU (inductor builds C++ kernels): install g++ or "
+            "set CXX")
+
+
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far: dynamo's tracing and the backend's
     compilation of forward graphs plus the compilation of backward graphs (done at their
@@ -164,4 +177,5 @@ def compile_seconds() -> float:
     return float(calculate_time_spent().get("total_wall_time", 0.0))
 
 
-__all__ = ["BACKEND", "compile_chunk", "compile_seconds", "compiled_loss", "eager_regions"]
+__all__ = ["BACKEND", "compile_chunk", "compile_seconds", "compiled_loss", "compiler_missing",
+           "eager_regions"]
