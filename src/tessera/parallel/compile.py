@@ -35,9 +35,10 @@ compiled as separate graphs:
 
 - tensor parallelism: ``TPContext.enter``/``exit`` (Megatron's f and g, SP's all-gather and
   reduce-scatter) are autograd functions around blocking process-group calls, which dynamo
-  does not trace. They sit inside nested calls (the column-parallel linears' shared entry),
-  so dynamo compiles the code around them as several smaller graphs: 12 for a tp = 2 chunk
-  (its blocks, whatever their number, and its final norm) against 1 block graph without tp;
+  does not trace, and the column-parallel linears' shared entry (``SharedInput.output``,
+  whose bookkeeping by ``id(layer)`` dynamo would guard on, block by block) runs eagerly with
+  its matmuls. The code around them compiles as several smaller graphs: 9 for a tp = 2 chunk
+  (its blocks, whatever their number, its final norm and the loss) against 3 without tp;
 - context parallelism: the ``ContextParallelAttention`` core (ring attention's point-to-point
   exchanges, the all-gather and Ulysses all-to-alls) runs eagerly between the block's graphs;
 - mixture of experts: each ``MoEFeedForward`` (routing with data-dependent shapes, the

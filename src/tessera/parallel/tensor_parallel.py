@@ -215,6 +215,9 @@ class SharedInput:
         self._input: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
 
+    # A graph break under torch.compile, as TPContext.enter: this bookkeeping keys the pending
+    # outputs by id(layer), which dynamo would guard on, compiling every block's code anew.
+    @torch.compiler.disable
     def output(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
         if x is not self._input or id(layer) not in self._pending:
             outs = column_parallel(x, self.layers, self.tp, self.tag)
