@@ -38,7 +38,7 @@ compiled as separate graphs:
   does not trace, and the column-parallel linears' shared entry (``SharedInput.output``,
   whose bookkeeping by ``id(layer)`` dynamo would guard on, block by block) runs eagerly with
   its matmuls. The code around them compiles as several smaller graphs: 9 for a tp = 2 chunk
-  (its blocks, whatever their number, its final norm and the loss) against 3 without tp;
+  (its blocks, whatever their number, and its final norm) against 2 without tp;
 - context parallelism: the ``ContextParallelAttention`` core (ring attention's point-to-point
   exchanges, the all-gather and Ulysses all-to-alls) runs eagerly between the block's graphs;
 - mixture of experts: each ``MoEFeedForward`` (routing with data-dependent shapes, the
