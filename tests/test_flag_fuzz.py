@@ -20,8 +20,8 @@ flag_fuzz.preload()
 
 
 def test_the_draw_covers_every_kind_and_is_deterministic():
-    drawn = flag_fuzz.draw_cases(seed=50, n=300)
-    assert [c.argv for c in drawn] == [c.argv for c in flag_fuzz.draw_cases(seed=50, n=300)]
+    drawn = flag_fuzz.draw_cases(seed=50, n=400)
+    assert [c.argv for c in drawn] == [c.argv for c in flag_fuzz.draw_cases(seed=50, n=400)]
     kinds = Counter(k for c in drawn for k in c.kinds)
     for kind in ("ordinary", "boundary", "huge", "negative", "nonfinite", "wrong-type",
                  "unknown", "conflicting"):

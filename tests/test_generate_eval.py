@@ -222,3 +222,32 @@ def test_init_from_under_tensor_parallelism(trained, tiny_data, tmp_path):
     terms = 256 + 256 + cfg.n_layers * (cfg.d_model + cfg.ffn_hidden)
     assert_close_summed(first["val_loss"], summary["val_losses"][-1][1], terms=terms,
                         msg="val loss under tp=2")
+
+
+def test_eval_and_generate_compiled(trained, tiny_data, monkeypatch):
+    """--compile: the model's blocks and final norm compiled for inference (with the aot_eager
+    backend, as tests/test_compile.py's layouts: dynamo's graphs without code generation).
+    eval's loss is the eager one's up to the order of its sums (each token's log-sum-exp over
+    V = 256 logits, the mean over 256 targets: the summation bound over 256 terms); greedy
+    generation (20 contexts of growing length: one recompile, then dynamic shapes) writes the
+    same text."""
+    import torch._dynamo
+
+    import tessera.parallel.compile as compile_module
+    from tessera.weights_cli import load_checkpoint_model
+
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    eager, _ = load_checkpoint_model(str(trained), "cpu")
+    compiled, _ = load_checkpoint_model(str(trained), "cpu", compile=True)
+    assert sum(getattr(m, "compiled", False) for m in compiled.modules()) == 3
+    data = TokenDataset(tiny_data)
+    want, got = evaluate(eager, data, 16, 256, 32), evaluate(compiled, data, 16, 256, 32)
+    assert_close_summed(got.loss, want.loss, terms=256, msg="compiled eval loss")
+    args = ["generate", "--checkpoint", str(trained), "--prompt", "def ", "--tokens", "20",
+            "--temperature", "0"]
+    plain, fast = runner.invoke(app, args), runner.invoke(app, args + ["--compile"])
+    assert fast.exit_code == 0, fast.output
+    assert fast.output == plain.output
+    result = runner.invoke(app, ["eval", "--checkpoint", str(trained), "--compile"])
+    assert result.exit_code == 0 and f"loss {want.loss:.4f}" in result.output, result.output

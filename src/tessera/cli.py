@@ -149,7 +149,7 @@ TRAIN_FLAGS: dict[str, str] = {
     "profile-steps": "train.profile_steps", "tensorboard": "train.tensorboard",
     "memory-snapshot": "train.memory_snapshot",
     "collective-timeout": "train.collective_timeout_s",
-    "loss-chunk-tokens": "train.loss_chunk_tokens",
+    "loss-chunk-tokens": "train.loss_chunk_tokens", "compile": "train.compile",
     "lr-scaling": "train.lr_scaling", "reference-batch": "train.reference_batch",
     "noise-scale": "train.noise_scale",
     "data": "data.path", "out": "train.out_dir",

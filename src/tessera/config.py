@@ -398,6 +398,11 @@ class TrainConfig:
     """Compute the LM head and the loss this many tokens at a time, so that a micro-batch's
     fp32 logits (micro_batch_size x seq_len x vocab_size x 4 bytes) are never held whole:
     each chunk's logits are computed again in backward. 0: the whole micro-batch at once."""
+    compile: bool = False
+    """Compile each transformer block, the final norm and the loss with torch.compile
+    (regional compilation, inductor): faster steps after a one-off compile at the first step,
+    reported as compile_s. Validation runs eagerly; collectives inside a block are graph
+    breaks (tessera.parallel.compile)."""
     memory_snapshot: bool = False
     """CUDA only: record the caching allocator's history from the first step and write
     <out_dir>/memory/rank-NNNNN.pickle after the last (its newest 100,000 events), for

@@ -15,12 +15,17 @@ the chunks (each mechanism lives in its own module; this one only composes them)
    chunk becomes a ``ContextParallelAttention`` over the cp group (ring, all-gather, Ulysses or
    hybrid), and the chunk reads RoPE at its zig-zag tokens' global positions. Everything else
    in the chunk runs on the rank's T/cp tokens unchanged. Parameters are replicated over cp,
-   so step 5's data-parallel group becomes dp × cp (``Topology`` axis 'dpcp').
+   so step 7's data-parallel group becomes dp × cp (``Topology`` axis 'dpcp').
 4. **expert parallelism** (``parallel.expert_parallel``, ep > 1): every MoE layer keeps its ep
    rank's slice of the experts and its dispatcher becomes an all-to-all over the ep group.
    Under tp the MoE layers stay whole on every tp rank (step 2 splits only dense MLPs).
 5. **activation recomputation** (``parallel.recompute``) per block or attention core.
-6. **data parallelism** per chunk over the dp (× cp) group: DDP buckets (``parallel.ddp``),
+6. **regional compilation** (``parallel.compile``, ``train.compile``): ``torch.compile`` on
+   each block (inside a full recomputation's checkpoint, around a selective one's) and the
+   final norm; the loss is compiled in the step executor. After 2-5, so the graphs see the
+   shards and the parallel attention and experts (whose collectives are graph breaks), and
+   before the data-parallel wrappers, whose hooks stay eager around the compiled forwards.
+7. **data parallelism** per chunk over the dp (× cp) group: DDP buckets (``parallel.ddp``),
    ZeRO-1/2/3 units (``parallel.zero``) or the parameter server
    (``parallel.parameter_server``). ZeRO-3 under a breadth-first schedule
    (``ScheduleSpec.breadth_first``) is *schedule-driven*: the step's schedule carries UNSHARD /
@@ -56,6 +61,7 @@ from tessera.layout import check_split_backward
 from tessera.model import init_tensor, rope_tables
 from tessera.moe import materialize_buffers
 from tessera.parallel.comm import CommStats
+from tessera.parallel.compile import compile_chunk
 from tessera.parallel.context_parallel import CPContext, apply_context_parallel, hybrid_groups
 from tessera.parallel.ddp import DataParallel
 from tessera.parallel.expert_parallel import (
@@ -132,8 +138,8 @@ def load_buffers(chunk: Chunk, initial: Callable[[str, tuple[int, ...]], torch.T
 def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Schedule,
                  tp: TPContext, cp: CPContext | None = None,
                  ep: EPContext | None = None) -> dict[int, Chunk]:
-    """Steps 1 to 5 of the module doc: this rank's chunks, TP-split, context-parallel,
-    expert-parallel and recomputing."""
+    """Steps 1 to 6 of the module doc: this rank's chunks, TP-split, context-parallel,
+    expert-parallel, recomputing and compiled."""
     pp_rank = topo.coords()["pp"]
     seed = cfg.train.seed
     initial = initial_values(cfg)
@@ -173,6 +179,8 @@ def build_chunks(cfg: Config, topo: Topology, device: torch.device, schedule: Sc
         if ep is not None:
             apply_expert_parallel(chunk, ep)
         apply_recompute(chunk, cfg.parallel.recompute)
+        if cfg.train.compile:
+            compile_chunk(chunk)
         chunks[c] = chunk
     return chunks
 

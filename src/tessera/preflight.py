@@ -40,6 +40,7 @@ from tessera.data.loader import TokenDataset
 from tessera.errors import ConfigError, Verbatim
 from tessera.layout import validate as validate_layout
 from tessera.metrics import memory_snapshot_refusal, tensorboard_missing
+from tessera.parallel.compile import compiler_missing
 from tessera.run_dir import RunStart, check_run_dir, run_start, with_out_dir
 
 GIB, MIB = 2**30, 2**20
@@ -250,6 +251,8 @@ def check_options(cfg: Config, device_type: str) -> None:
         raise ConfigError("train.tensorboard", True, why)
     if cfg.train.memory_snapshot and (why := memory_snapshot_refusal(torch.device(device_type))):
         raise ConfigError("train.memory_snapshot", True, why)
+    if cfg.train.compile and (why := compiler_missing(device_type)):
+        raise ConfigError("train.compile", True, why)
 
 
 def check_run(cfg: Config, world: int, device_type: str, data: bool = True,

@@ -8,7 +8,8 @@ runtime. One step:
    so the m micro-batches' gradients accumulate to the gradient of the whole batch's mean loss.
    The loss is the reference cross-entropy, or its vocabulary-parallel form under tp; with
    ``train.loss_chunk_tokens`` the last chunk returns the head's input and the loss applies the
-   head a chunk of tokens at a time (``parallel.chunked_loss``).
+   head a chunk of tokens at a time (``parallel.chunked_loss``). With ``train.compile`` the
+   reference cross-entropy is compiled (``parallel.compile.compiled_loss``).
 2. **data-parallel reduction, overlapped**: each chunk's backwards run under its wrapper's
    ``no_sync()`` except the chunk's last one of the step (B, or W where the schedule splits
    the backward: its I accumulates no weight gradient), during which the reduction starts
@@ -59,6 +60,7 @@ from tessera.model import cross_entropy
 from tessera.moe import set_loss_scale, update_router_bias
 from tessera.noise_scale import NoiseScale, noise_scale_unsupported, small_batch_sq
 from tessera.parallel.chunked_loss import chunked_head_cross_entropy
+from tessera.parallel.compile import compiled_loss
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.parallel_model import ParallelModel, training_schedule
 from tessera.parallelize import sync_context
@@ -144,6 +146,9 @@ class Executor:
             for chunk in model.chunks.values():
                 if chunk.spec.has_head:
                     chunk.head_in_loss, self.head_chunk = True, chunk
+        self.cross_entropy = cross_entropy  # the loss of tp = 1 without chunks
+        if self.cfg.train.compile:
+            self.cross_entropy = compiled_loss(cross_entropy)
         self.last_record: StepRecord | None = None
         self.last_comm_wait_s = 0.0
         """The last step's measured exposed data-parallel communication: seconds this rank
@@ -196,7 +201,7 @@ class Executor:
         if self.model.tp.size > 1:
             return vocab_parallel_cross_entropy(logits, targets, self.cfg.model.vocab_size,
                                                 self.model.tp)
-        return cross_entropy(logits, targets)
+        return self.cross_entropy(logits, targets)
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
         """One step's forward and backward over this rank's micro-batches; leaves synchronized

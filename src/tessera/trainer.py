@@ -42,6 +42,7 @@ from tessera.model import Transformer, flops_per_token
 from tessera.moe import reduce_stats, summarize_load
 from tessera.noise_scale import SETTLED_STEPS, critical_batch_line, noise_scale_unsupported
 from tessera.optim import lr_lambda, scaled, scaling_line
+from tessera.parallel.compile import compile_seconds
 from tessera.parallelize import parallelize
 from tessera.preflight import check_run
 from tessera.report import gather_memory, step_line, summary_lines
@@ -106,6 +107,9 @@ class RunResult:
     """Mixture of experts: the whole run's tokens per expert, busiest/mean, dropped share."""
     noise_scale: dict[str, Any] | None = None
     """The gradient noise scale's last record (``tessera.noise_scale``), if measured."""
+    compile_s: float | None = None
+    """train.compile: seconds this rank spent compiling; the steps that compiled are left out
+    of median_step_s and tokens_per_s."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -261,6 +265,8 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
                     topo.world_size, cfg.train.peak_tflops or device_peak_tflops(run.device))
     result = RunResult(steps=cfg.train.steps, final_loss=float("nan"))
     step_times: list[float] = []
+    compiling: set[int] = set()  # indices in step_times of steps that compiled
+    compile_start = compile_seconds()  # what this process compiled before (train.compile)
     chunks = list(executor.model.chunks.values())
     moe_groups = [topo.group("dpcp"), topo.group("pp")]
     moe_total: dict[str, torch.Tensor] = {}
@@ -289,6 +295,7 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
         # The last step also counts the activations saved for backward (the summary's memory).
         executor.runtime.measure_memory = last
         profiler.before(step)
+        compile_before = compile_seconds()
         done = executor.train_step(run.loader, run.optimizer, run.scheduler, cfg.train.grad_clip)
         step_times.append(done.seconds)
         result.final_loss = done.loss
@@ -298,6 +305,10 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
         if done.noise is not None:
             warned = critical_batch_warning(run, done.noise, warned)
             result.noise_scale = done.noise
+        if cfg.train.compile:  # this step's compile seconds, kept out of the summary's rates
+            record["compile_s"] = compile_seconds() - compile_before
+            if record["compile_s"] > 0:
+                compiling.add(len(step_times) - 1)
         if profiled:
             record["profiled"] = True
         if cfg.model.moe_experts:  # this step's routing, summed over dp and layers
@@ -316,8 +327,10 @@ def train(cfg: Config, progress: bool = True, position: Position | None = None) 
     position.stage = f"the end after step {cfg.train.steps}"
     if run.saver is not None:
         run.saver.close()  # the last checkpoint is complete before the run reports
+    if cfg.train.compile:
+        result.compile_s = compile_seconds() - compile_start
     return finish(run, result, step_times, work, snapshot,
-                  summarize_load(moe_total) if moe_total else None)
+                  summarize_load(moe_total) if moe_total else None, compiling)
 
 
 def critical_batch_warning(run: Run, noise: dict[str, Any], warned: bool) -> bool:
@@ -356,10 +369,13 @@ def save_checkpoint(run: Run, step: int, bar: tqdm) -> None:
 
 
 def finish(run: Run, result: RunResult, step_times: list[float], work: StepWork,
-           snapshot: MemorySnapshot | None, moe: dict[str, Any] | None) -> RunResult:
+           snapshot: MemorySnapshot | None, moe: dict[str, Any] | None,
+           compiling: set[int] | None = None) -> RunResult:
     """After the last step: the memory snapshot, the median step and its rates, the last
     step's timeline, memory per rank, the summary, the sample, summary.json; then every rank
-    meets at a barrier. `moe`: the whole run's expert load (``summarize_load``), if any."""
+    meets at a barrier. `moe`: the whole run's expert load (``summarize_load``), if any.
+    `compiling`: indices of the steps that compiled (train.compile), left out of the median
+    step like the first two."""
     cfg, topo, executor, out = run.cfg, run.topo, run.executor, run.out
     rank0 = topo.rank == 0
     if snapshot is not None:
@@ -370,6 +386,8 @@ def finish(run: Run, result: RunResult, step_times: list[float], work: StepWork,
     if not step_times:  # resumed at the last step: nothing left to run
         step_times.append(float("nan"))
     warm = step_times[min(len(step_times) - 1, 2):]
+    steady = [t for i, t in enumerate(step_times) if i >= 2 and i not in (compiling or ())]
+    warm = steady or warm
     result.median_step_s = sorted(warm)[len(warm) // 2]
     result.tokens_per_s = work.tokens / result.median_step_s
 
@@ -383,6 +401,10 @@ def finish(run: Run, result: RunResult, step_times: list[float], work: StepWork,
                               result.tokens_per_s, flops_per_s,
                               mfu(flops_per_s, work.peak_tflops, topo.world_size),
                               timeline, memory, moe=result.moe, noise=result.noise_scale)
+        if result.compile_s is not None:
+            steps = ", ".join(str(i + run.start + 1) for i in sorted(compiling or ()))
+            lines.insert(3, f"compile     {result.compile_s:.1f} s on rank 0 (step {steps}), "
+                            "left out of the step time and tokens/s")
         print("\n".join(lines), flush=True)
         result.timeline = timeline
         result.memory = memory

@@ -21,9 +21,15 @@ Checkpoint = Annotated[str, typer.Option(
          "Hugging Face Llama directory (config.json + *.safetensors).")]
 
 
-def load_checkpoint_model(checkpoint: str, device: str):
+Compile = Annotated[bool, typer.Option(
+    "--compile", help="Compile the model's blocks and final norm with torch.compile first "
+                      "(one-off compile seconds; faster on long inputs).")]
+
+
+def load_checkpoint_model(checkpoint: str, device: str, compile: bool = False):
     """The reference model with the weights at `checkpoint` loaded (a checkpoint's, consolidated
-    from its shards, or a Hugging Face Llama directory's), and the directory read."""
+    from its shards, or a Hugging Face Llama directory's), and the directory read; with
+    `compile`, its blocks and final norm compiled for inference (``parallel.compile``)."""
     from pathlib import Path
 
     from tessera.checkpoint import find
@@ -34,6 +40,10 @@ def load_checkpoint_model(checkpoint: str, device: str):
     model_cfg, state = load_weights(path)
     model = Transformer(model_cfg)
     model.load_state_dict(state)
+    if compile:
+        from tessera.parallel.compile import compile_chunk
+
+        compile_chunk(model, inference=True)
     return model.to(device), path
 
 
@@ -61,6 +71,7 @@ def generate_cmd(
         help="'byte', a tokenizer.json, or the prepared data directory the model trained on.")
     ] = "byte",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    compile_: Compile = False,
 ) -> None:
     """Continue a prompt with a checkpoint's model, printed to stdout."""
     from tessera.generate import generate
@@ -74,7 +85,7 @@ def generate_cmd(
             if not ok:
                 raise ConfigError(flag, value, rule)
         tok = tokenizer_for(tokenizer)
-        model, _ = load_checkpoint_model(checkpoint, device)
+        model, _ = load_checkpoint_model(checkpoint, device, compile_)
         if tok.vocab_size > model.cfg.vocab_size:
             raise ConfigError("--tokenizer", tokenizer, f"its vocabulary {tok.vocab_size} "
                               f"exceeds the model's {model.cfg.vocab_size}")
@@ -168,6 +179,7 @@ def eval_cmd(
     batch_size: Annotated[int | None, typer.Option(
         help="Windows per forward pass; default: the training validation's, else 16.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    compile_: Compile = False,
 ) -> None:
     """Validation loss (nats per token) and perplexity of a checkpoint's model; by default on
     the windows the training run validated on."""
@@ -180,7 +192,7 @@ def eval_cmd(
                             ("--seq-len", seq_len)):
             if value is not None and value < 1:
                 raise ConfigError(flag, value, "must be >= 1")
-        model, path = load_checkpoint_model(checkpoint, device)
+        model, path = load_checkpoint_model(checkpoint, device, compile_)
         w = eval_windows(model, path, data, seq_len, tokens, batch_size, split, EVAL_TOKENS)
         result = evaluate(model, w.dataset, w.seq_len, w.tokens, w.batch_size, split)
     except ValueError as e:

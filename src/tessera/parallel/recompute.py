@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -57,12 +59,31 @@ def apply_recompute(module: nn.Module, mode: str) -> int:
         if isinstance(sub, TARGETS[mode]):
             if getattr(sub, "recompute", None) is not None:
                 raise ValueError(f"{type(sub).__name__} already recomputes ({sub.recompute})")
-            plain = sub.forward
-            sub.forward = functools.partial(checkpoint, plain, use_reentrant=False,
-                                            context_fn=functools.partial(_contexts, sub))
+            sub.recompute_body = sub.forward
+            sub.forward = checkpointed(sub, sub.forward)
             sub.recompute = mode
             count += 1
     return count
+
+
+def checkpointed(module: nn.Module, body: Callable[..., Any]) -> Callable[..., Any]:
+    """`module`'s forward that runs `body` (its own forward, or a compiled form of it:
+    ``parallel.compile``) under non-reentrant checkpoint. The :func:`replaying` context is
+    handed to checkpoint only when `module` holds a module that reads it: torch.compile traces
+    a checkpoint without a ``context_fn`` (a dense attention core's, under selective
+    recomputation) but not one with. A closure rather than a ``functools.partial``: dynamo
+    guards on a partial's bound arguments, so every block would compile its own graph."""
+    if not any(hasattr(m, "replaying") for m in module.modules()):
+        def forward(*args: Any, _body: Callable[..., Any] = body, **kwargs: Any) -> Any:
+            return checkpoint(_body, *args, use_reentrant=False, **kwargs)
+
+        return forward
+    context = functools.partial(_contexts, module)
+
+    def forward(*args: Any, _body: Callable[..., Any] = body, **kwargs: Any) -> Any:
+        return checkpoint(_body, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+    return forward
 
 
 def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager,

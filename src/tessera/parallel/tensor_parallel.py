@@ -87,12 +87,16 @@ class TPContext:
         object.__setattr__(self, "size", group_size(self.group))
         object.__setattr__(self, "rank", group_rank(self.group))
 
+    # Both collectives are graph breaks under torch.compile (``parallel.compile``): dynamo does
+    # not trace blocking process-group calls, so they run eagerly between compiled graphs.
+    @torch.compiler.disable
     def enter(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Enter a tensor-parallel region: f, or SP's g (all-gather along the sequence)."""
         if self.sequence_parallel:
             return sp.g(x, self.group, self.stats, tag + ":enter")
         return f(x, self.group, self.stats, tag + ":enter")
 
+    @torch.compiler.disable
     def exit(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Leave a tensor-parallel region: g, or SP's ḡ (reduce-scatter along the sequence)."""
         if self.sequence_parallel:
@@ -211,6 +215,9 @@ class SharedInput:
         self._input: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
 
+    # A graph break under torch.compile, as TPContext.enter: this bookkeeping keys the pending
+    # outputs by id(layer), which dynamo would guard on, compiling every block's code anew.
+    @torch.compiler.disable
     def output(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
         if x is not self._input or id(layer) not in self._pending:
             outs = column_parallel(x, self.layers, self.tp, self.tag)
