@@ -5,7 +5,8 @@ In one process: a chunk's I then W gives exactly one plain backward's input grad
 gradients (bitwise: the same kernels on the same numbers, each gradient one term per
 micro-batch), I accumulates no weight gradient and fires no gradient hook, W fires each once,
 and what I keeps for W is less than what the forward saved; with every recompute mode; and the
-first chunk (token ids, no input gradient) does its whole backward in W.
+first chunk (token ids, no input gradient) does its whole backward in W. W runs the groups
+whose entries cannot reach each other in one autograd call (q, k, v; the MLP's two inputs).
 
 On gloo ranks (tests/test_pipeline_runtime.py's harness and tolerances, tests/
 test_composition.py's for composed layouts): hand-written split schedules, then each
@@ -177,6 +178,61 @@ def test_parameters_sharing_an_entry_form_one_group():
     torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
     for t, w in zip((a, b, c), want, strict=True):  # c's two parts may add in another order
         assert_close_summed(t.grad, w, terms=2, msg="weight gradient")
+
+
+def test_w_runs_groups_that_cannot_reach_each_other_in_one_call():
+    """Per block, in a plain backward's order: q, k and v (one normed input) in one autograd
+    call, the MLP's two input projections in one; each norm gain, wo and w2 alone (each lies
+    above or below the others on the input path). The gradients stay bitwise a plain
+    backward's (test_input_then_weight_gradients_equal_one_backward)."""
+    model, tokens, y = _tiny()
+    x = model.tok_embeddings(tokens).detach().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        loss = _body(model, x, y)
+    _, pending = backward_input(loss, None, x, saved)
+    names = {p: n for n, p in model.named_parameters()}
+    got = [sorted(names[p].removesuffix(".weight") for g in batch for p in g.params)
+           for batch in pending.batches]
+
+    def block(i: int) -> list[list[str]]:
+        ffn, att = f"layers.{i}.feed_forward", f"layers.{i}.attention"
+        return [[f"{ffn}.w2"], [f"{ffn}.w1", f"{ffn}.w3"], [f"layers.{i}.ffn_norm"],
+                [f"{att}.wo"], [f"{att}.wk", f"{att}.wq", f"{att}.wv"],
+                [f"layers.{i}.attention_norm"]]
+
+    assert got == [["output"], ["norm"], *block(1), *block(0)]
+    backward_weight(pending)
+
+
+def test_w_runs_each_group_alone_when_node_order_is_unknown():
+    """Batching relies on each input-path node being created after its inputs' nodes; where a
+    sequence number says otherwise W makes no assumption and runs each group alone."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(8, 8, generator=g, requires_grad=True) for _ in range(2))
+    x0 = torch.randn(4, 8, generator=g)
+
+    def f(x):
+        return ((x @ a.t()) * (x @ b.t())).sum()  # a and b: one input, neither below
+
+    x = x0.clone().requires_grad_()
+    f(x).backward()
+    want = [a.grad.clone(), b.grad.clone()]
+    a.grad = b.grad = None
+    x = x0.clone().requires_grad_()
+    out = f(x)
+    _, pending = backward_input(out, None, x)
+    assert [len(batch) for batch in pending.batches] == [2]
+    backward_weight(pending)
+    assert torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
+    a.grad = b.grad = None
+    out = f(x)
+    product = out.grad_fn.next_functions[0][0]  # SumBackward -> MulBackward
+    product._set_sequence_nr(out.grad_fn._sequence_nr() + 1)  # "made after its consumer"
+    _, pending = backward_input(out, None, x)
+    assert [len(batch) for batch in pending.batches] == [1, 1]
+    backward_weight(pending)
+    assert torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
 
 
 def test_two_micro_batches_accumulate_like_two_backwards():

@@ -25,6 +25,14 @@ entries where one lies below another on the input path would see the lower one's
 twice (recorded, and again through the upper one): W replaces what reaches an entry with what
 it recorded.
 
+One autograd call per group costs a graph walk and Python work each (W about three times its
+arithmetic on CPU), so W runs consecutive groups in one call where that call runs the same
+nodes: groups of one entry each, no entry of one below an entry of another on the input path
+(q, k and v reading one normed input; the MLP's two input projections). From an entry, the
+call runs only what leads to its ``inputs``; an entry below another would draw the input path
+between them in, and its gradient twice. Which entries lie below which is one pass over the
+input path after I, in the nodes' order of creation (``_entries_below``).
+
 Memory between I and W. The tensors autograd saves in the chunk's forward are packed into
 holders (``SavedActivations``, installed around the forward). Each unpack in I records which
 node read the holder; after I the holders read only by input-path nodes that W does not run
@@ -40,8 +48,8 @@ gradient).
 Recomputation (``torch.utils.checkpoint``, non-reentrant): the tensors a checkpointed region
 saves are packed by checkpoint's own hooks, not these. I recomputes the region's forward (as a
 plain backward does) and checkpoint drops each recomputed tensor once it is read; W reads a
-linear's input again, so the region is recomputed once more in W (all of W's per-group calls
-run in one ``GraphExecGroup``, so once, not once per group; what W does not read of that
+linear's input again, so the region is recomputed once more in W (all of W's autograd calls
+run in one ``GraphExecGroup``, so once, not once per call; what W does not read of that
 recomputation lives until the chunk's W ends). Keeping the first recomputation until W would
 hold what recomputation exists to drop, for the whole gap between I and W. Selective
 recomputation (the attention core) has no weights inside the region: W does not enter it, so
@@ -128,6 +136,8 @@ class PendingWeightGrad:
     """What I keeps for W (see the module doc)."""
 
     groups: list[_Group] = field(default_factory=list)
+    batches: list[list[_Group]] = field(default_factory=list)
+    """The groups in W's autograd calls, one list per call, in a plain backward's order."""
     whole: tuple[torch.Tensor, torch.Tensor | None] | None = None
     """(output, its gradient) when W is the whole backward (no input path)."""
     kept: list[torch.Tensor] = field(default_factory=list)
@@ -189,8 +199,9 @@ def _downward(starts: Sequence[Node]) -> set[Node]:
 
 
 def _weight_groups(parents: dict[Node, list[Node]], input_node: Node
-                   ) -> tuple[list[_Group], set[Node]]:
-    """The parameter groups and their entries (module doc), and the nodes W runs."""
+                   ) -> tuple[list[_Group], set[Node], set[Node]]:
+    """The parameter groups and their entries (module doc), the nodes W runs, and the input
+    path (without the input's own node)."""
     input_path, _ = _upward([input_node], parents)
     input_path.discard(input_node)
     group_of: dict[Node, _Group] = {}  # entry -> its group
@@ -216,7 +227,50 @@ def _weight_groups(parents: dict[Node, list[Node]], input_node: Node
             accumulators = [_grad_node(p) for p in group.params]
             above, _ = _upward(accumulators, parents)
             needed |= above & _downward(group.entries)
-    return groups, needed
+    return groups, needed, input_path
+
+
+def _entries_below(input_path: set[Node], bit: dict[Node, int]) -> dict[Node, int] | None:
+    """input-path node -> the bits (`bit`: entry -> its bit) of the entries below it on the
+    input path, OR-ed. One pass in order of creation (a node's inputs were made before it, so
+    before their consumers); None if some input-path edge breaks that order (then no order
+    is assumed: W runs each group alone)."""
+    below: dict[Node, int] = {}
+    for node in sorted(input_path, key=lambda n: n._sequence_nr()):
+        mask = 0
+        for child, _ in node.next_functions:
+            if child in input_path:
+                if child not in below:
+                    return None
+                mask |= below[child] | bit.get(child, 0)
+        below[node] = mask
+    return below
+
+
+def _batched(order: list[_Group], input_path: set[Node]) -> list[list[_Group]]:
+    """`order`'s groups in runs that one autograd call each can run (module doc): consecutive
+    groups of one entry, none below another."""
+    single = [g for g in order if len(g.entries) == 1]
+    bit = {g.entries[0]: 1 << i for i, g in enumerate(single)}
+    below = _entries_below(input_path, bit) if len(single) > 1 else {}
+    if below is None:
+        return [[g] for g in order]
+    batches: list[list[_Group]] = []
+    members = under = 0  # the current batch's entry bits, and those below its entries
+    for group in order:
+        entry = group.entries[0]
+        joins = (len(group.entries) == 1 and batches and members
+                 and not (under & bit[entry]) and not (below[entry] & members))
+        if joins:
+            batches[-1].append(group)
+            members |= bit[entry]
+            under |= below[entry]
+        else:
+            batches.append([group])
+            single_entry = len(group.entries) == 1
+            members = bit[entry] if single_entry else 0
+            under = below.get(entry, 0) if single_entry else 0
+    return batches
 
 
 def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
@@ -231,7 +285,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     if input_node is None or input_node not in parents:
         kept = [h.tensor for h in saved.holders] if saved is not None else []
         return None, PendingWeightGrad(whole=(output, grad), kept=kept, saved=saved)
-    groups, needed = _weight_groups(parents, input_node)
+    groups, needed, input_path = _weight_groups(parents, input_node)
     order: list[_Group] = []  # groups by when their first entry ran: a plain backward's order
     handles = []
     for group in groups:
@@ -246,9 +300,10 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     finally:
         for h in handles:
             h.remove()
-    order += [g for g in groups if not g.grads]  # entries I did not reach: no gradient
+    order = [g for g in order if g.grads]  # entries I did not reach: no gradient
     kept = saved.drop_unneeded(needed) if saved is not None else []
-    return dx, PendingWeightGrad(groups=[g for g in order if g.grads], kept=kept, saved=saved)
+    return dx, PendingWeightGrad(groups=order, batches=_batched(order, input_path),
+                                 kept=kept, saved=saved)
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
@@ -259,27 +314,31 @@ def backward_weight(pending: PendingWeightGrad) -> None:
         torch.autograd.backward(output, grad)
     else:
         with GraphExecGroup():  # one recomputation of a checkpointed region for all groups
-            for group in pending.groups:
-                _group_backward(group)
+            for batch in pending.batches:
+                _batch_backward(batch)
     if pending.saved is not None:
         pending.saved.release()
-    pending.groups, pending.kept, pending.saved = [], [], None
+    pending.groups, pending.batches, pending.kept, pending.saved = [], [], [], None
 
 
-def _group_backward(group: _Group) -> None:
-    """One group's weight gradients, from its entries with the gradients I recorded there."""
-    edges, grads = [], []
-    for entry, recorded in group.grads.items():
-        for i, g in enumerate(recorded):
-            if g is not None:
-                edges.append(GradientEdge(entry, i))
-                grads.append(g)
+def _batch_backward(batch: list[_Group]) -> None:
+    """The weight gradients of a batch's groups, from their entries with the gradients I
+    recorded there, in one autograd call."""
+    edges, grads, params = [], [], []
+    for group in batch:
+        params += group.params
+        for entry, recorded in group.grads.items():
+            for i, g in enumerate(recorded):
+                if g is not None:
+                    edges.append(GradientEdge(entry, i))
+                    grads.append(g)
     handles = []
-    if len(group.entries) > 1:  # what reaches an entry is what it recorded, nothing more
+    if len(batch[0].entries) > 1:  # alone in its batch: what reaches an entry is what it
+        # recorded, nothing more
         handles = [entry.register_prehook(lambda _g, rec=rec: rec)
-                   for entry, rec in group.grads.items()]
+                   for entry, rec in batch[0].grads.items()]
     try:
-        torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
+        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
     finally:
         for h in handles:
             h.remove()

@@ -245,11 +245,13 @@ def hidden_state_bytes(w: Workload, b: int, cp: int) -> float:
 
 @lru_cache(maxsize=65536)
 def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recompute: str,
-                    sp: bool, cp_method: str, sizes: tuple[int, ...]) -> ChunkList:
+                    sp: bool, cp_method: str, sizes: tuple[int, ...],
+                    head_apart: bool) -> ChunkList:
     """Per-chunk compute, tensor- and context-parallel costs and bytes, before any data
     parallelism (cached: the layouts that differ only in their ZeRO stage or data-parallel
     mode share them; :func:`tessera.planner.cost.chunk_costs` adds those to copies, these stay
-    read-only)."""
+    read-only). `head_apart`: the last chunk runs on another rank than chunk 0
+    (``pipeline.head_apart``), so a tied head holds a copy of the embedding."""
     spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
     s = w.seq_len
@@ -308,7 +310,7 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
             ch.tp_forward += allreduce_time(4 * tokens, t, tp_link) + allreduce_time(
                 8 * tokens, t, tp_link)
         # A tied head on another rank than the embedding keeps its own copy of the matrix.
-        tied_copy = spec.tied_embeddings and pp > 1
+        tied_copy = spec.tied_embeddings and head_apart
         ch.params += (spec.head_params + (spec.vocab_size * spec.hidden if tied_copy else 0)) / t
         ch.tensors += 2
         ch.act_bytes += held_logits + 2 * act / split
@@ -328,7 +330,7 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
         if last:
             add_head(ch)
         if tessera:  # tessera's exact parameters and saved tensors (engine module)
-            units = engine.chunk_units(spec, t, pp, n_chunks, c, nl)
+            units = engine.chunk_units(spec, t, n_chunks, c, nl, head_apart)
             ch.params = sum(n for n, _ in units)
             ch.tensors = sum(k for _, k in units)
             ch.act_bytes = nl * blk.act_bytes + engine.chunk_saved_bytes(

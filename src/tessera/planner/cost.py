@@ -45,7 +45,7 @@ from tessera.planner.comm import (
 from tessera.planner.compute import ChunkCosts, ChunkList, compute_chunks, hidden_state_bytes
 from tessera.planner.local.terms import local_terms, rank_skew, zero_unit_work
 from tessera.planner.models import ModelSpec
-from tessera.planner.pipeline import rank_chunks
+from tessera.planner.pipeline import head_apart, rank_chunks
 from tessera.planner.rules import chunk_sizes
 from tessera.planner.state import RankState, rank_state
 from tessera.planner.workload import Layout, Workload
@@ -91,7 +91,7 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual_stages, L.micro_batch, L.recompute,
         L.sequence_parallel, L.zero_stage, L.dp_mode, L.cp_method, chunk_sizes(w, L),
-        zero3_by_actions(L))
+        head_apart(L.schedule, L.pp, L.virtual_stages), zero3_by_actions(L))
     wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if chunks.uniform_middle else range(L.pp)
     ranks: dict[int, RankState] = {}
     by_chunks: dict[tuple[int, ...], RankState] = {}  # ranks holding the same chunks
@@ -148,8 +148,8 @@ def _copy(ch: ChunkCosts) -> ChunkCosts:
 @lru_cache(maxsize=65536)
 def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                  recompute: str, sp: bool, zero: int, dp_mode: str,
-                 cp_method: str, sizes: tuple[int, ...], by_actions: bool = False
-                 ) -> tuple[list[ChunkCosts], float, float, float]:
+                 cp_method: str, sizes: tuple[int, ...], head_apart: bool,
+                 by_actions: bool = False) -> tuple[list[ChunkCosts], float, float, float]:
     """Per-chunk costs (:func:`compute.compute_chunks`, with the data-parallel collectives) and the
     point-to-point latency, bytes and bandwidth (cached: a search asks for the same chunks
     under many layouts; the returned chunks are read-only)."""
@@ -157,7 +157,7 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     gb = w.bytes[1]
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
-    base = compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes)
+    base = compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes, head_apart)
     copies: dict[int, ChunkCosts] = {}  # a shared middle chunk stays one object
     chunks = ChunkList()
     for ch in base:
@@ -215,9 +215,10 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
             # the rank's own thread, every rank of the group at the same time when a collective
             # releases them all, so ranks that time-share cores stretch it like compute
             # (dp_cpu, shared_cpu_bound).
-            book = (zero_unit_work(hw, _engine_units(spec, t, pp, n_chunks, sizes, chunks, ch),
-                                   weights)
-                    if zero == 3 and tessera else 0.0)
+            book = 0.0
+            if zero == 3 and tessera:
+                book = zero_unit_work(
+                    hw, _engine_units(spec, t, n_chunks, sizes, chunks, ch, head_apart), weights)
             if zero == 2:
                 ch.zero_backward = exposed_behind(rs, units, bwd, 0) + wait
                 ch.dp_reduce = units * ag  # the parameters, gathered once after the step
@@ -277,9 +278,9 @@ def _units_of(ch: ChunkCosts, sizes: tuple[int, ...], chunks: list[ChunkCosts]) 
     return 1 if c is None else sizes[c]
 
 
-def _engine_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, sizes: tuple[int, ...],
-                  chunks: list[ChunkCosts], ch: ChunkCosts) -> int:
+def _engine_units(spec: ModelSpec, t: int, n_chunks: int, sizes: tuple[int, ...],
+                  chunks: list[ChunkCosts], ch: ChunkCosts, head_apart: bool) -> int:
     """tessera's ZeRO units of chunk `ch` (``engine.chunk_units``: the embedding and the head
     are units of their own, beside one per block)."""
     c = _chunk_index(ch, chunks)
-    return 1 if c is None else len(engine.chunk_units(spec, t, pp, n_chunks, c, sizes[c]))
+    return 1 if c is None else len(engine.chunk_units(spec, t, n_chunks, c, sizes[c], head_apart))

@@ -13,9 +13,9 @@ Llama 3 family. For such a model the planner does not keep rules or byte counts 
 - **model state** is what ``tessera.parallelize`` allocates (:func:`model_state_bytes`):
   parameters per tensor-parallel rank (vocabulary padded to a multiple of t, norms and, when
   t > n_kv_heads, key/value heads replicated), ZeRO's flat units (embedding, each block, the
-  head; each padded to a multiple of dp), a tied embedding's copy on the last stage, and for
-  plain fp32 data parallelism DDP's one "used" flag per parameter in its buckets and AdamW's
-  step counter per parameter;
+  head; each padded to a multiple of dp), a tied embedding's copy on the head's rank when
+  that is not the embedding's, and for plain fp32 data parallelism DDP's one "used" flag per
+  parameter in its buckets and AdamW's step counter per parameter;
 - **activations** are what autograd saves for backward in tessera's block (:func:`block_saved_
   bytes`), counted tensor by tensor as Korthikanti et al. (2022, §4.1) count Megatron's layer,
   plus the first and last chunk's extras (:func:`chunk_saved_bytes`).
@@ -114,12 +114,13 @@ def block_numel(spec: ModelSpec, t: int) -> int:
     return 2 * h * (h // t) + 2 * h * _kv_rows(spec, t) + 3 * h * (spec.ffn_hidden // t) + 2 * h
 
 
-def chunk_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, c: int,
-                blocks: int) -> list[tuple[int, int]]:
+def chunk_units(spec: ModelSpec, t: int, n_chunks: int, c: int, blocks: int,
+                head_apart: bool) -> list[tuple[int, int]]:
     """(elements, tensors) of each ZeRO unit of chunk c on one tp rank, in
     ``tessera.parallel.zero_units.chunk_units``'s order: embedding, blocks, head. With tied
-    embeddings the head shares the embedding when both are in this chunk, reads chunk 0's on
-    this rank (pp = 1), or keeps a copy (the last stage of pp > 1)."""
+    embeddings the head shares the embedding when both are in this chunk, reads chunk 0's when
+    both chunks are on this rank (pp = 1, or the V shapes' rank 0), or keeps a copy when
+    `head_apart` (the last chunk on another rank than chunk 0: ``pipeline.head_apart``)."""
     h, vocab = spec.hidden, vocab_rows(spec, t) * spec.hidden
     first, last = c == 0, c == n_chunks - 1
     tied = spec.tied_embeddings
@@ -130,7 +131,7 @@ def chunk_units(spec: ModelSpec, t: int, pp: int, n_chunks: int, c: int,
     if last:
         if tied and first:
             units.append((vocab + h, 2))
-        elif tied and pp > 1:
+        elif tied and head_apart:
             units += [(h, 1), (vocab, 1)]
         elif tied:
             units.append((h, 1))
@@ -150,12 +151,13 @@ def rank_units(w: Workload, L: Layout, pp_rank: int) -> tuple[tuple[int, int], .
 def _rank_units(spec: ModelSpec, seq_len: int, t: int, pp: int, v: int,
                 pp_rank: int, stage_layout: tuple[int, ...] | None = None,
                 schedule: str = "1f1b") -> tuple[tuple[int, int], ...]:
-    from tessera.planner.pipeline import rank_chunks
+    from tessera.planner.pipeline import head_apart, rank_chunks
 
     n = pp * v
     sizes = stage_layout or blocks_per_chunk(spec, n, seq_len)
+    apart = head_apart(schedule, pp, v)
     return tuple(u for c in rank_chunks(schedule, pp, v, pp_rank)
-                 for u in chunk_units(spec, t, pp, n, c, sizes[c]))
+                 for u in chunk_units(spec, t, n, c, sizes[c], apart))
 
 
 def model_state_bytes(w: Workload, L: Layout, pp_rank: int) -> dict[str, int]:

@@ -83,6 +83,13 @@ def rank_chunks(name: str, p: int, v: int, rank: int) -> tuple[int, ...]:
     return tuple(c for c in range(p * v) if placement[c] == rank)
 
 
+def head_apart(name: str, p: int, v: int) -> bool:
+    """Whether the last chunk (the LM head) runs on another pipeline rank than chunk 0 (the
+    embedding): a tied head then keeps a copy of the embedding matrix (``parallelize``'s tie
+    group), where on one rank it reads chunk 0's (pp = 1, the V shapes' rank 0)."""
+    return p * v - 1 not in rank_chunks(name, p, v, 0)
+
+
 def period(p: int, group: int = 0) -> int:
     """Micro-batches after which a schedule's steady state repeats: p, or with interleaved's
     micro-batch groups of G, lcm(p, G) (the groups realign with the ring)."""
