@@ -192,6 +192,8 @@ def test_calibrate_measures_on_the_runs_device_and_backend(monkeypatch):
                 "zero_waits": 0.0,
                 "ddp_tensor": 0.0,
                 "ddp_passes": 2.0,
+                "launch": 1e-5,
+                "compiled": None,
             }
         ] * world
 
