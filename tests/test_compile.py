@@ -32,8 +32,12 @@ import pytest
 import torch
 
 from tessera.config_io import make_config
-from tessera.data.loader import cp_shard
-from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
+from tessera.testing import (
+    assert_close_summed,
+    assert_curves_close,
+    rank_micro_batches,
+    run_ranks,
+)
 from tessera.topology import Topology
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 2, 8, 16, 256
@@ -92,17 +96,13 @@ def _run(layout: dict[str, Any], compile: bool) -> dict[str, Any]:
     topo = Topology.build(cfg.parallel)
     executor = build_executor(cfg, topo, torch.device("cpu"))
     opt = executor.optimizer(cfg.train)
-    dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
-    cp, c = topo.cp, topo.coords()["cp"]
+    m = cfg.train.grad_accum
     out: dict[str, Any] = {"losses": [], "graphs": [], "compiled": sum(
         getattr(mod, "compiled", False) for chunk in executor.model.chunks.values()
         for mod in chunk.modules())}
     for step in range(STEPS):
-        x, y = _batch(step)
-        rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
         opt.zero_grad(set_to_none=True)
-        out["losses"].append(executor.forward_backward(
-            [cp_shard(mb, c, cp) for mb in zip(x[rows].chunk(m), y[rows].chunk(m), strict=True)]))
+        out["losses"].append(executor.forward_backward(rank_micro_batches(*_batch(step), topo, m)))
         if step == 0:
             out["grads"] = executor.model.full_grads()
         opt.step()

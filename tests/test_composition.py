@@ -59,13 +59,17 @@ import torch
 from dp_parity import ADAM_ROUNDINGS, Shadow
 from tessera.config import Config
 from tessera.config_io import make_config
-from tessera.data.loader import cp_shard
 from tessera.errors import ConfigError
 from tessera.layout import validate
 from tessera.model import build_model, cross_entropy
 from tessera.optim import adamw
 from tessera.step import build_executor
-from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
+from tessera.testing import (
+    assert_close_summed,
+    assert_curves_close,
+    rank_micro_batches,
+    run_ranks,
+)
 from tessera.topology import Topology
 
 STEPS, GLOBAL_BATCH, SEQ, CLIP, LR = 10, 8, 16, 0.5, 1e-3
@@ -137,8 +141,7 @@ def _run_layout(cfg: Config, steps: int = STEPS) -> dict[str, Any]:
     topo = Topology.build(cfg.parallel)
     executor = build_executor(cfg, topo, torch.device("cpu"))
     opt = executor.optimizer(cfg.train)
-    dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
-    cp, c = topo.cp, topo.coords()["cp"]
+    m = cfg.train.grad_accum
     shadowed = cfg.train.precision == "fp32"
     keep = shadowed and topo.rank == 0
     out: dict[str, Any] = {"losses": [], "norms": [], "states": [], "clipped": []}
@@ -151,11 +154,8 @@ def _run_layout(cfg: Config, steps: int = STEPS) -> dict[str, Any]:
 
     record("states", executor.full_state_dict)
     for step in range(steps):
-        x, y = _batch(step)
-        rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
         opt.zero_grad(set_to_none=True)
-        out["losses"].append(executor.forward_backward(
-            [cp_shard(mb, c, cp) for mb in zip(x[rows].chunk(m), y[rows].chunk(m), strict=True)]))
+        out["losses"].append(executor.forward_backward(rank_micro_batches(*_batch(step), topo, m)))
         if step == 0:
             out["grads"] = executor.model.full_grads()
         out["norms"].append(executor.clip_grad_norm_(CLIP))

@@ -39,7 +39,7 @@ from tessera.moe import collect_stats
 from tessera.optim import adamw
 from tessera.parallel.expert_parallel import is_expert_param
 from tessera.step import build_executor
-from tessera.testing import assert_close_summed, run_ranks
+from tessera.testing import assert_close_summed, rank_micro_batches, run_ranks
 from tessera.topology import Topology
 
 STEPS, GLOBAL_BATCH, SEQ, CLIP, LR, TOP_K = 10, 8, 16, 0.5, 1e-3, 2
@@ -87,16 +87,13 @@ def _run(cfg: Config) -> dict[str, Any] | None:
     topo = Topology.build(cfg.parallel)
     executor = build_executor(cfg, topo, torch.device("cpu"))
     opt = executor.optimizer(cfg.train)
-    dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
+    m = cfg.train.grad_accum
     out: dict[str, Any] = {"params": [], "losses": [], "grads": [], "norms": []}
     dropped = 0.0
     for step in range(STEPS):
-        x, y = _batch(step)
-        rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
         out["params"].append(executor.full_state_dict())
         opt.zero_grad(set_to_none=True)
-        out["losses"].append(executor.forward_backward(
-            list(zip(x[rows].chunk(m), y[rows].chunk(m), strict=True))))
+        out["losses"].append(executor.forward_backward(rank_micro_batches(*_batch(step), topo, m)))
         out["grads"].append(executor.model.full_grads())
         out["norms"].append(executor.clip_grad_norm_(CLIP))
         opt.step()

@@ -44,7 +44,9 @@ def test_schedule_follows_rule(rule, global_batch, reference):
     assert peak * f(0) == pytest.approx(peak / warmup)  # first warm-up step
     assert peak * f(warmup - 1) == pytest.approx(peak)  # end of warm-up: the scaled peak
     assert peak * f(warmup - 2) < peak
-    assert peak * f(179) == pytest.approx(0.1 * 1e-3 * scale, rel=1e-3)  # the cosine's floor
+    # The last step before the end: one cosine step above the floor, its exact value.
+    last = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (179 - warmup) / (180 - warmup)))
+    assert peak * f(179) == pytest.approx(1e-3 * scale * last)
     assert peak * f(180) == pytest.approx(0.1 * 1e-3 * scale)
 
 

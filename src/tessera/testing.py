@@ -324,3 +324,18 @@ def _within(actual: torch.Tensor, expected: torch.Tensor, bound: float | torch.T
         f"{msg}: |actual - expected| = {float(err.flatten()[i]):.3g} at {index} (actual "
         f"{float(actual.flatten()[i]):.8g}, expected {float(expected.flatten()[i]):.8g}) is "
         f"{worst:.3g}x the {how()} = {float(bound_t.flatten()[i]):.3g}")
+
+
+def rank_micro_batches(x: torch.Tensor, y: torch.Tensor, topo: Any,
+                       microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of a global batch (`x`, `y`: [B, T] inputs and targets), as the
+    trainer's loader gives it: rows B·d/dp to B·(d+1)/dp for data-parallel rank d, cut into
+    `microbatches` micro-batches, each reduced to this context-parallel rank's tokens
+    (``data.loader.cp_shard``; the whole sequence at cp = 1). `topo`: a ``Topology``."""
+    from tessera.data.loader import cp_shard
+
+    coords, n = topo.coords(), x.shape[0]
+    d, dp = coords["dp"], topo.dp
+    rows = slice(d * n // dp, (d + 1) * n // dp)
+    return [cp_shard(mb, coords["cp"], topo.cp)
+            for mb in zip(x[rows].chunk(microbatches), y[rows].chunk(microbatches), strict=True)]

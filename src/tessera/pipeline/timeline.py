@@ -122,12 +122,7 @@ def write_png(events: Sequence[TimelineEvent], path: str | Path, *, title: str =
                                                                    else -0.22),
               ncol=len(legend), frameon=False, fontsize=8)
     ax.grid(axis="x", alpha=0.2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def shade(base: tuple[float, float, float], kind: str) -> tuple[float, ...]:
@@ -203,4 +198,17 @@ def write_chrome_trace(events: Sequence[TimelineEvent], path: str | Path,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events, time_unit)))
+    return path
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay `fig` out, write it to `path` (its folder made if missing) and close it: the one
+    way tessera's pictures (timelines, planner plots) are saved."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tessera.pipeline.timeline import save_figure
 from tessera.planner.critical_batch import FAMILIES, CriticalBatchPlan, Point
 from tessera.planner.report import human_count
 
@@ -138,12 +139,7 @@ def plot(plan: CriticalBatchPlan, path: str | Path) -> Path:
     ax.legend(fontsize=8)
     ax.set_title(describe(plan).splitlines()[0],
                  fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run_critical_batch(*, model: str | None, gpus: int | None, hardware: str, seq: int | None,

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tessera.pipeline.timeline import save_figure
 from tessera.planner.estimate import Estimate, gather_waits_exposed, pipeline_comm_exposed
 from tessera.planner.search import Plan
 from tessera.planner.workload import GB, stage_layout_text
@@ -229,9 +230,4 @@ def plot(plan: Plan, path: str | Path) -> Path:
     grid.flat[0].legend(fontsize=8)
     fig.suptitle(f"Predicted throughput of the top {len(plan.ranked)} layouts\n"
                  f"{describe_workload(plan)}", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
