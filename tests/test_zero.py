@@ -22,7 +22,7 @@ from tessera.metrics import read_metrics
 from tessera.model import build_model, cross_entropy
 from tessera.optim import lr_lambda
 from tessera.parallel.zero import ZeroModel
-from tessera.parallel.zero_state import zero_formula_bytes
+from tessera.planner.formulas import zero_model_state_parts
 from tessera.step import Executor, build_executor
 from tessera.testing import assert_close_summed, assert_curves_close, run_ranks
 from tessera.topology import Topology
@@ -258,7 +258,9 @@ def _memory_rank(dp: int) -> list[str]:
             # of dp, so a shard carries at most one padding element and a replicated buffer at
             # most one per rank (dp - 1).
             psi = sum(p.numel() for p in build_model(cfg.model).parameters())
-            formula = zero_formula_bytes(psi, stage, dp, dtype)
+            # (parameter, gradient, optimizer-state) bytes per parameter: bf16 keeps fp32 masters.
+            param_bytes, grad_bytes, k = (2, 2, 12) if dtype == torch.bfloat16 else (4, 4, 8)
+            formula = zero_model_state_parts(psi, stage, dp, k, param_bytes, grad_bytes)
             n_units = len(zero.units)
             optimizer_bytes = 12 if dtype == torch.bfloat16 else 8
             for key, per_element, sharded in (("params", dtype.itemsize, stage >= 3),

@@ -34,9 +34,6 @@ from tessera.config import TrainConfig
 from tessera.parallel.zero import ZeroModel
 from tessera.parallel.zero_units import FlatUnit
 
-BYTES_PER_PARAM = {torch.bfloat16: (2, 2, 12), torch.float32: (4, 4, 8)}
-"""(parameter, gradient, optimizer-state) bytes per parameter by compute dtype: (P, G, K)."""
-
 
 class ShardedAdamW(torch.optim.Optimizer):
     """AdamW on each ZeRO unit's fp32 master shard; one param group (the lr scheduler's).
@@ -128,15 +125,6 @@ def unflatten(u: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # Memory accounting
-
-
-def zero_formula_bytes(psi: int, stage: int, world: int,
-                       dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
-    """The ZeRO paper's model-state bytes per rank for Psi parameters on N = world ranks."""
-    p, g, k = BYTES_PER_PARAM[dtype]
-    return {"params": p * psi / (world if stage >= 3 else 1),
-            "grads": g * psi / (world if stage >= 2 else 1),
-            "optimizer": k * psi / (world if stage >= 1 else 1)}
 
 
 def memory_report(zero: ZeroModel) -> dict[str, int]:

@@ -66,13 +66,20 @@ def training_days(tokens: float, params: float, gpus: int, flops_per_gpu: float)
     return 8 * tokens * params / (gpus * flops_per_gpu) / 86400
 
 
+def zero_model_state_parts(params: float, zero_stage: int, n_d: int, k: int = 12,
+                           param_bytes: int = 2, grad_bytes: int = 2) -> dict[str, float]:
+    """Rajbhandari et al. 2020 §5, Figure 1: bytes of parameters, gradients and optimizer
+    state per data-parallel rank."""
+    return {"params": param_bytes * params / (n_d if zero_stage >= 3 else 1),
+            "grads": grad_bytes * params / (n_d if zero_stage >= 2 else 1),
+            "optimizer": k * params / (n_d if zero_stage >= 1 else 1)}
+
+
 def zero_model_state_bytes(params: float, zero_stage: int, n_d: int, k: int = 12,
                            param_bytes: int = 2, grad_bytes: int = 2) -> float:
-    """Rajbhandari et al. 2020 §5, Figure 1: bytes of model state per data-parallel rank."""
-    p = param_bytes * params / (n_d if zero_stage >= 3 else 1)
-    g = grad_bytes * params / (n_d if zero_stage >= 2 else 1)
-    o = k * params / (n_d if zero_stage >= 1 else 1)
-    return p + g + o
+    """Bytes of model state per data-parallel rank (the sum of `zero_model_state_parts`)."""
+    return sum(zero_model_state_parts(params, zero_stage, n_d, k, param_bytes,
+                                      grad_bytes).values())
 
 
 def zero_max_params(memory_bytes: float, zero_stage: int, n_d: int, k: int = 12) -> float:
