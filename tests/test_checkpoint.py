@@ -2,8 +2,9 @@
 
 Same layout (another layout: tests/test_checkpoint_reshard.py). Exactness: a run of 6 steps
 that saved at step 3, and a second run resumed from that step-3 checkpoint, must log the same
-loss and gradient norm at steps 4-6 and end with the same full model (tolerance 0: the same
-kernels run on the same numbers in the same order). Shown for
+loss and gradient norm at steps 4-6 (and, where the gradient noise scale is measured, the same
+noise-scale record: its moving averages are saved) and end with the same full model
+(tolerance 0: the same kernels run on the same numbers in the same order). Shown for
 one process, dp=2 (DDP), dp=2 with ZeRO-3 (fp32 shards) and ZeRO-2 in bf16 (fp32 masters
 apart from the bf16 weights), the synchronous parameter server, tp=2 and pp=2 (1F1B). The
 asynchronous parameter server is refused: its in-flight gradients are not saved.
@@ -23,6 +24,7 @@ from tessera.checkpoint import CheckpointError, latest, load_model, step_dir
 from tessera.cli import app
 from tessera.config_io import make_config
 from tessera.metrics import read_metrics
+from tessera.noise_scale import noise_scale_unsupported
 from tessera.testing import run_ranks
 
 STEPS, EVERY = 6, 3
@@ -39,9 +41,16 @@ def _cfg(data: str, out: str, parallel: dict | None = None, **train) -> object:
     return make_config("tiny", overrides=overrides)
 
 
-def _records(out: Path) -> dict[int, tuple[float, float]]:
+NOISE = ("noise_scale", "noise_scale_tokens", "grad_sq_est", "grad_trace_est")
+"""A step record's gradient noise scale (``tessera.noise_scale``), where measured."""
+
+
+def _records(out: Path, noise: bool = False) -> dict[int, tuple]:
+    """Per step: (loss, grad_norm), and with `noise` the noise-scale fields (None where not
+    measured)."""
     rows = read_metrics(out / "metrics.jsonl")
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
+    return {r["step"]: (r["loss"], r["grad_norm"], *(r.get(k) for k in NOISE if noise))
+            for r in rows if "loss" in r}
 
 
 def _resume_rank(data: str, root: str, parallel: dict) -> dict | None:
@@ -54,7 +63,7 @@ def _resume_rank(data: str, root: str, parallel: dict) -> dict | None:
     if torch.distributed.get_rank() != 0:
         return None
     model = {run: load_model(step_dir(run / "checkpoints", STEPS))[1] for run in (a, b)}
-    return dict(a=_records(a), b=_records(b), model_a=model[a], model_b=model[b])
+    return dict(a=_records(a, True), b=_records(b, True), model_a=model[a], model_b=model[b])
 
 
 LAYOUTS = {
@@ -97,9 +106,14 @@ def _check_resumed(got: dict, label: str) -> None:
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_resumed_run_continues_exactly(tiny_data, tmp_path, name):
     world = _world(LAYOUTS[name])
-    got = run_ranks(_resume_rank, world, args=(tiny_data, str(tmp_path), LAYOUTS[name]),
+    parallel = LAYOUTS[name]
+    got = run_ranks(_resume_rank, world, args=(tiny_data, str(tmp_path), parallel),
                     timeout=300)[0]
     _check_resumed(got, name)
+    # The noise scale is measured (and compared above) exactly where the layout allows it.
+    measured = noise_scale_unsupported(parallel.get("dp", 1), parallel.get("cp", 1), 1,
+                                       parallel.get("dp_mode", "allreduce")) is None
+    assert all((row[4] is not None) == measured for row in got["b"].values()), name
     meta = json.loads((step_dir(tmp_path / "a" / "checkpoints", EVERY) / "meta.json")
                       .read_text())
     # One DCP file per rank that holds something to write, DCP's index, the replicated extra.

@@ -36,6 +36,7 @@ Two kinds of check, because the transformer has no closed-form noise scale:
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -47,6 +48,7 @@ from tessera.config import Config
 from tessera.config_io import make_config
 from tessera.model import build_model, cross_entropy
 from tessera.noise_scale import (
+    EMA_DECAY,
     NoiseScale,
     critical_batch_line,
     noise_scale_unsupported,
@@ -89,6 +91,45 @@ def test_moving_average_is_bias_corrected():
     assert second["noise_scale"] == pytest.approx(2.0)
     negative = NoiseScale().update(small_sq=1.0, big_sq=0.1, b_small=1, b_big=2)  # |G|² < 0
     assert negative["noise_scale"] is None and negative["noise_scale_tokens"] is None
+
+
+def test_state_continues_exactly_through_json():
+    """What a checkpoint keeps (``state_dict``, in extra.json): an estimator restored from it
+    gives the uninterrupted estimator's records bit for bit; a fresh one does not."""
+    # Not exactly representable in binary, so the JSON round trip must keep every bit.
+    steps = [(1.5 + 0.1 * i, 1.1 + 0.07 * (i % 3), 4, 16) for i in range(8)]
+    whole = NoiseScale()
+    want = [whole.update(*s, seq_len=16) for s in steps]
+    first = NoiseScale()
+    for s in steps[:3]:
+        first.update(*s, seq_len=16)
+    resumed, fresh = NoiseScale(), NoiseScale()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert [resumed.update(*s, seq_len=16) for s in steps[3:]] == want[3:]
+    assert resumed.state_dict() == whole.state_dict() and whole.state_dict()["steps"] == 8
+    assert fresh.update(*steps[3], seq_len=16) != want[3]
+    good = first.state_dict()
+    for bad in ({}, [1.0], {**good, "decay": 1.0}, {**good, "steps": -1},
+                {**good, "g_sq": "x"}, {**good, "trace": None}):
+        with pytest.raises(ValueError, match="malformed noise-scale state"):
+            fresh.load_state_dict(bad)
+    assert fresh.steps == 1  # a refused state changes nothing
+
+
+def test_malformed_saved_state_is_a_checkpoint_error(tmp_path):
+    """A checkpoint's extra.json whose noise-scale state does not parse is refused with its
+    path (a one-line user error), before anything is read into the run."""
+    from types import SimpleNamespace
+
+    from tessera import checkpoint
+
+    (tmp_path / "meta.json").write_text("{}")
+    (tmp_path / "extra.json").write_text(json.dumps({"noise_scale": {"decay": 0.99}}))
+    engine = SimpleNamespace(noise=NoiseScale())
+    where = re.escape(f"checkpoint {tmp_path / 'extra.json'}: malformed noise-scale state")
+    with pytest.raises(checkpoint.CheckpointError, match=where):
+        checkpoint.restore(tmp_path, None, engine, None, None, None)
+    assert engine.noise.state_dict() == NoiseScale().state_dict()
 
 
 def test_small_batch_bookkeeping():
@@ -368,3 +409,119 @@ def test_dp2_run_logs_the_noise_scale(tiny_data, tmp_path):
     assert below  # the tiny corpus settles near 2 sequences: the warning path runs
     warnings = [ln for ln in out.splitlines() if ln.startswith("warning: global batch 8")]
     assert warnings == [critical_batch_line(8, below[0]["noise_scale"])]
+
+
+# -- checkpoints: the moving averages are saved and continue on resume ---------------------------
+
+RESUME_STEPS, SAVED_AT = 6, 3
+NOISE_FIELDS = ("noise_scale", "noise_scale_tokens", "grad_sq_est", "grad_trace_est")
+
+
+def _ckpt_cfg(data: str, out, dp: int, parallel: dict | None = None, **train: Any) -> Config:
+    """_train_cfg's run of RESUME_STEPS steps, saved every SAVED_AT."""
+    return make_config("tiny", overrides=[f"data.path={data}", "data.seq_len=16",
+                                          "data.val_tokens=512"],
+                       parallel=dict(dp=dp, **(parallel or {})),
+                       train=dict(steps=RESUME_STEPS, warmup_steps=2, lr=1e-3, eval_interval=0,
+                                  sample_tokens=0, micro_batch_size=4, out_dir=str(out),
+                                  checkpoint_interval=SAVED_AT, keep_checkpoints=0) | train)
+
+
+def _strip_noise_state(src, dst) -> None:
+    """A copy of checkpoint `src` as written before the noise scale was saved: extra.json
+    without ``noise_scale``, the manifest's size and checksum of it updated."""
+    import shutil
+
+    from tessera.checkpoint_manifest import _sha256
+
+    shutil.copytree(src, dst)
+    extra = json.loads((dst / "extra.json").read_text())
+    del extra["noise_scale"]
+    (dst / "extra.json").write_text(json.dumps(extra, indent=1))
+    meta = json.loads((dst / "meta.json").read_text())
+    meta["files"]["extra.json"] = {"sha256": _sha256(dst / "extra.json"),
+                                   "bytes": (dst / "extra.json").stat().st_size}
+    (dst / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _resume_rank(data: str, root: str) -> dict[str, str]:
+    """Run a (dp 2, 6 steps, saved at 3); then from a's step 3: b (the same layout), old (a
+    copy without the noise-scale state) and zero2 (ZeRO-2, 2 micro-batches of 2: B_small 2
+    instead of 8, the same global batch). What each run printed."""
+    from pathlib import Path
+
+    from tessera.checkpoint import step_dir
+
+    root_dir = Path(root)
+    saved = step_dir(root_dir / "a" / "checkpoints", SAVED_AT)
+    printed = {"a": _train_rank(_ckpt_cfg(data, root_dir / "a", 2))}
+    if dist.get_rank() == 0:
+        _strip_noise_state(saved, root_dir / "old-checkpoint")
+    dist.barrier()
+    for name, resume, extra in [
+            ("b", saved, {}), ("old", root_dir / "old-checkpoint", {}),
+            ("zero2", saved, dict(parallel=dict(zero_stage=2), grad_accum=2,
+                                  micro_batch_size=2))]:
+        printed[name] = _train_rank(_ckpt_cfg(data, root_dir / name, 2, resume=str(resume),
+                                              **extra))
+    return printed
+
+
+def _noise_rows(out) -> dict[int, dict[str, float | None]]:
+    from tessera.metrics import read_metrics
+
+    return {r["step"]: {k: r.get(k) for k in NOISE_FIELDS}
+            for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+
+
+def _saved_noise(out, step: int = RESUME_STEPS) -> dict | None:
+    from tessera.checkpoint import step_dir
+
+    return json.loads((step_dir(out / "checkpoints", step) / "extra.json").read_text())[
+        "noise_scale"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_resume_continues_the_moving_averages(tiny_data, tmp_path):
+    """dp 2, 6 steps vs 3 steps + resume to 6: the same noise-scale records at steps 4-6, bit
+    for bit (the averages' state travels as JSON numbers, which keep every bit, and the resumed
+    steps compute the same norms: tests/test_checkpoint.py). A checkpoint without the state (an
+    older one) starts the averages over, in one printed line: its step-4 record is that step's
+    unsmoothed estimate. Another measuring layout continues them; dp 1 drops them."""
+    from tessera.trainer import run
+
+    printed = run_ranks(_resume_rank, 2, args=(tiny_data, str(tmp_path)), timeout=600)[0]
+    a, b, old = (_noise_rows(tmp_path / n) for n in ("a", "b", "old"))
+    assert sorted(a) == list(range(1, RESUME_STEPS + 1))
+    assert all(r["grad_sq_est"] is not None for r in a.values())
+    assert b == {s: a[s] for s in range(SAVED_AT + 1, RESUME_STEPS + 1)}
+    assert _saved_noise(tmp_path / "a", SAVED_AT)["steps"] == SAVED_AT
+    assert _saved_noise(tmp_path / "b") == _saved_noise(tmp_path / "a")
+    assert not [ln for ln in printed["b"].splitlines() if ln.startswith("noise scale:")]
+
+    # The older checkpoint: step 4's raw estimate, recovered from a's averages at steps 3
+    # and 4 (avg_k·(1 − d^k) = d·avg_{k−1}·(1 − d^(k−1)) + (1 − d)·raw_k).
+    d, k = EMA_DECAY, SAVED_AT + 1
+    for key in ("grad_sq_est", "grad_trace_est"):
+        raw = (a[k][key] * (1 - d**k) - d * a[k - 1][key] * (1 - d ** (k - 1))) / (1 - d)
+        scale = max(abs(a[k][key]), abs(a[k - 1][key])) / (1 - d)
+        assert old[k][key] == pytest.approx(raw, rel=0, abs=1e-12 * scale), key
+        assert old[k][key] != a[k][key]
+    assert _saved_noise(tmp_path / "old")["steps"] == RESUME_STEPS - SAVED_AT
+    assert [ln for ln in printed["old"].splitlines() if ln.startswith("noise scale:")] == [
+        f"noise scale: {tmp_path / 'old-checkpoint'} holds no moving averages (not measured "
+        f"there, or saved before they were): they start over at step {k}"]
+
+    # Another layout that measures (ZeRO-2, B_small 2): the averages continue.
+    assert _saved_noise(tmp_path / "zero2")["steps"] == RESUME_STEPS
+    assert all(r["grad_sq_est"] is not None for r in _noise_rows(tmp_path / "zero2").values())
+
+    # dp 1 cannot measure: no noise-scale records, and its checkpoints hold no averages.
+    from tessera.checkpoint import step_dir
+
+    run(_ckpt_cfg(tiny_data, tmp_path / "dp1", 1, grad_accum=2,
+                  resume=str(step_dir(tmp_path / "a" / "checkpoints", SAVED_AT))),
+        progress=False)
+    assert all(v is None for r in _noise_rows(tmp_path / "dp1").values() for v in r.values())
+    assert _saved_noise(tmp_path / "dp1") is None

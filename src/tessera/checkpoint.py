@@ -10,8 +10,10 @@ A checkpoint is a directory ``<checkpoint_dir>/step-0000100/`` written with
   GPU, ``rng.cuda.rank-NNNNN`` (the rank's CUDA generator)); experts are boxes of the
   stacked (E, ...) tensors, whatever the ep degree; a replicated box is written once;
 - ``.metadata``: DCP's index, every tensor's global shape and which file holds which box;
-- ``extra.json``: the step, the learning-rate schedule's position, and the data loader's
-  position in global samples;
+- ``extra.json``: the step, the learning-rate schedule's position, the data loader's
+  position in global samples, and the gradient noise scale's moving averages
+  (``noise_scale``: ``NoiseScale.state_dict``, plain numbers the same on every rank; null
+  where the run did not measure it);
 - ``meta.json``, written last: format, step, the model, the layout that wrote it, the batch
   shape and data seed, the run id and the config's hash (:func:`config_hash`), what the run's
   validation scored (data set, targets, windows per pass; ``tessera eval``'s defaults), and the
@@ -40,7 +42,11 @@ windows as one batch of that size. RNG states (CPU, and CUDA on a GPU) are per r
 to a layout: they are restored only into the same layout and world size; otherwise every rank
 keeps the state its seed gave it (training itself draws no random numbers: no dropout, the
 sampler has its own generator). A checkpoint without a CUDA state (written on CPUs, or before
-CUDA states were saved) leaves the GPU's generator as the seed made it.
+CUDA states were saved) leaves the GPU's generator as the seed made it. The noise scale's
+moving averages continue in any layout that measures them (the same numbers on every rank);
+where the checkpoint holds none (its run did not measure: dp 1, cp > 1, ep > 1, a parameter
+server, ``train.noise_scale`` off; or it was written before they were saved) they start over,
+and a run that does not measure drops them (its own checkpoints hold none).
 
 Loading checks everything before anything is read into the run, on every rank and before any
 collective (:func:`verify`): the manifest parses, the model, batches and data seed match this
@@ -228,9 +234,11 @@ def save(root: str | Path, step: int, cfg: Config, engine, optimizer, scheduler,
     model = _engine_model(engine)
     pieces = [p for p in (*model_pieces(model, optimizer), *_rng_pieces(rank, model.device))
               if p.write]
+    noise = getattr(engine, "noise", None)
     extra = {"step": step, "samples": loader.step * loader.global_batch_size,
              "global_batch": loader.global_batch_size, "data_seed": loader.seed,
-             "scheduler": {"last_epoch": scheduler.last_epoch, "lr": scheduler.get_last_lr()}}
+             "scheduler": {"last_epoch": scheduler.last_epoch, "lr": scheduler.get_last_lr()},
+             "noise_scale": noise.state_dict() if noise is not None else None}
     meta = {"format": FORMAT, "step": step, **_identity(cfg), "layout": _layout(cfg, world),
             "validation": _validation(cfg)}
     meta |= {"run_id": run_id, "config_hash": config_hash(cfg)}
@@ -274,11 +282,19 @@ def _barrier(world: int, group: dist.ProcessGroup | None) -> None:
 def restore(path: str | Path, cfg: Config, engine, optimizer, scheduler, loader,
             group: dist.ProcessGroup | None = None) -> int:
     """Load a verified checkpoint into this run, whatever layout wrote it; every rank of
-    `group` calls (DCP's plan exchange). Returns the step to continue from."""
+    `group` calls (DCP's plan exchange). Returns the step to continue from. The noise scale's
+    averages (an Executor's ``noise``, where this run measures) continue from the saved ones,
+    or start over where the checkpoint holds none."""
     path = Path(path)
     meta = json.loads((path / META).read_text())
     extra = json.loads((path / EXTRA).read_text())
     model = _engine_model(engine)
+    noise = getattr(engine, "noise", None)
+    if noise is not None and extra.get("noise_scale") is not None:
+        try:  # checked whole before it changes anything
+            noise.load_state_dict(extra["noise_scale"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path / EXTRA}: {e}") from None
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     reader = SafeReader(path)

@@ -102,6 +102,27 @@ class NoiseScale:
                 "noise_scale_tokens": scale * seq_len if scale is not None else None,
                 "grad_sq_est": g_avg, "grad_trace_est": trace_avg}
 
+    def state_dict(self) -> dict[str, float | int]:
+        """What the next update depends on, as plain numbers (a checkpoint's ``extra.json``):
+        the decay, the steps averaged (the bias correction, and the warning's settling) and
+        the two uncorrected averages. Every rank holds the same values (they come from
+        all-reduced norms), and they carry over to any layout that measures: both averages
+        estimate quantities of the model and data, not of B_small or B_big."""
+        return {"decay": self.decay, "steps": self.steps, "g_sq": self._g_sq,
+                "trace": self._trace}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Continue from `state` (:meth:`state_dict`); ValueError if it is malformed."""
+        try:
+            decay, steps = float(state["decay"]), int(state["steps"])
+            g_sq, trace = float(state["g_sq"]), float(state["trace"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed noise-scale state {state!r} ({e})") from e
+        if not 0 < decay < 1 or steps < 0:
+            raise ValueError(f"malformed noise-scale state {state!r} (need 0 < decay < 1, "
+                             "steps >= 0)")
+        self.decay, self.steps, self._g_sq, self._trace = decay, steps, g_sq, trace
+
 
 def critical_batch_line(global_batch: int, noise_scale: float) -> str:
     """The one-line warning for a global batch above the measured critical batch."""

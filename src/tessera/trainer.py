@@ -244,6 +244,10 @@ def open_run(cfg: Config) -> Run:
         unsupported = noise_scale_unsupported(p.dp, p.cp, p.ep, p.dp_mode)
         if cfg.train.noise_scale and unsupported:
             print(f"noise scale: {unsupported}", flush=True)
+        elif executor.noise is not None and start and not executor.noise.steps:
+            print(f"noise scale: {origin.resume_from} holds no moving averages (not measured "
+                  f"there, or saved before they were): they start over at step {start + 1}",
+                  flush=True)
     return Run(cfg, topo, device, checked.dataset, executor, optimizer, scheduler, loader, out,
                logger, saver, origin, watchdog, start, lr_scaling)
 
