@@ -273,12 +273,5 @@ def lower_bound(chunk_f: list[float], chunk_b: list[float], dp: list[float], tra
     return best
 
 
-def closed_form_bubble(name: str, p: int, m: int, v: int = 1, group: int = 0) -> float | None:
-    """The schedule's own closed form (registered with it), for reports and tests."""
-    from tessera.pipeline.schedules import closed_form_bubble as registered
-
-    return registered(name, p, m, v, group)
-
-
 __all__ = ["PipelineTiming", "chunk_inflight", "inflight", "time_pipeline", "lower_bound", "build",
-           "closed_form_bubble", "rank_chunks"]
+           "compute_actions", "rank_chunks"]
