@@ -41,7 +41,7 @@ import torch
 from tessera.config_io import make_config
 from tessera.model import build_model, cross_entropy, param_count
 from tessera.optim import adamw
-from tessera.testing import run_ranks
+from tessera.testing import rank_micro_batches, run_ranks
 
 SEQ, GLOBAL_BATCH = 128, 8
 MODELS = {
@@ -98,14 +98,11 @@ def _tessera_rank(model: dict, layout: dict, steps: int) -> list[dict]:
         topo = Topology.build(cfg.parallel)
         ex = build_executor(cfg, topo, torch.device("cpu"))
         opt = ex.optimizer(cfg.train)
-        dp, d, m = topo.dp, topo.coords()["dp"], cfg.train.grad_accum
-        rows = slice(d * GLOBAL_BATCH // dp, (d + 1) * GLOBAL_BATCH // dp)
 
         def step(k: int) -> float:
-            x, y = _batch(k)
+            batches = rank_micro_batches(*_batch(k), topo, cfg.train.grad_accum)
             dist.barrier()
-            return ex.train_step(list(zip(x[rows].chunk(m), y[rows].chunk(m), strict=True)),
-                                 opt, grad_clip=1.0).loss
+            return ex.train_step(batches, opt, grad_clip=1.0).loss
 
         return step
 

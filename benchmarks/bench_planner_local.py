@@ -141,7 +141,7 @@ def workload_and_layout(case: Case, hw_path) -> tuple:
     hw = hw_path if isinstance(hw_path, Hardware) else load_hardware(hw_path)
     w = Workload(model=load_model("demo"), hardware=hw, gpus=case.nproc,
                  global_batch=case.micro_batch * case.microbatches * layout.dp, seq_len=128,
-                 precision="fp32", scatter_gather=False)
+                 precision="fp32")
     return w, layout
 
 

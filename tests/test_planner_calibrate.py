@@ -601,7 +601,7 @@ def test_in_step_overlap_is_the_share_at_which_the_planner_waits_what_the_step_w
     def waits_at(share: float) -> float:
         h = replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
         w = Workload(model=spec, hardware=h, gpus=2, global_batch=4, seq_len=128,
-                     precision="fp32", scatter_gather=False)
+                     precision="fp32")
         ch = layout_costs(w, Layout(dp=2, zero_stage=3, micro_batch=2)).chunks[0]
         return ch.zero_forward + ch.zero_backward
 

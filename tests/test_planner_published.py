@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.pipeline.schedules import closed_form_bubble
 from tessera.pipeline.simulator import StageCosts
 from tessera.planner.estimate import estimate
 from tessera.planner.formulas import (
@@ -22,7 +23,7 @@ from tessera.planner.formulas import (
 )
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import MEGATRON_WEAK_SCALING, gpt, load_model
-from tessera.planner.pipeline import closed_form_bubble, time_pipeline
+from tessera.planner.pipeline import time_pipeline
 from tessera.planner.workload import Layout, Workload
 
 

@@ -383,7 +383,7 @@ def _local_cpu(**fields):
 def _demo(hw, gpus, **layout):
     L = Layout(**{"micro_batch": 16, **layout})
     w = Workload(model=load_model("demo"), hardware=hw, gpus=gpus,
-                 global_batch=16 * L.dp, seq_len=128, precision="fp32", scatter_gather=False)
+                 global_batch=16 * L.dp, seq_len=128, precision="fp32")
     return w, L
 
 

@@ -112,6 +112,45 @@ def test_inflight_closed_forms_equal_the_schedules():
                         assert list(inflight(name, p, m, v, 2 * p)) == counted, (p, m, v)
 
 
+def test_compute_actions_count_the_schedules_actions():
+    """``ScheduleSpec.compute_actions`` (the planner's size of a schedule, against
+    EXACT_ACTIONS) is the generated schedule's count of F, B, I and W: two per (chunk,
+    micro-batch), three where every backward is split (zb-h1, zb-v); DualPipeV splits only its
+    warm-up's and cool-down's, exactly p(3p-1)/2 from m = 2p on, at most that below."""
+    from tessera.pipeline.schedules import SCHEDULES
+
+    for name, spec in SCHEDULES.items():
+        for p in (1, 2, 3, 4, 5):
+            virtuals = (2, 3) if spec.virtual else (1,)
+            for v in (spec.chunks_per_rank,) if spec.chunks_per_rank else virtuals:
+                for m in range(1, 2 * p + 3):
+                    if v < spec.min_virtual or spec.refusal(p, m, v):
+                        continue
+                    actions = build(name, p, m, v).actions
+                    counted = sum(a.kind.is_compute for acts in actions for a in acts)
+                    want = spec.compute_actions(p, m, v)
+                    if name == "dualpipev" and m < 2 * p:
+                        assert counted <= want, (name, p, v, m)
+                    else:
+                        assert counted == want, (name, p, v, m)
+    assert SCHEDULES["zb-h1"].compute_actions(4, 8, 1) == 3 * 4 * 8
+    assert SCHEDULES["1f1b"].compute_actions(4, 8, 1) == 2 * 4 * 8
+
+
+def test_exact_simulation_threshold_counts_split_backwards_three_actions(monkeypatch):
+    """A schedule is simulated at its true m up to EXACT_ACTIONS compute actions: at p = 2,
+    m = 12 1F1B has 48 and zb-h1 72 (F, I and W per micro-batch and chunk), so with the limit
+    at 60 1F1B is simulated whole and zb-h1 extrapolated from two shorter runs."""
+    from tessera.planner import pipeline
+
+    monkeypatch.setattr(pipeline, "EXACT_ACTIONS", 60)
+    costs = StageCosts(forward=1.0, backward=2.0)
+    assert time_pipeline("1f1b", 2, 12, 1, costs).simulated_m == (12,)
+    assert len(time_pipeline("zb-h1", 2, 12, 1, costs).simulated_m) == 2
+    monkeypatch.setattr(pipeline, "EXACT_ACTIONS", 72)
+    assert time_pipeline("zb-h1", 2, 12, 1, costs).simulated_m == (12,)
+
+
 def _layout_costs(est) -> StageCosts:
     c = est.costs
     fs, bs, ds = _per_chunk(c)

@@ -45,3 +45,30 @@ def test_what_counts_as_loaded():
     # The run's own threads are not others' load.
     assert host_load_note(4.0, 2, 4) is None
     assert host_load_note(5.0, 2, 4) is not None
+
+
+def test_planner_workload_carries_every_field_of_the_run():
+    """The summary prices the run's own layout and workload: every Layout field, and every
+    Workload field a Config sets, comes from the run. Each is given a value other than the
+    planner's default here, so a field the conversion drops reads as its default and fails."""
+    import dataclasses
+
+    from tessera.planner.workload import Layout, Workload
+
+    parallel = dict(dp=2, tp=2, pp=2, cp=2, virtual_stages=2, microbatch_group=4,
+                    zero_stage=1, recompute="selective", schedule="interleaved",
+                    sequence_parallel=True, dp_mode="ps", cp_method="ulysses")
+    cfg = make_config("demo", parallel=dict(parallel, stage_layout="1*4", bucket_mb=50.0,
+                                            scatter_gather=False),
+                      train=dict(micro_batch_size=2, grad_accum=4, precision="fp32",
+                                 compile=True, loss_chunk_tokens=32))
+    w, layout = report.planner_workload(cfg, 16, "H100")
+    assert layout == Layout(**parallel, micro_batch=2, stage_layout=(1, 1, 1, 1))
+    unset = [f.name for f in dataclasses.fields(Layout) if getattr(layout, f.name) == f.default]
+    assert unset == []  # a Layout field added later is set here too
+    carried = dict(gpus=16, global_batch=2 * 2 * 4, seq_len=cfg.data.seq_len, precision="fp32",
+                   scatter_gather=False, bucket_mb=50.0, kernels="compiled",
+                   loss_chunk_tokens=32)
+    assert {name: getattr(w, name) for name in carried} == carried
+    defaults = {f.name: f.default for f in dataclasses.fields(Workload)}
+    assert [name for name in carried if carried[name] == defaults[name]] == []

@@ -92,26 +92,14 @@ def hardware_for(device: torch.device, world: int = 2) -> str | None:
 
 def planner_workload(cfg: Config, world: int, hardware):
     """The planner's (Workload, Layout) for cfg's run on `world` ranks of `hardware` (a
-    catalog name, a file, or a Hardware): compiled kernels under ``train.compile``, the
-    chunked loss's logits under ``train.loss_chunk_tokens``."""
+    catalog name, a file, or a Hardware): ``Workload.from_config`` and ``engine.layout_of``,
+    the planner's one conversion of a tessera Config."""
+    from tessera.planner.engine import layout_of
     from tessera.planner.hardware import Hardware, load_hardware
-    from tessera.planner.models import from_model_config
-    from tessera.planner.workload import Layout, Workload
+    from tessera.planner.workload import Workload
 
-    p, t = cfg.parallel, cfg.train
-    layout = Layout(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, virtual_stages=p.virtual_stages,
-                    micro_batch=t.micro_batch_size, zero_stage=p.zero_stage,
-                    recompute=p.recompute, schedule=p.schedule,
-                    sequence_parallel=p.sequence_parallel)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
-    w = Workload(model=from_model_config("run", cfg.model, cfg.data.seq_len),
-                 hardware=hw, gpus=world,
-                 global_batch=t.micro_batch_size * t.grad_accum * p.dp,
-                 seq_len=cfg.data.seq_len, precision=t.precision,
-                 scatter_gather=p.scatter_gather,
-                 kernels="compiled" if getattr(t, "compile", False) else "tessera",
-                 loss_chunk_tokens=t.loss_chunk_tokens)
-    return w, layout
+    return Workload.from_config(cfg, hw, name="run", gpus=world), layout_of(cfg)
 
 
 def planner_prediction(cfg: Config, world: int, device: torch.device

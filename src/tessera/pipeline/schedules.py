@@ -105,8 +105,21 @@ class ScheduleSpec:
     the first micro-batch comes back around, and a schedule registered without saying, wait a
     period longer."""
 
+    split_backwards: Callable[[int, int, int], int] | None = None
+    """(pp, m, v) -> how many backwards the schedule splits into I and W (at most, where it
+    depends on m in no simple way); None: every one where ``split_backward``, else none.
+    :meth:`compute_actions` counts with it."""
+
     def orders(self, pp: int, m: int, v: int, group: int = 0) -> Orders:
         return self.generate(pp, m, v, group) if self.grouped else self.generate(pp, m, v)
+
+    def compute_actions(self, pp: int, m: int, v: int) -> int:
+        """The schedule's compute actions (F, B, I, W): a forward and a backward per (chunk,
+        micro-batch), a split backward one more (its I and W)."""
+        n = pp * v * m
+        split = self.split_backwards(pp, m, v) if self.split_backwards else (
+            n if self.split_backward else 0)
+        return 2 * n + split
 
     def refusal(self, pp: int, m: int, v: int, group: int = 0) -> str | None:
         """Why m micro-batches are not allowed (with groups of `group`), or None."""
@@ -322,6 +335,13 @@ def _v_inflight(pp: int, m: int, v: int, group: int, *, paired: bool = False) ->
                  for r in range(pp))
 
 
+def _dualpipev_split(pp: int, m: int, v: int) -> int:
+    # Only the warm-up and cool-down split: on rank r the warm-up's p-r-1, the cool-down's
+    # last r+1 of its 2(r+1) and the p-r-1 after them, 2p-r-1 in all; p(3p-1)/2 over the ranks
+    # (from m >= 2p; fewer micro-batches split fewer, and never more than all 2pm).
+    return min(2 * pp * m, pp * (3 * pp - 1) // 2)
+
+
 register(ScheduleSpec(
     name="naive", generate=naive_orders,
     description="model parallel, one micro-batch at a time (no overlap)",
@@ -366,7 +386,7 @@ register(ScheduleSpec(
     steady_after_periods=_V_STEADY))
 register(ScheduleSpec(
     name="dualpipev", generate=dualpipev_orders, virtual=True, chunks_per_rank=2,
-    placement=v_placement, split_backward=True,
+    placement=v_placement, split_backward=True, split_backwards=_dualpipev_split,
     description="DeepSeek-V3's DualPipeV: V shape, paired forward/backward of two micro-batches",
     closed_form_bubble=_v_fill_bubble,
     closed_form_inflight=functools.partial(_v_inflight, paired=True),

@@ -33,7 +33,7 @@ from tessera.pipeline.schedules import SCHEDULES
 from tessera.pipeline.simulator import Prepared, StageCosts, peak_inflight, prepare, simulate
 
 EXACT_ACTIONS = 3000
-"""Largest schedule (compute actions, 2·p·v·m) simulated at its true m."""
+"""Largest schedule (compute actions: :func:`compute_actions`) simulated at its true m."""
 UNKNOWN_STEADY_AFTER_PERIODS = 2
 """Periods before the steady state for a name the registry does not hold; a registered
 schedule says so itself (``ScheduleSpec.steady_after_periods``, whose default is this same
@@ -186,6 +186,13 @@ def _normalized(costs: StageCosts, n_chunks: int) -> tuple[float, tuple]:
     return scale, key
 
 
+def compute_actions(name: str, p: int, m: int, v: int) -> int:
+    """Compute actions (F, B, I, W) of schedule `name`: ``ScheduleSpec.compute_actions`` (2·p·v·m,
+    3·p·v·m where every backward is split); 2·p·v·m for a name the registry does not hold."""
+    spec = SCHEDULES.get(name)
+    return spec.compute_actions(p, m, v) if spec else 2 * p * v * m
+
+
 def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts,
                   sharded: int | None = None, group: int = 0) -> PipelineTiming:
     """Simulated timing of schedule `name` (p ranks, m micro-batches, v chunks per rank).
@@ -202,7 +209,7 @@ def time_pipeline(name: str, p: int, m: int, v: int, costs: StageCosts,
     per = period(p, group)
     spec = SCHEDULES.get(name)
     start = (spec.steady_after_periods if spec else UNKNOWN_STEADY_AFTER_PERIODS) * per
-    if 2 * p * v * m <= EXACT_ACTIONS or m < start + per:
+    if compute_actions(name, p, m, v) <= EXACT_ACTIONS or m < start + per:
         t = _simulate_normalized(name, p, m, v, key)
         return PipelineTiming(*(x * scale for x in t), simulated_m=(m,))
     m1 = start + (m % per)
@@ -266,12 +273,5 @@ def lower_bound(chunk_f: list[float], chunk_b: list[float], dp: list[float], tra
     return best
 
 
-def closed_form_bubble(name: str, p: int, m: int, v: int = 1, group: int = 0) -> float | None:
-    """The schedule's own closed form (registered with it), for reports and tests."""
-    from tessera.pipeline.schedules import closed_form_bubble as registered
-
-    return registered(name, p, m, v, group)
-
-
 __all__ = ["PipelineTiming", "chunk_inflight", "inflight", "time_pipeline", "lower_bound", "build",
-           "closed_form_bubble", "rank_chunks"]
+           "compute_actions", "rank_chunks"]

@@ -112,13 +112,18 @@ class Workload:
     def from_config(cls, cfg: Config, hardware: Hardware, name: str = "config",
                     **kw) -> Workload:
         """What a tessera run of `cfg` trains: its model, world size, global batch (dp ·
-        micro_batch_size · grad_accum sequences of data.seq_len tokens), precision and
-        whether its pipeline scatters and gathers (``parallel.scatter_gather``)."""
+        micro_batch_size · grad_accum sequences of data.seq_len tokens), precision, whether
+        its pipeline scatters and gathers (``parallel.scatter_gather``), its gradient bucket
+        (``parallel.bucket_mb``), its kernels ('compiled' under ``train.compile``) and the
+        chunked loss's tokens (``train.loss_chunk_tokens``). `kw` overrides any of them."""
         p, t = cfg.parallel, cfg.train
+        kw.setdefault("gpus", p.world_size)
         kw.setdefault("scatter_gather", p.scatter_gather)
+        kw.setdefault("bucket_mb", p.bucket_mb)
+        kw.setdefault("kernels", "compiled" if t.compile else "tessera")
         kw.setdefault("loss_chunk_tokens", t.loss_chunk_tokens)
         return cls(model=from_model_config(name, cfg.model, cfg.data.seq_len), hardware=hardware,
-                   gpus=p.world_size, global_batch=p.dp * t.micro_batch_size * t.grad_accum,
+                   global_batch=p.dp * t.micro_batch_size * t.grad_accum,
                    seq_len=cfg.data.seq_len, precision=t.precision, **kw)
 
     @property

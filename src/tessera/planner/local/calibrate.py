@@ -443,7 +443,7 @@ def in_step_overlap(hw: Hardware, spec: ModelSpec, seq: int, micro_batch: int, r
         # exposed collectives and the straggler
         h = replace(hw, dp_overlap=share, zero_unit_us=0.0, zero_unit_passes=0.0)
         w = Workload(model=model, hardware=h, gpus=ranks, global_batch=ranks * micro_batch,
-                     seq_len=seq, precision="fp32", scatter_gather=False)
+                     seq_len=seq, precision="fp32")
         chunks = layout_costs(w, layout).chunks
         return sum(c.zero_forward + c.zero_backward for c in chunks)
 
