@@ -116,7 +116,7 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         if found is None:
             return None, f"no hardware description (run {calibrate_command(world)})"
         hardware, label = found
-    if getattr(cfg.train, "compile", False):
+    if cfg.train.compile:
         label += "; compiled kernels"
     try:
         from tessera.planner.estimate import estimate
