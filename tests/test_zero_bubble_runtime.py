@@ -17,17 +17,25 @@ runtime; checkpoint resume.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from tessera.config import ParallelConfig
 from tessera.config_io import make_config
 from tessera.errors import ConfigError
 from tessera.layout import check_split_backward, validate
 from tessera.model import build_model, cross_entropy
+from tessera.parallel.chunked_loss import chunked_head_cross_entropy
+from tessera.parallel.comm import CommStats
 from tessera.parallel.recompute import apply_recompute
+from tessera.parallel.tensor_parallel import TPContext
+from tessera.parallel.tp_plan import build_tensor_parallel_model
+from tessera.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 from tessera.pipeline.schedule import W, parse
 from tessera.pipeline.simulator import peak_inflight
 from tessera.pipeline.split_backward import SavedActivations, backward_input, backward_weight
@@ -258,6 +266,57 @@ def test_two_micro_batches_accumulate_like_two_backwards():
             assert torch.equal(p.grad, want[n]), n
 
 
+class MatmulFlops(TorchDispatchMode):
+    """FLOPs of the matrix products dispatched (2·m·n·k each; in-place ``addmm_`` included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_", "bmm", "baddbmm"):
+            self.flops += 2 * out.numel() * args[-1].shape[-2]  # (.., m, n) and k
+        return out
+
+
+def test_chunked_loss_splits_its_own_backward():
+    """The chunked head is one node, input path and the head weight's entry: I computes each
+    chunk's logits again and dh, W the logits and dW (not the whole node twice); with the input
+    projection's two products, I + W is a plain backward's matrix products plus one pass of
+    the logits (2·N·V·H FLOPs), and the gradients are a plain backward's, bitwise."""
+    g = torch.Generator().manual_seed(0)
+    n, hidden, chunk = 2 * SEQ, 16, 8
+    a = torch.randn(hidden, hidden, generator=g, requires_grad=True)
+    head = torch.randn(VOCAB, hidden, generator=g, requires_grad=True)
+    x0 = torch.randn(2, SEQ, hidden, generator=g)
+    y = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+
+    def f(x):
+        return chunked_head_cross_entropy(x @ a.t(), head, y, VOCAB, chunk)
+
+    x = x0.clone().requires_grad_()
+    loss = f(x)
+    with MatmulFlops() as plain:
+        loss.backward()
+    want = [x.grad.clone(), a.grad.clone(), head.grad.clone()]
+    a.grad = head.grad = None
+    x = x0.clone().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        loss = f(x)
+    with MatmulFlops() as flops_i:
+        dx, pending = backward_input(loss, None, x, saved)
+    with MatmulFlops() as flops_w:
+        backward_weight(pending)
+    logits, projection = 2 * n * VOCAB * hidden, 2 * n * hidden * hidden
+    assert plain.flops == 3 * logits + 2 * projection
+    assert flops_i.flops == 2 * logits + projection  # logits, dh; dx
+    assert flops_w.flops == 2 * logits + projection  # logits, dW; da
+    for got, w in zip((dx, a.grad, head.grad), want, strict=True):
+        assert torch.equal(got, w)
+
+
 def test_a_chunks_reduction_starts_at_its_last_w():
     """The executor's hook point for data parallelism: the chunk's last W (never its I)."""
     schedule = parse(SPLIT_1F1B)
@@ -372,6 +431,95 @@ def test_zero_bubble_schedules_match_reference_pp4_and_composed():
         check_results(per_rank)
         for name, got in layouts.items():
             _check(name, rank, got, ref)
+
+
+def _sp_split_rank() -> dict[str, dict]:
+    """A last chunk (two blocks, final norm, head, loss) at tp 2 with sequence parallelism:
+    per case (loss, recomputation), the collectives (tag, op, phase, elements) and matmul FLOPs
+    of a plain backward, of I and of W, and whether I and W's gradients are the plain
+    backward's, bitwise."""
+    cfg = make_config("tiny", model=dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2,
+                                         n_kv_heads=2, max_seq_len=32)).model
+    topo = Topology.build(ParallelConfig(tp=2, sequence_parallel=True))
+    stats = CommStats()
+    tp = TPContext(group=topo.group("tp"), sequence_parallel=True, stats=stats)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    y = tokens[:, 1:]
+
+    def head(model, h):  # a gather-then-linears node
+        return vocab_parallel_cross_entropy(model.output(h), y, VOCAB, tp)
+
+    def chunked(model, h):  # SP's g, then the chunked head
+        return chunked_head_cross_entropy(h, model.output.weight, y, VOCAB, 8, tp)
+
+    @contextlib.contextmanager
+    def logged(into: list):
+        """Appends the collectives and matmul FLOPs of the block's body to `into`."""
+        stats.reset()
+        with MatmulFlops() as flops:
+            yield
+        into += [[(r.tag, r.op, r.phase, r.numel) for r in stats.records], flops.flops]
+
+    out = {}
+    for name, loss_fn, recompute in (("head", head, "none"), ("chunked", chunked, "none"),
+                                     ("head, full recompute", head, "full")):
+        model = build_tensor_parallel_model(cfg, seed=0, tp=tp)
+        apply_recompute(model, recompute)
+        x0 = model.tok_embeddings(tokens[:, :-1]).detach()  # (B, T/t, h): this rank's tokens
+        cos, sin = model.rope_cos[:SEQ], model.rope_sin[:SEQ]
+
+        def body(x, model=model, loss_fn=loss_fn, cos=cos, sin=sin):
+            for layer in model.layers:
+                x = layer(x, cos, sin)
+            return loss_fn(model, model.norm(x))
+
+        plain, split_i, split_w = [], [], []
+        x = x0.clone().requires_grad_()
+        loss = body(x)
+        with logged(plain):
+            loss.backward()
+        want = [x.grad, *(p.grad for p in model.parameters())]
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        saved = SavedActivations()
+        with saved:
+            loss = body(x)
+        with logged(split_i):
+            dx, pending = backward_input(loss, None, x, saved)
+        made = [tuple(t.shape) for t in pending.made]
+        with logged(split_w):
+            backward_weight(pending)
+        got = [dx, *(p.grad for p in model.parameters())]
+        out[name] = dict(plain=plain, i=split_i, w=split_w, made=made,
+                         equal=all(a is b is None or torch.equal(a, b)  # None: the embedding
+                                   for a, b in zip(got, want, strict=True)))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_w_issues_no_collective_under_sequence_parallelism():
+    """Sequence parallelism's gather-then-linears node splits its backward (split_backward's
+    splitting nodes): I issues exactly a plain backward's collectives (each node's regather and
+    reduce-scatter, the head's), W none and only weight-gradient products: I + W is a plain
+    backward's FLOPs (the chunked head: plus one pass of its logits, 2·N·V/t·H). I keeps each
+    gather-then-linears node's gathered input, (B·T, h), for W. Under full recomputation W
+    replays the blocks' forwards (split_backward's doc), with their forward collectives, and
+    issues no backward collective."""
+    n_nodes = 2 * 2  # per block: q/k/v, the MLP's input projections
+    for rank in run_ranks(_sp_split_rank, 2, timeout=300):
+        for name, got in rank.items():
+            (plain, plain_flops), (i, i_flops), (w, w_flops) = got["plain"], got["i"], got["w"]
+            assert any(tag.endswith(":regather") for tag, *_ in plain), name
+            assert i == plain, name
+            assert got["made"] == [(2 * SEQ, 32)] * (n_nodes + name.startswith("head")), name
+            assert got["equal"], name
+            if name.endswith("full recompute"):
+                assert w and {phase for _, _, phase, _ in w} == {"forward"}, name
+                continue
+            assert w == [], name
+            logits = 2 * (2 * SEQ) * (VOCAB // 2) * 32 if name == "chunked" else 0
+            assert i_flops + w_flops == plain_flops + logits, name
 
 
 def _resume_ranks(data: str, root: str) -> dict:

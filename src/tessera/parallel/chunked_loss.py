@@ -9,6 +9,14 @@ logits are computed again, turned into softmax − one-hot with the kept log-sum
 collective), and give the chunk's rows of dh and its term of dW. At most one chunk's logits
 exist at any time: c·V·4 bytes (and their gradient, in place).
 
+Split backward (``pipeline.split_backward``'s splitting nodes): I computes each chunk's
+logits again and dh only; W computes them once more and dW only. W's recomputation is the
+price of the bound above: skipping it would need each chunk's softmax − one-hot (the
+micro-batch's whole fp32 logits) held from I to W, or dW computed in I (W's work moved onto
+the critical path, and a V·H fp32 matrix per micro-batch held until W). So the head's matrix
+products, in units of one pass of N·V·H, are forward 1, I 2 (logits, dh) and W 2 (logits,
+dW): one more than a plain backward's 3.
+
 Under tensor parallelism W holds this rank's rows of the padded vocabulary and each chunk's
 loss takes the vocabulary-parallel form's two all-reduces (``vocab_parallel_loss``'s
 ``token_losses_``, the same code); dh is then this rank's partial sum, which the caller's
@@ -30,6 +38,7 @@ from tessera.parallel.vocab_parallel_loss import (
     softmax_grad_,
     token_losses_,
 )
+from tessera.pipeline.split_backward import INPUT, WEIGHT
 
 if TYPE_CHECKING:
     from tessera.parallel.tensor_parallel import TPContext
@@ -58,6 +67,7 @@ class ChunkedHeadCrossEntropy(Function):
         ctx.save_for_backward(h, weight, targets, log_sum_exp)
         ctx.vocab_size, ctx.chunk, ctx.start = vocab_size, chunk, start
         ctx.valid = max(0, min(weight.shape[0], vocab_size - start))  # real columns
+        ctx.split_phase = ctx.split_kept = None  # pipeline.split_backward's splitting node
         return total / hf.shape[0]
 
     @staticmethod
@@ -66,18 +76,23 @@ class ChunkedHeadCrossEntropy(Function):
         hf, y = h.flatten(0, -2), targets.flatten()
         n, chunk = hf.shape[0], ctx.chunk
         scale = grad_loss / n
-        dh = torch.empty_like(hf)
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        dh = torch.empty_like(hf) if ctx.split_phase != WEIGHT else None
+        dw = None
+        if ctx.split_phase != INPUT:
+            dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, n, chunk):
             hc = hf[s:s + chunk]
             x = softmax_from_lse_(_chunk_logits(hc, weight), log_sum_exp[s:s + chunk],
                                   ctx.vocab_size, ctx.start)
             target, inside = local_targets(y[s:s + chunk], ctx.start, ctx.valid)
             grad = softmax_grad_(x, target, inside, scale)  # (c, V_local) fp32
-            dh[s:s + chunk] = grad.to(h.dtype) @ weight
-            dw.addmm_(grad.t(), hc.float())
+            if dh is not None:
+                dh[s:s + chunk] = grad.to(h.dtype) @ weight
+            if dw is not None:
+                dw.addmm_(grad.t(), hc.float())
             del x, grad
-        return dh.view_as(h), dw.to(weight.dtype), None, None, None, None, None, None
+        return (None if dh is None else dh.view_as(h), None if dw is None else dw.to(weight.dtype),
+                None, None, None, None, None, None)
 
 
 def chunked_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

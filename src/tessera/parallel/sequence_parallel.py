@@ -45,6 +45,7 @@ from tessera.parallel.comm import (
     group_size,
     reduce_scatter,
 )
+from tessera.pipeline.split_backward import INPUT, WEIGHT
 
 SEQ_DIM = 1
 """Activations are (batch, sequence, hidden), as in tessera.model."""
@@ -86,6 +87,14 @@ class GatherThenLinears(Function):
     Backward overlaps that all-gather with the input-gradient matmuls, and the reduce-scatter of
     the input gradient with the weight-gradient matmuls (Korthikanti et al. §4.2.2). Under
     autocast the matmuls run in the forward's compute dtype in both directions.
+
+    Split backward (``pipeline.split_backward``'s nodes that split their own backward): I does
+    the all-gather, the input-gradient matmuls and the reduce-scatter, a plain backward's
+    collectives, and keeps the gathered input (B·T, h) in the compute dtype; W does only the
+    weight-gradient matmuls, from it and the output gradients: no collective. Between I and W
+    the node holds that gathered input in place of the (B, T/t, h) slice it saved (dropped
+    after I): t times the elements. Gathering in W instead would hold only the slice, at the
+    price of a collective in W that every tp rank must enter there.
     """
 
     @staticmethod
@@ -94,24 +103,37 @@ class GatherThenLinears(Function):
         x_full = all_gather(x_local, SEQ_DIM, group, stats, tag, "forward")  # (B, T, h)
         outs = tuple(F.linear(x_full, w) for w in weights)
         ctx.compute_dtype = outs[0].dtype
+        ctx.weight_dtypes = [w.dtype for w in weights]
+        ctx.split_phase = ctx.split_kept = None
         ctx.save_for_backward(x_local, *weights)
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x_local, *weights = ctx.saved_tensors
         dtype = ctx.compute_dtype
+        grads = [gy.to(dtype) for gy in grad_outs]  # (B, T, out_i); materialized, never None
+        if ctx.split_phase == WEIGHT:
+            (x_full,), ctx.split_kept = ctx.split_kept, None
+            return None, None, None, None, *_weight_grads(grads, x_full, ctx.weight_dtypes)
+        x_local, *weights = ctx.saved_tensors
         finish_gather = all_gather(x_local, SEQ_DIM, ctx.group, ctx.stats, ctx.tag + ":regather",
                                    "backward", async_op=True)
-        grads = [torch.zeros_like(w, dtype=dtype) if gy is None else gy.to(dtype)
-                 for gy, w in zip(grad_outs, weights, strict=True)]
         grad_x = sum(gy @ w.to(dtype) for gy, w in zip(grads, weights, strict=True))  # (B, T, h)
         x_full = finish_gather().to(dtype).flatten(0, -2)  # (B·T, h)
         finish_scatter = reduce_scatter(grad_x, SEQ_DIM, ctx.group, ctx.stats, ctx.tag,
                                         "backward", async_op=True)
-        grad_ws = [(gy.flatten(0, -2).t() @ x_full).to(w.dtype)  # (out, B·T) @ (B·T, h)
-                   for gy, w in zip(grads, weights, strict=True)]
+        if ctx.split_phase == INPUT:
+            ctx.split_kept = (x_full,)
+            grad_ws = [None] * len(weights)
+        else:
+            grad_ws = _weight_grads(grads, x_full, ctx.weight_dtypes)
         return finish_scatter().to(x_local.dtype), None, None, None, *grad_ws
+
+
+def _weight_grads(grads: list[torch.Tensor], x_full: torch.Tensor,
+                  dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """dW_i = dY_iᵀ·X: (out_i, B·T) @ (B·T, h), in each weight's dtype."""
+    return [(gy.flatten(0, -2).t() @ x_full).to(dt) for gy, dt in zip(grads, dtypes, strict=True)]
 
 
 def gather_then_linears(x_local: torch.Tensor, weights: list[torch.Tensor],

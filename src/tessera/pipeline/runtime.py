@@ -78,7 +78,8 @@ class StepRecord:
     all-gather) and ZeRO-3 collectives
     ('unshard', 'reduce') with perf_counter times."""
     peak_activation_bytes: int = 0
-    """Most bytes saved for backward held at once (with measure_memory)."""
+    """Most bytes saved for backward held at once (with measure_memory); after a split
+    backward's I, what W still holds of them and what splitting nodes made in I for W."""
     peak_in_flight: int = 0
     """Most (chunk, micro-batch) pairs held at once: forwarded, their B or W not yet run."""
     sent_bytes: list[int] = field(default_factory=list)
@@ -135,6 +136,12 @@ class _SavedBytes:
         """Bytes of the distinct storages among `tensors` that this counter counted."""
         ptrs = {t.untyped_storage().data_ptr() for t in tensors}
         return sum(n for ptr, n in self.storages.items() if ptr in ptrs)
+
+
+def _distinct_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages among `tensors`."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
 
 
 class PipelineRuntime:
@@ -368,7 +375,8 @@ class PipelineRuntime:
                 held -= saved.pop((c, mb), 0)
                 counter = counters.pop((c, mb), None)
                 if a.kind is Kind.I and counter is not None:  # what W still holds
-                    saved[(c, mb)] = counter.bytes_of(pending[(c, mb)].kept)
+                    kept = pending[(c, mb)]
+                    saved[(c, mb)] = counter.bytes_of(kept.kept) + _distinct_bytes(kept.made)
                     held += saved[(c, mb)]
                 if a.kind is Kind.B:
                     in_flight -= 1

@@ -37,13 +37,31 @@ Memory between I and W. The tensors autograd saves in the chunk's forward are pa
 holders (``SavedActivations``, installed around the forward). Each unpack in I records which
 node read the holder; after I the holders read only by input-path nodes that W does not run
 are emptied. What W still holds: the tensors saved by the entries and the branches (a linear's
-input, a norm's normalized input, the weights themselves) and the recorded gradients at the
-entries (one per weight group: a linear's output gradient). The stage output, its gradient and
-the stage input's gradient (sent at I) are not kept.
+input, a norm's normalized input, the weights themselves), the recorded gradients at the
+entries (one per weight group: a linear's output gradient) and what nodes that split their own
+backward made for W (below: sequence parallelism's gathered inputs). The stage output, its
+gradient and the stage input's gradient (sent at I) are not kept.
 
 A chunk whose input needs no gradient (chunk 0: token ids) has no input path: its I does
 nothing and its W is the whole backward from the output (so W keeps the output and its
-gradient).
+gradient, and issues a plain backward's collectives, once).
+
+Nodes that split their own backward. A custom autograd Function is one node: one that
+computes an input's gradient and weights' gradients together is both on the input path and the
+weights' entry, so I would run its whole backward (the engine dropping the weights' gradients)
+and W all of it again (dropping the input's). Sequence parallelism's gather-then-linears node
+and the chunked loss's head (``parallel.sequence_parallel``, ``parallel.chunked_loss``) take
+part instead: their forward sets ``ctx.split_phase = None`` and ``ctx.split_kept = None``.
+Around its autograd call, I sets ``split_phase`` to ``INPUT`` on the entries that have one,
+and W to ``WEIGHT`` on its batch's (None again after each call; a plain backward sees None
+and runs whole). At ``INPUT`` the node returns only its inputs' gradients (None for the
+weights) and may leave in ``split_kept`` a tuple of tensors that W's weight gradients need in
+place of its saved tensors; at ``WEIGHT`` it returns only the weights' gradients (None for the
+inputs), from ``split_kept`` when set (emptying it) or from its saved tensors. The holders
+read in I only by nodes that kept a tuple are emptied after I like the input path's; the
+tuples' tensors (``PendingWeightGrad.made``) are held until W instead. Gather-then-linears
+keeps its gathered input, so its W issues no collective and repeats no input-gradient
+product; the chunked head keeps nothing and W computes its logits once more (its module doc).
 
 Recomputation (``torch.utils.checkpoint``, non-reentrant): the tensors a checkpointed region
 saves are packed by checkpoint's own hooks, not these. I recomputes the region's forward (as a
@@ -51,7 +69,9 @@ plain backward does) and checkpoint drops each recomputed tensor once it is read
 linear's input again, so the region is recomputed once more in W (all of W's autograd calls
 run in one ``GraphExecGroup``, so once, not once per call; what W does not read of that
 recomputation lives until the chunk's W ends). Keeping the first recomputation until W would
-hold what recomputation exists to drop, for the whole gap between I and W. Selective
+hold what recomputation exists to drop, for the whole gap between I and W. The replay issues
+the region's forward collectives again (under sequence parallelism, the entering all-gathers
+and leaving reduce-scatters up to the last tensor W reads), as the replay in I does. Selective
 recomputation (the attention core) has no weights inside the region: W does not enter it, so
 it runs once, in I.
 """
@@ -59,12 +79,15 @@ it runs once, in I.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import GraphExecGroup
+
+INPUT, WEIGHT = "input", "weight"
+"""Values of a splitting node's ``split_phase`` during I and W (module doc)."""
 
 
 class _Holder:
@@ -142,6 +165,8 @@ class PendingWeightGrad:
     """(output, its gradient) when W is the whole backward (no input path)."""
     kept: list[torch.Tensor] = field(default_factory=list)
     """The saved tensors W still needs (those packed by SavedActivations)."""
+    made: list[torch.Tensor] = field(default_factory=list)
+    """Tensors that splitting nodes made in I for W (``split_kept``; module doc)."""
     saved: SavedActivations | None = None
     """Released after W."""
 
@@ -295,15 +320,39 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
                     order.append(group)
                 group.grads[entry] = tuple(grads)
             handles.append(entry.register_prehook(record))
+    splitting = _splitting(e for g in groups for e in g.entries)
     try:
-        (dx,) = torch.autograd.grad(output, stage_input, grad, retain_graph=True)
+        with _phase(splitting, INPUT):
+            (dx,) = torch.autograd.grad(output, stage_input, grad, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
     order = [g for g in order if g.grads]  # entries I did not reach: no gradient
-    kept = saved.drop_unneeded(needed) if saved is not None else []
+    own = [e for e in splitting if e.split_kept is not None]  # W reads no saved tensor there
+    made = [t for e in own for t in e.split_kept]
+    kept = saved.drop_unneeded(needed - set(own)) if saved is not None else []
     return dx, PendingWeightGrad(groups=order, batches=_batched(order, input_path),
-                                 kept=kept, saved=saved)
+                                 kept=kept, made=made, saved=saved)
+
+
+def _splitting(nodes: Iterable[Node]) -> list[Node]:
+    """The nodes among `nodes` that split their own backward (module doc)."""
+    return [n for n in nodes if hasattr(n, "split_phase")]
+
+
+class _phase:
+    """Sets the splitting nodes' ``split_phase`` for one autograd call, None after it."""
+
+    def __init__(self, nodes: list[Node], phase: str):
+        self.nodes, self.phase = nodes, phase
+
+    def __enter__(self) -> None:
+        for n in self.nodes:
+            n.split_phase = self.phase
+
+    def __exit__(self, *exc) -> None:
+        for n in self.nodes:
+            n.split_phase = None
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
@@ -318,7 +367,11 @@ def backward_weight(pending: PendingWeightGrad) -> None:
                 _batch_backward(batch)
     if pending.saved is not None:
         pending.saved.release()
+    for group in pending.groups:  # a node that I ran and W did not (no gradient recorded)
+        for entry in _splitting(group.entries):
+            entry.split_kept = None
     pending.groups, pending.batches, pending.kept, pending.saved = [], [], [], None
+    pending.made = []
 
 
 def _batch_backward(batch: list[_Group]) -> None:
@@ -338,7 +391,8 @@ def _batch_backward(batch: list[_Group]) -> None:
         handles = [entry.register_prehook(lambda _g, rec=rec: rec)
                    for entry, rec in batch[0].grads.items()]
     try:
-        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
+        with _phase(_splitting(e for group in batch for e in group.grads), WEIGHT):
+            torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
