@@ -268,6 +268,7 @@ def _step_ops() -> list[int]:
     return counts
 
 
+@pytest.mark.multiprocess
 def test_step_kernels_match_dispatched_ops():
     """The planner's count of a rank's step kernels (``state.rank_step_kernels``: flat units
     from the planner's own unit layout, or parameter tensors) equals the ops tessera's step
