@@ -7,7 +7,11 @@ and the chunked loss's logits.
 - With the catalog's launch cost the demo model's predicted step on an H100 is of the order of
   the 19 ms measured (benchmarks/results/gpu_h100.txt: "step time measured 19 ms"); without
   it the planner priced the step as a few ms of device time. A device-bound model (the
-  133M-parameter bench_gpu_step model) is not moved by it beyond its tiny head's launches.
+  133M-parameter bench_gpu_step model) is not moved by it beyond its tiny head's launches and
+  its optimizer's.
+- The step's kernels outside the blocks (zero_grad, the global norm, clipping, AdamW), counted
+  from the code on the tensors the optimizer steps (flat units or parameters), equal the ops
+  tessera's step dispatches; on a GPU their launches floor the optimizer's time.
 - kernels='compiled' launches fewer kernels and prices fused memory-bound passes.
 - train.loss_chunk_tokens: the last chunk holds one chunk's logits, not the micro-batch's.
 """
@@ -115,8 +119,9 @@ def test_launch_cost_prices_the_demo_step_on_an_h100():
 
 def test_launch_cost_leaves_a_device_bound_block_alone():
     """bench_gpu_step's model (d 1024, 12 layers, 16k tokens): each block's device time is
-    above its launches, so the blocks cost the same; only the tiny head (vocabulary 256)
-    is launch-bound."""
+    above its launches, so the blocks cost the same; only the tiny head (vocabulary 256) and
+    the optimizer's step (188 kernels over 14 flat units, 3.8 ms of launches against 1 ms of
+    a fused update's traffic) are launch-bound."""
     cfg = make_config("tiny", model=dict(d_model=1024, n_layers=12, n_heads=16, n_kv_heads=4,
                                          max_seq_len=1024),
                       data=dict(seq_len=1024), parallel=dict(dp=1),
@@ -126,7 +131,10 @@ def test_launch_cost_leaves_a_device_bound_block_alone():
     free = dataclasses.replace(w, hardware=replace(h200, launch_us=0.0))
     assert block_costs(w, 1, 1, 16, False, "none") == block_costs(free, 1, 1, 16, False, "none")
     with_launches, without = _step(cfg, h200), _step(cfg, replace(h200, launch_us=0.0))
-    assert without <= with_launches <= 1.02 * without
+    optimizer = estimate(*planner_workload(cfg, 1, h200)).costs.optimizer_time
+    traffic = estimate(free, _).costs.optimizer_time
+    assert optimizer == pytest.approx(188 * LAUNCH_US_GPU * 1e-6) and traffic < optimizer / 3
+    assert without <= with_launches - (optimizer - traffic) <= 1.02 * without
 
 
 def test_compiled_kernels_price_fewer_launches_and_fused_passes():
@@ -205,3 +213,97 @@ def test_calibrate_measures_launches_and_the_compiled_rate(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     monkeypatch.setattr(rates, "typical_time", lambda fn, repeats=9: 4 * 256 * 64 * 4 / 1e9)
     assert rates.compiled_passes(spec, 32, 8, 1e9) == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's kernels outside the blocks: zero_grad, the global norm, clipping and AdamW.
+
+STEP_LAYOUTS = (("fp32", 0, 2), ("fp32", 0, 3), ("bf16", 0, 2), ("bf16", 0, 3), ("fp32", 1, 2),
+                ("bf16", 3, 3))
+"""(precision, ZeRO stage, layers): per-parameter AdamW (fp32 at stage 0) and flat units (bf16,
+or any ZeRO stage), each at two depths, so a count that does not grow with the tensors the
+optimizer steps, or counts parameters where it steps units, fails."""
+
+
+class StepOps(ComputeOps):
+    """ComputeOps less the profiler's record_function markers and the collectives (priced as
+    communication)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "c10d" or name.startswith("_record_function"):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _step_config(precision: str, zero: int, layers: int):
+    return make_config("tiny", model=dict(n_layers=layers), parallel=dict(dp=1, zero_stage=zero),
+                       train=dict(micro_batch_size=2, grad_accum=1, precision=precision))
+
+
+def _step_ops() -> list[int]:
+    """On one gloo rank, for each of STEP_LAYOUTS: the ops of a step's zero_grad, norm with
+    clipping (a max norm every step exceeds) and optimizer step, after a warm-up step, with
+    AdamW as a GPU runs it (``fused=True``: ``optim.adamw_implementation`` on CUDA)."""
+    import tessera.optim
+    from tessera.step import build_executor
+    from tessera.topology import Topology
+
+    tessera.optim.adamw_implementation = lambda device_types: {"fused": True}
+    counts = []
+    for precision, zero, layers in STEP_LAYOUTS:
+        cfg = _step_config(precision, zero, layers)
+        ex = build_executor(cfg, Topology.solo(), torch.device("cpu"))
+        opt = ex.optimizer(cfg.train)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1))
+        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        for _ in range(2):
+            with StepOps() as ops:
+                opt.zero_grad(set_to_none=True)
+            ex.forward_backward(batch)
+            with ops:
+                ex.clip_grad_norm_(1e-6)
+                opt.step()
+        counts.append(ops.total)
+    return counts
+
+
+@pytest.mark.multiprocess
+def test_step_kernels_match_dispatched_ops():
+    """The planner's count of a rank's step kernels (``state.rank_step_kernels``: flat units
+    from the planner's own unit layout, or parameter tensors) equals the ops tessera's step
+    dispatches outside the forward and backward."""
+    from tessera.planner.cost import layout_costs
+    from tessera.planner.state import rank_step_kernels
+    from tessera.testing import run_ranks
+
+    dispatched = run_ranks(_step_ops, 1)[0]
+    for (precision, zero, layers), got in zip(STEP_LAYOUTS, dispatched, strict=True):
+        w, layout = planner_workload(_step_config(precision, zero, layers), 1, "H100")
+        tensors = sum(ch.tensors for ch in layout_costs(w, layout).chunks)
+        assert rank_step_kernels(w, layout, 0, tensors) == got, (precision, zero, layers)
+    # per parameter: 9 tensors per block (+ embedding and head's 3); flat: one unit per block
+    # (+ embedding and head), 11 kernels each in bf16 (9 in fp32) and a decay run per matrix run
+    assert dispatched[1] - dispatched[0] == 9
+    assert dispatched[3] - dispatched[2] == 11 + 2
+
+
+def test_optimizer_launches_price_the_step_on_a_gpu_only_where_not_calibrated():
+    """On a GPU the step's kernels after the norm's synchronizing read are issued one by one:
+    the optimizer's time is at least their launches (the demo's: launch-bound). A calibrated
+    optimizer_tensor_us already holds the loops' launches: nothing is added to it."""
+    from tessera.planner.cost import layout_costs
+    from tessera.planner.state import rank_step_kernels
+
+    h100 = load_hardware("H100")
+    w, layout = planner_workload(_demo(), 1, h100)
+    costs = layout_costs(w, layout)
+    tensors = sum(ch.tensors for ch in costs.chunks)
+    kernels = rank_step_kernels(w, layout, 0, tensors)
+    assert kernels == 6 * 11 + (1 + 4 * 2 + 1) + 8  # bf16: embedding, 4 blocks, head
+    assert costs.optimizer_time == pytest.approx(kernels * LAUNCH_US_GPU * 1e-6)
+    free = dataclasses.replace(w, hardware=replace(h100, launch_us=0.0))
+    assert layout_costs(free, layout).optimizer_time < 0.1 * costs.optimizer_time
+    calibrated = dataclasses.replace(w, hardware=replace(h100, optimizer_tensor_us=5.0))
+    assert layout_costs(calibrated, layout).optimizer_time == pytest.approx(
+        layout_costs(free, layout).optimizer_time + tensors * 5e-6)

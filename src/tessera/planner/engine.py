@@ -27,6 +27,7 @@ the planner's own rules and the papers' closed forms (``tessera.planner.cost``).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from functools import lru_cache
 
 from tessera.config import Config, DataConfig, ParallelConfig, TrainConfig
@@ -138,6 +139,20 @@ def chunk_units(spec: ModelSpec, t: int, n_chunks: int, c: int, blocks: int,
         else:
             units.append((h + vocab, 2))
     return units
+
+
+def flat_units(precision: str, zero_stage: int, dp_mode: str) -> bool:
+    """Whether ZeRO's flat units hold a rank's model state and its optimizer steps them
+    (``parallelize``: all-reduce data parallelism at ZeRO stage >= 1, or in bf16 at any stage);
+    else the optimizer steps each parameter tensor."""
+    return dp_mode == "allreduce" and (zero_stage > 0 or precision == "bf16")
+
+
+def unit_decay_runs(spec: ModelSpec, units: Iterable[tuple[int, int]]) -> int:
+    """Runs of adjacent weight-decayed matrices in whole `units` (``FlatUnit.decay_ranges``):
+    two in a block (the attention's matrices after its norm gain, the MLP's after its own),
+    one in a unit holding an embedding or a head matrix, none in a lone norm gain."""
+    return sum(2 if k > 2 else int(n != spec.hidden) for n, k in units)
 
 
 def rank_units(w: Workload, L: Layout, pp_rank: int) -> tuple[tuple[int, int], ...]:

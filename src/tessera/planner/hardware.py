@@ -75,9 +75,11 @@ EAGER_PASSES_GPU = 12.0
 # graph, the dispatcher and the CUDA launch (cudaLaunchKernel alone ~3-5 µs). Timed as a
 # tiny block's eager forward + backward over its kernels (calibrate's launch_cost): 16 µs per
 # kernel on this project's CPU hosts in fp32, where the kernels themselves are nil, 28 µs in
-# bf16; an H100 ran the demo model's step (~540 kernels of blocks and head, by
-# planner.kernels, and the optimizer's) in 19 ms (benchmarks/results/gpu_h100.txt): at most
-# 35 µs each. Launches only bound a step whose kernels are shorter than them (kernels module).
+# bf16; an H100 ran the demo model's step (~540 kernels of blocks and head and 84 of its
+# zero_grad, norm, clipping and AdamW, by planner.kernels) in 19 ms
+# (benchmarks/results/gpu_h100.txt): at most 31 µs each. Launches only bound a stretch whose
+# kernels are shorter than them (kernels module): the blocks' forwards and backwards, and the
+# optimizer's step (planner.state.optimizer_step_time).
 LAUNCH_US_GPU = 20.0
 LINK_EFFICIENCY = 0.8
 FILE_KEYS = ("name", "peak_tflops", "memory_gb", "memory_bw_gbs", "intra_node_gbs",

@@ -1,5 +1,6 @@
 """Kernels per step: how many kernels one transformer block launches in its forward and its
-backward, eager and compiled, and the floor their launches put under a stretch of compute.
+backward, eager and compiled, how many a rank's step launches outside them (zero_grad, the
+global norm, clipping, AdamW), and the floor their launches put under a stretch of work.
 
 Eager (``Workload.kernels`` 'tessera'): tessera's reference block (``tessera.model.Block``) op
 by op, each dispatched ATen op that computes (views and reshapes excluded) one kernel, counted
@@ -31,6 +32,38 @@ reads its inputs once and writes its outputs once (2 passes over the bytes it to
 ``Hardware.compiled_elementwise_passes``). A block has five such runs forward: the attention
 norm, the RoPE of q and k, the residual add with the MLP norm, the MLP activation, the last
 residual add; backward the same five and one reduction per norm weight.
+
+Per step, outside the blocks (:func:`step_kernels`, checked the same way against tessera's
+``Executor.clip_grad_norm_`` and its optimizer's ``zero_grad`` and ``step``): the gradients
+zeroed, their global norm and the clipping, and the AdamW update, on the tensors the optimizer
+sees on a rank. Where ZeRO's flat units hold the model state (any ZeRO stage, and bf16 at
+stage 0: ``parallelize``'s precision policy) those are the U units, each stepped by
+``ShardedAdamW``'s own loop; otherwise the N parameter tensors, stepped by ``torch.optim.AdamW``
+with ``fused=True`` on a GPU (``tessera.optim.adamw_implementation``):
+
+=================  ==================================  =========================================
+part               flat units                          per-parameter (fused AdamW)
+=================  ==================================  =========================================
+zero_grad          U fills (buffers reused)            0 (gradients set to None)
+global norm        8: zeros, one ``_foreach_norm``,    10: the same and the expert sum's zeros
+                   stack, pow, sum, add_, sqrt, the    and add
+                   host's read of the norm
+clipping           U multiplies                        N multiplies
+AdamW              U · 7 (lerp_, mul_, addcmul_,       2 per param group (decayed matrices,
+                   sqrt, div, add_, addcdiv_) + one    undecayed gains): the steps' foreach add
+                   mul_ per run of decayed matrices    and ``_fused_adamw_``
+bf16               U · 2: the gradient cast up, the    (bf16 always runs on flat units)
+                   master copied into the parameters
+=================  ==================================  =========================================
+
+The norm's read of the result synchronizes the host with the device, so the step's update
+starts from an idle device and a host issuing its kernels one by one: an update of small
+tensors is launch-bound. A multi-tensor op (``_foreach_norm``, ``_fused_adamw_``) counts as one
+kernel: on a GPU it launches once per few dozen tensors or ~20M elements, so the count is a
+floor for many tensors. The collectives (ZeRO-1/2's all-gather after the step, the norm's
+all-reduce) are priced as communication; the data-parallel wrappers' kernels inside the
+backward (DataParallel's bucket copies, ZeRO's per-unit division or flattening) are not
+counted.
 
 Launches: an eager step's host issues each kernel (the Python call, autograd's graph, the
 dispatcher, the launch) while an asynchronous device runs the kernels queued before it, so a
@@ -125,3 +158,26 @@ def block_kernels(spec: ModelSpec, precision: str, kernels: str) -> Kernels:
 def launch_floor(launch_us: float, count: int) -> float:
     """Seconds the host needs to issue `count` kernels (0 where launches are free)."""
     return count * launch_us * 1e-6
+
+
+FLAT_UNIT_OPS = 1 + 1 + 7
+"""Per flat unit and step: its gradient buffer zeroed, clipped, and ShardedAdamW's 7 kernels."""
+PARAMETER_OPS = 1
+"""Per parameter tensor and step (fused AdamW): its clipping."""
+NORM_OPS = {True: 8, False: 10}
+"""The global norm's kernels on flat units (True) and on parameters (False) (module doc)."""
+FUSED_ADAMW_OPS = 2 * 2
+"""Two param groups, each a foreach add of its step counts and one ``_fused_adamw_``."""
+BF16_UNIT_CASTS = 2
+"""bf16: each unit's gradient cast up for the update, its master copied into the parameters."""
+
+
+def step_kernels(tensors: int, *, flat: bool, precision: str, decay_runs: int = 0) -> int:
+    """Kernels of one rank's step outside the forward and backward: zeroing the gradients, the
+    global norm, clipping and AdamW (module doc's second table). `tensors`: the flat units
+    (`flat`) or the parameter tensors the rank's optimizer steps; `decay_runs`: the runs of
+    adjacent weight-decayed matrices in the units (one mul_ each)."""
+    if not flat:
+        return tensors * PARAMETER_OPS + NORM_OPS[False] + FUSED_ADAMW_OPS
+    casts = BF16_UNIT_CASTS if precision == "bf16" else 0
+    return tensors * (FLAT_UNIT_OPS + casts) + decay_runs + NORM_OPS[True]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from tessera.planner import engine
 from tessera.planner.compute import ChunkCosts
 from tessera.planner.hardware import Hardware
+from tessera.planner.kernels import launch_floor, step_kernels
 from tessera.planner.local.terms import cpu_ranks, local_terms
 from tessera.planner.pipeline import rank_chunks
 from tessera.planner.workload import Layout, Workload
@@ -56,15 +57,34 @@ def optimizer_traffic(stepped: float, normed: float, nbytes: tuple[int, int, int
 
 
 def optimizer_step_time(hw: Hardware, stepped: float, normed: float, tensors: int,
-                        nbytes: tuple[int, int, int, int], tessera: bool) -> float:
+                        nbytes: tuple[int, int, int, int], tessera: bool,
+                        kernels: int = 0) -> float:
     """Seconds of one rank's gradient norm and optimizer step: memory-bound traffic plus a
-    fixed cost per parameter tensor (``LocalTerms.optimizer_tensor_us`` where calibrate measured
-    tessera's per-parameter loops, else OPS_PER_TENSOR_ADAMW kernels at ``op_overhead_us``)."""
+    fixed cost per parameter tensor: ``LocalTerms.optimizer_tensor_us`` where calibrate timed
+    tessera's loops on the machine (their launches included), else OPS_PER_TENSOR_ADAMW
+    kernels at ``op_overhead_us``, and no less than the host needs to launch the step's
+    `kernels` (``kernels.step_kernels``; the norm's read has just synchronized the host with
+    an idle device)."""
+    traffic = optimizer_traffic(stepped, normed, nbytes, tessera, cpu_ranks(hw)) / hw.memory_bw
     calibrated = local_terms(hw).optimizer_tensor_us
-    per_tensor = (calibrated if calibrated > 0
-                  else OPS_PER_TENSOR_ADAMW * hw.op_overhead_us) * 1e-6
-    return (optimizer_traffic(stepped, normed, nbytes, tessera, cpu_ranks(hw)) / hw.memory_bw
-            + tensors * per_tensor)
+    if calibrated > 0:
+        return traffic + tensors * calibrated * 1e-6
+    fixed = tensors * OPS_PER_TENSOR_ADAMW * hw.op_overhead_us * 1e-6
+    return max(traffic + fixed, launch_floor(hw.launch_us, kernels))
+
+
+def rank_step_kernels(w: Workload, L: Layout, rank: int, tensors: int) -> int:
+    """Kernels of pipeline rank `rank`'s step outside its forwards and backwards
+    (``kernels.step_kernels``) for a model tessera runs: over its ZeRO units where flat units
+    hold the state, else over its `tensors` parameter tensors. 0 for the engines the catalog's
+    fused kernels stand for (Megatron-LM's multi-tensor norm and Adam: a few launches)."""
+    if not w.tessera_engine:
+        return 0
+    if not engine.flat_units(w.precision, L.zero_stage, L.dp_mode):
+        return step_kernels(tensors, flat=False, precision=w.precision)
+    units = engine.rank_units(w, L, rank)
+    return step_kernels(len(units), flat=True, precision=w.precision,
+                        decay_runs=engine.unit_decay_runs(w.model, units))
 
 
 def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> RankState:
@@ -83,7 +103,7 @@ def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> R
     stepped = params / (shard if L.zero_stage >= 1 else 1)
     normed = params / (shard if L.zero_stage >= 2 else 1)  # the gradient elements this rank holds
     opt_time = optimizer_step_time(w.hardware, stepped, normed, tensors, w.bytes,
-                                   w.tessera_engine)
+                                   w.tessera_engine, rank_step_kernels(w, L, rank, tensors))
     if w.tessera_engine and L.cp == 1:
         state = engine.model_state_bytes(w, L, rank)
         largest = sorted(n for n, _ in engine.rank_units(w, L, rank))[-2:]

@@ -50,8 +50,9 @@ class LocalTerms:
     whose all-gather and reduce-scatter are slower than half its all-reduce."""
     optimizer_tensor_us: float = 0.0
     """Fixed cost per parameter tensor of a step's gradient norm and optimizer update beyond
-    their memory traffic: what tessera's per-parameter loops cost on a CPU. 0:
-    OPS_PER_TENSOR_ADAMW kernels at op_overhead_us each."""
+    their memory traffic: what tessera's per-parameter loops cost on a CPU, their launches
+    included. 0: OPS_PER_TENSOR_ADAMW kernels at op_overhead_us each, and no less than the
+    step's kernel launches (``state.optimizer_step_time``)."""
     zero_unit_us: float = 0.0
     """tessera's ZeRO-3 work per unit per micro-batch besides its collectives, the part that
     does not grow with the unit (hooks, views, bookkeeping); 0 on GPUs, where it is too short
