@@ -69,10 +69,11 @@ def saved_bytes(fn):
     return sum(seen.values()), out
 
 
-def _cp_rank(cases):
-    """Runs on each cp rank: every case's local output and q/k/v gradients, and the logs."""
+def _cp_rank(cases, ulysses=2):
+    """Runs on each cp rank: every case's local output and q/k/v gradients, and the logs
+    (hybrid with Ulysses groups of `ulysses` ranks)."""
     cp, rank = dist.get_world_size(), dist.get_rank()
-    u_group, r_group = hybrid_groups([list(range(cp))], 2, rank)
+    u_group, r_group = hybrid_groups([list(range(cp))], ulysses, rank)
     results = []
     for method, layout, T, n_kv in cases:
         q, k, v, dout = (shard_sequence(t, 2, cp, rank, layout) for t in _inputs(T, n_kv))
@@ -108,6 +109,24 @@ def test_attention_parity(cp):
             for phase in ("forward", "backward"):
                 assert r[i]["stats"].bytes_sent(phase=phase) == pytest.approx(want[phase]), \
                     (method, phase)
+
+
+@pytest.mark.multiprocess
+def test_hybrid_over_the_whole_cp_group():
+    """Hybrid with cp_ulysses = cp = 4 (the ring over one rank): output and gradients equal
+    the reference core's, and the bytes counted are ``bytes_per_layer`` at that degree (the
+    planner's price), which are pure Ulysses' bytes."""
+    case = ("hybrid", "zigzag", 32, 2)
+    per_rank = run_ranks(_cp_rank, 4, args=([case], 4))
+    ref = dict(zip(("y", "dq", "dk", "dv"), _reference(32, 2), strict=True))
+    for name, want in ref.items():
+        got = unshard_sequence([r[0][name] for r in per_rank], 2, "zigzag")
+        assert (got - want).abs().max().item() <= TOL * want.abs().max().item(), name
+    want = bytes_per_layer("hybrid", 4, B, HEADS, 2, 8, HD, ulysses=4)
+    assert want == bytes_per_layer("ulysses", 4, B, HEADS, 2, 8, HD)
+    for r in per_rank:
+        for phase in ("forward", "backward"):
+            assert r[0]["stats"].bytes_sent(phase=phase) == pytest.approx(want[phase]), phase
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -288,7 +288,7 @@ def test_planner_prices_the_context_parallel_bytes_tessera_sends(method):
     spec = load_model("llama3-8b")
     w = Workload(model=spec, hardware=HW, gpus=16, global_batch=64, seq_len=4096)
     link = Link(alpha=0.0, bandwidth=1e9)
-    fwd, bwd, _ = context_parallel_times(w, 2, 4, 1, method, link)
+    fwd, bwd, _, _ = context_parallel_times(w, 2, 4, 1, method, link)
     want = bytes_per_layer(method, 4, 1, spec.heads // 2, spec.kv_heads // 2, 1024,
                            spec.head_dim, w.bytes[3])
     assert fwd * 1e9 == pytest.approx(want["forward"])
@@ -317,8 +317,96 @@ def test_layout_names_its_settings_as_parallel_config_does():
         "micro_batch", "stage_layout"}
     w = Workload(model=load_model("llama3-8b"), hardware=HW, gpus=64, global_batch=64,
                  seq_len=2048)
-    L = Layout(dp=4, tp=2, pp=4, cp=2, virtual_stages=2, microbatch_group=8, micro_batch=2,
+    L = Layout(dp=4, tp=2, pp=4, cp=4, virtual_stages=2, microbatch_group=8, micro_batch=2,
                zero_stage=1, recompute="selective", schedule="interleaved",
-               sequence_parallel=True, cp_method="allgather",
+               sequence_parallel=True, cp_method="hybrid", cp_ulysses=4,
                stage_layout=(3, 4, 4, 4, 4, 4, 4, 5))
     assert engine.layout_of(engine.to_config(w, L)) == L
+
+
+def test_hybrid_context_parallelism_is_its_two_pure_forms():
+    """Hybrid CP (``parallel.cp_ulysses`` = u) is priced as the runtime runs it: Ulysses'
+    all-to-alls over u ranks, the ring over cp/u. At u = cp it is pure Ulysses, at u = 1 pure
+    ring, message steps, bytes, overlap and all; in between each phase is on its own group's
+    link (Llama 3 8B, tp = 2, cp = 8 on 8-GPU nodes: the Ulysses pairs inside a node, the
+    ring across nodes)."""
+    from tessera.parallel.context_parallel import bytes_per_layer
+    from tessera.planner.comm import context_parallel_times, p2p_link
+    from tessera.planner.compute import block_costs
+
+    spec = load_model("llama3-8b")
+    w = Workload(model=spec, hardware=HW, gpus=16, global_batch=16, seq_len=8192)
+    t, cp, b = 2, 8, 1
+
+    def comm(method, u=2):
+        blk = block_costs(w, t, cp, b, False, "none", method, u)
+        return blk.cp_forward, blk.cp_backward, blk.cp_total
+
+    assert comm("hybrid", cp) == comm("ulysses")
+    assert comm("hybrid", 1) == comm("ring")
+    assert comm("ring") != comm("ulysses")  # the two checks above compare different things
+    # The whole estimate of the layout tessera runs at u = cp is pure Ulysses'.
+    hybrid = Layout(dp=1, tp=t, cp=cp, cp_method="hybrid", cp_ulysses=cp)
+    assert estimate(w, hybrid).step_time == estimate(
+        w, dataclasses.replace(hybrid, cp_method="ulysses")).step_time
+    # u = 2: the Ulysses pair's bytes on the intra-node link plus the ring of 4 (8 query
+    # heads and 4·2/2 kv heads of 2·1024 tokens per rank) on the inter-node one (α = 0 to
+    # compare bytes; the link passed is the cp group's, the Ulysses group's is given apart).
+    intra, inter = p2p_link(HW, t * 2), p2p_link(HW, t * cp)
+    assert intra.bandwidth != inter.bandwidth
+    heads, kv, e = spec.heads // t, spec.kv_heads // t, w.bytes[3]
+    ulysses = bytes_per_layer("ulysses", 2, b, heads, kv, 1024, spec.head_dim, e)
+    ring = bytes_per_layer("ring", cp // 2, b, heads // 2, kv // 2, 2048, spec.head_dim, e)
+    fwd, bwd, ring_fwd, ring_bwd = context_parallel_times(
+        w, t, cp, b, "hybrid", dataclasses.replace(inter, alpha=0.0), 2,
+        dataclasses.replace(intra, alpha=0.0))
+    assert ring_fwd == pytest.approx(ring["forward"] * inter.beta)
+    assert ring_bwd == pytest.approx(ring["backward"] * inter.beta)
+    assert fwd - ring_fwd == pytest.approx(ulysses["forward"] * intra.beta)
+    assert bwd - ring_bwd == pytest.approx(ulysses["backward"] * intra.beta)
+
+
+def test_cp_ulysses_travels_with_the_layout():
+    """parallel.cp_ulysses arrives in the planner's Layout from a run's config (the one
+    conversion, ``engine.layout_of``, which ``report.planner_workload`` uses), goes back by
+    ``engine.to_config``, and ``--layout`` reads it."""
+    from tessera.planner.cli import parse_layout
+    from tessera.report import planner_workload
+
+    cfg = make_config("tiny", overrides=["parallel.cp=4", "parallel.cp_method=hybrid",
+                                         "parallel.cp_ulysses=4"])
+    w, L = planner_workload(cfg, 4, HW)
+    assert (L.cp, L.cp_method, L.cp_ulysses) == (4, "hybrid", 4)
+    assert engine.to_config(w, L).parallel.cp_ulysses == 4
+    assert engine.layout_of(engine.to_config(w, L)) == L
+    assert "cp_ulysses=4" in L.describe()
+    assert parse_layout("cp=4,cp_method=hybrid,cp_ulysses=4", 8, 2).cp_ulysses == 4
+
+
+def test_search_tries_the_ulysses_degrees_tessera_runs():
+    """For hybrid CP the search tries every Ulysses degree, keeping exactly those
+    ``layout.validate`` accepts (tiny: 4 heads, 2 kv heads; cp = 4 on 8 ranks: u = 2 and 4 at
+    tp = 1, only 2 at tp = 2, where a rank has 2 heads); a catalog model of another shape keeps
+    the planner's own rule."""
+    from collections import Counter
+
+    spec = load_model("tiny")
+    w = Workload(model=spec, hardware=HW, gpus=8, global_batch=8, seq_len=spec.max_seq_len,
+                 precision="fp32")
+    space = SearchSpace(cp=(4,), cp_method=("hybrid",), pp=(1,), micro_batch=(1,),
+                        zero_stage=(0,), recompute=("none",), sequence_parallel=(False,),
+                        virtual_stages=(1,), tp_within_node=False)
+    refused: Counter[str] = Counter()
+    proposed = {(L.tp, L.cp_ulysses) for L in enumerate_layouts(w, space, refused)}
+    accepted = set()
+    for tp, u in itertools.product((1, 2), divisors(4)):
+        L = Layout(dp=8 // (4 * tp), tp=tp, cp=4, cp_method="hybrid", cp_ulysses=u)
+        if engine.refusal(w, L) is None:
+            accepted.add((tp, u))
+    assert proposed == accepted == {(1, 2), (1, 4), (2, 2)}
+    assert any("parallel.cp_ulysses=1" in why for why in refused)
+    gpt = Workload(model=load_model("gpt3-1.3b"), hardware=HW, gpus=16, global_batch=64,
+                   seq_len=2048)
+    with pytest.raises(PlanError, match="cp_ulysses=4 must be >= 2 and divide cp=2"):
+        estimate(gpt, Layout(dp=4, tp=2, cp=2, cp_method="hybrid", cp_ulysses=4))
+    estimate(gpt, Layout(dp=2, tp=2, cp=4, cp_method="hybrid", cp_ulysses=4))

@@ -84,3 +84,33 @@ def test_plan_command_ranks_moe_presets_with_ep():
     lines = result.output.splitlines()
     assert lines[0].startswith("mixture of experts: E=8 top-2")
     assert len(lines) == 4 and all(" ep=" in ln and "all-to-all" in ln for ln in lines[1:])
+
+
+def test_a_runs_moe_part_is_what_its_model_runs():
+    """``active_workload``, the one place the run summary and the preflight's memory read a
+    run's MoE part from: the active model's MLPs hold the parameters one token uses in
+    tessera's model (top-k experts and the shared expert on every moe_every-th block; the
+    router's E·h per MoE block is the one thing left out, and ffn_hidden is rounded), the
+    terms are those of the run's ep, and the preflight's expert bytes are these terms'."""
+    from tessera.model import mlp_params
+    from tessera.planner.engine import layout_of
+    from tessera.planner.moe import active_workload
+    from tessera.preflight import BYTES_HARDWARE, memory_per_rank
+
+    cfg = make_config("moe-demo", overrides=["model.moe_every=2", "model.moe_shared_expert=true",
+                                             "parallel.dp=4"])
+    m = cfg.model
+    w = Workload.from_config(cfg, load_hardware(BYTES_HARDWARE))
+    L = layout_of(cfg)
+    active, terms = active_workload(w, L, cfg)
+    runtime = sum(mlp_params(m, i, active=True) for i in range(m.n_layers))
+    router = m.moe_experts * m.d_model * sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    mlps = m.n_layers * 3 * m.d_model * active.model.ffn_hidden
+    assert abs(mlps - (runtime - router)) <= m.n_layers * 3 * m.d_model / 2  # the rounding
+    moe = MoESpec.from_model_config(m)
+    assert terms == moe_terms(w, L, w.model, moe, ep=2)
+    assert terms.expert_bytes != moe_terms(w, L, w.model, moe, ep=1).expert_bytes
+    assert [r.experts for r in memory_per_rank(cfg)] == [terms.expert_bytes]
+    dense = make_config("tiny")
+    w_dense = Workload.from_config(dense, load_hardware(BYTES_HARDWARE))
+    assert active_workload(w_dense, layout_of(dense), dense) == (w_dense, None)

@@ -57,7 +57,7 @@ def test_planner_workload_carries_every_field_of_the_run():
 
     parallel = dict(dp=2, tp=2, pp=2, cp=2, virtual_stages=2, microbatch_group=4,
                     zero_stage=1, recompute="selective", schedule="interleaved",
-                    sequence_parallel=True, dp_mode="ps", cp_method="ulysses")
+                    sequence_parallel=True, dp_mode="ps", cp_method="ulysses", cp_ulysses=4)
     cfg = make_config("demo", parallel=dict(parallel, stage_layout="1*4", bucket_mb=50.0,
                                             scatter_gather=False),
                       train=dict(micro_batch_size=2, grad_accum=4, precision="fp32",

@@ -96,21 +96,16 @@ class Preflight:
 def memory_per_rank(cfg: Config) -> list[RankMemory]:
     """The planner's bytes on each pipeline rank of `cfg`'s layout (no simulation: only the
     schedule's in-flight counts, in closed form or walked over a few periods)."""
-    import dataclasses
-
     from tessera.planner.engine import layout_of
     from tessera.planner.estimate import estimate, memory_by_rank
     from tessera.planner.hardware import load_hardware
-    from tessera.planner.moe import MoESpec, active_spec, moe_terms
+    from tessera.planner.moe import active_workload
     from tessera.planner.workload import Workload
 
-    w = Workload.from_config(cfg, load_hardware(BYTES_HARDWARE))
     layout = layout_of(cfg)
-    moe = MoESpec.from_model_config(cfg.model)
-    experts = 0.0
-    if moe is not None:
-        experts = moe_terms(w, layout, w.model, moe, cfg.parallel.ep).expert_bytes
-        w = dataclasses.replace(w, model=active_spec(w.model, moe))
+    w, moe = active_workload(Workload.from_config(cfg, load_hardware(BYTES_HARDWARE)), layout,
+                             cfg)
+    experts = moe.expert_bytes if moe is not None else 0.0
     est = estimate(w, layout, simulate=False, check=False, bound=False)
     return [RankMemory(pp_rank=r, params=m.params, grads=m.grads, optimizer=m.optimizer,
                        activations=m.activations, transient=m.transient, experts=experts)

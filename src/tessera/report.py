@@ -21,7 +21,6 @@ What it shows, and where each number comes from:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -128,15 +127,13 @@ def planner_prediction(cfg: Config, world: int, device: torch.device
         if calibrated_at and calibrated_at != micro_batch:
             label += (f"; calibrated at micro-batch {calibrated_at}, this run's is "
                       f"{micro_batch}: {calibrate_command(world, micro_batch)}")
-        from tessera.planner.moe import MoESpec, active_spec, moe_terms
+        from tessera.planner.moe import active_workload
 
-        moe = MoESpec.from_model_config(cfg.model)
-        if moe is None:
-            return estimate(w, layout).step_time, label
-        # a mixture of experts: the active model, plus all-to-all and expert sync
-        active = estimate(dataclasses.replace(w, model=active_spec(w.model, moe)), layout)
-        extra = moe_terms(w, layout, w.model, moe, cfg.parallel.ep)
-        return active.step_time + extra.alltoall_time + extra.expert_sync_time, label
+        active, moe = active_workload(w, layout, cfg)
+        step = estimate(active, layout).step_time
+        if moe is not None:  # a mixture of experts: plus all-to-all and expert sync
+            step += moe.alltoall_time + moe.expert_sync_time
+        return step, label
     except Exception as e:  # noqa: BLE001 - a summary line, never a failed run
         return None, f"the planner could not price this layout ({e})"
 

@@ -236,33 +236,51 @@ class ContextParallelAttention(AttentionCore):
         return heads_to_seq(y, c.ulysses_group, c.stats, self.tag)
 
 
+def phase_bytes(method: str, cp: int, batch: int, n_heads: int, n_kv_heads: int,
+                local_len: int, head_dim: int, element_size: int = 4, ulysses: int = 2
+                ) -> list[tuple[str, int, dict[str, float]]]:
+    """(pure method, group size, bytes) of each communication phase of one attention layer:
+    one phase for ring, allgather and ulysses (over the cp group); for hybrid Ulysses'
+    all-to-alls over `ulysses` ranks, then the ring over cp/ulysses ranks, which carries
+    n_heads/ulysses query heads (and the replicated kv heads split as many ways) of
+    ulysses·local_len tokens. A phase over one rank sends nothing and is left out. Bytes per
+    rank and micro-batch, forward and backward: the formulas of the module doc."""
+    if method not in METHODS:
+        raise ValueError(f"cp_method={method!r}: must be one of {', '.join(METHODS)}")
+    if cp == 1:
+        return []
+    if method == "hybrid":
+        kv_rep = n_kv_heads * ulysses_kv_repeat(n_heads, n_kv_heads, ulysses)
+        return (phase_bytes("ulysses", ulysses, batch, n_heads, n_kv_heads, local_len,
+                            head_dim, element_size)
+                + phase_bytes("ring", cp // ulysses, batch, n_heads // ulysses,
+                              kv_rep // ulysses, local_len * ulysses, head_dim, element_size))
+    kv = 2 * batch * n_kv_heads * local_len * head_dim * element_size  # |K|+|V| local
+    share = (cp - 1) / cp
+    if method == "ring":
+        sent = {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + cp * kv * 4 // element_size}
+    elif method == "allgather":
+        sent = {"forward": share * cp * kv, "backward": 2 * share * cp * kv}
+    else:  # ulysses
+        q = batch * n_heads * local_len * head_dim * element_size
+        kv_sent = kv * ulysses_kv_repeat(n_heads, n_kv_heads, cp)
+        one_way = share * (2 * q + kv_sent)  # q, k, v in; the output back
+        sent = {"forward": one_way, "backward": one_way}
+    return [(method, cp, sent)]
+
+
 def bytes_per_layer(method: str, cp: int, batch: int, n_heads: int, n_kv_heads: int,
                     local_len: int, head_dim: int, element_size: int = 4,
                     ulysses: int = 2) -> dict[str, float]:
     """Bytes one rank sends per attention layer and micro-batch, forward and backward: the
     formulas of the module doc (heads per tp rank; L = local_len = T/cp tokens; the ring's
-    dK/dV accumulators travel in fp32 whatever `element_size` the activations have)."""
-    if cp == 1:
-        return {"forward": 0.0, "backward": 0.0}
-    kv = 2 * batch * n_kv_heads * local_len * head_dim * element_size  # |K|+|V| local
-    share = (cp - 1) / cp
-    if method == "ring":
-        return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + cp * kv * 4 // element_size}
-    if method == "allgather":
-        return {"forward": share * cp * kv, "backward": 2 * share * cp * kv}
-    if method == "ulysses":
-        q = batch * n_heads * local_len * head_dim * element_size
-        kv_sent = kv * ulysses_kv_repeat(n_heads, n_kv_heads, cp)
-        one_way = share * (2 * q + kv_sent)  # q, k, v in; the output back
-        return {"forward": one_way, "backward": one_way}
-    if method == "hybrid":
-        a = bytes_per_layer("ulysses", ulysses, batch, n_heads, n_kv_heads, local_len,
-                            head_dim, element_size)
-        kv_rep = n_kv_heads * ulysses_kv_repeat(n_heads, n_kv_heads, ulysses)
-        b = bytes_per_layer("ring", cp // ulysses, batch, n_heads // ulysses,
-                            kv_rep // ulysses, local_len * ulysses, head_dim, element_size)
-        return {k: a[k] + b[k] for k in a}
-    raise ValueError(f"cp_method={method!r}: must be one of {', '.join(METHODS)}")
+    dK/dV accumulators travel in fp32 whatever `element_size` the activations have), summed
+    over the method's phases (:func:`phase_bytes`)."""
+    total = {"forward": 0.0, "backward": 0.0}
+    for _, _, sent in phase_bytes(method, cp, batch, n_heads, n_kv_heads, local_len, head_dim,
+                                  element_size, ulysses):
+        total = {k: total[k] + sent[k] for k in total}
+    return total
 
 
 def apply_context_parallel(module: nn.Module, ctx: CPContext) -> int:

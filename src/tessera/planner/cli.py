@@ -57,10 +57,11 @@ LAYOUT_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "v": "virtual_sta
                "virtual": "virtual_stages", "mb": "micro_batch", "b": "micro_batch",
                "micro_batch": "micro_batch", "zero": "zero_stage", "recompute": "recompute",
                "schedule": "schedule", "sp": "sequence_parallel", "cp_method": "cp_method",
-               "dp_mode": "dp_mode", "stages": "stage_layout", "stage_layout": "stage_layout",
-               "g": "microbatch_group", "microbatch_group": "microbatch_group"}
+               "cp_ulysses": "cp_ulysses", "dp_mode": "dp_mode", "stages": "stage_layout",
+               "stage_layout": "stage_layout", "g": "microbatch_group",
+               "microbatch_group": "microbatch_group"}
 INT_KEYS = ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch", "zero_stage",
-            "microbatch_group")
+            "microbatch_group", "cp_ulysses")
 
 
 def _continues_stages(token: str) -> bool:
@@ -74,10 +75,10 @@ def parse_layout(text: str, gpus: int, layers: int):
     """``--layout "dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp"`` as a Layout.
 
     Keys: dp, tp, pp, cp, v, mb (or b), zero, recompute, schedule, sp (a flag, or sp=0/1),
-    cp_method, dp_mode, g (interleaved's micro-batch group, Llama 3's N; default pp), stages
-    (blocks per chunk, '7,8*14,7', Megatron-LM's layout form 'Et*7|(t*8|)*14t*7L', or
-    'first-last-fewer'). dp defaults to what the GPUs leave, the
-    schedule to interleaved when v > 1, else 1f1b."""
+    cp_method, cp_ulysses (hybrid's Ulysses degree, default 2), dp_mode, g (interleaved's
+    micro-batch group, Llama 3's N; default pp), stages (blocks per chunk, '7,8*14,7',
+    Megatron-LM's layout form 'Et*7|(t*8|)*14t*7L', or 'first-last-fewer'). dp defaults to
+    what the GPUs leave, the schedule to interleaved when v > 1, else 1f1b."""
     from tessera.pipeline.split import first_last_fewer, parse_stage_layout
     from tessera.planner.workload import Layout
 
@@ -156,7 +157,8 @@ def plan(
     layout: Annotated[str | None, typer.Option(
         help="Evaluate this one layout instead of searching, e.g. "
              "'dp=64,tp=8,pp=16,v=1,mb=1,zero=1,recompute=selective,sp' (also cp, "
-             "cp_method, schedule, stages=7,8*14,7 or stages=first-last-fewer).")] = None,
+             "cp_method, cp_ulysses, schedule, stages=7,8*14,7 or "
+             "stages=first-last-fewer).")] = None,
     flash_attention: Annotated[bool, typer.Option(
         "--flash-attention/--no-flash-attention",
         help="Attention without stored s x s scores.")] = True,
@@ -168,6 +170,9 @@ def plan(
     cp_method: Annotated[str, typer.Option(
         help="Context-parallel attention methods to consider where cp > 1: ring, allgather, "
              "ulysses, hybrid (comma-separated).")] = "ring",
+    cp_ulysses: Annotated[str | None, typer.Option(
+        help="Ulysses degrees to consider for --cp-method hybrid (default: every divisor of "
+             "cp the layout rules allow).")] = None,
     dp_mode: Annotated[str, typer.Option(
         help="Data-parallel modes to consider: allreduce, ps, ps-async (comma-separated; the "
              "parameter server needs fp32 and pure data parallelism).")] = "allreduce",
@@ -239,7 +244,8 @@ def plan(
         space = SearchSpace(tp=_degrees(tp, "tp"), pp=_degrees(pp, "pp"),
                             dp=_degrees(dp, "dp"), cp=_degrees(cp, "cp"),
                             dp_mode=_choices(dp_mode, "--dp-mode", DP_MODES),
-                            cp_method=_choices(cp_method, "--cp-method", CP_METHODS))
+                            cp_method=_choices(cp_method, "--cp-method", CP_METHODS),
+                            cp_ulysses=_degrees(cp_ulysses, "cp-ulysses"))
         moe = moe_for_model(model)
         if moe is not None:  # rank the active model's layouts with ep (tessera.planner.moe)
             active = search(dataclasses.replace(w, model=active_spec(spec, moe)), space,

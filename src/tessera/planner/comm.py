@@ -17,8 +17,10 @@ in a node under the (pp, dp, cp, tp) rank order, else inter-node (InfiniBand).
 - context parallelism (``tessera.parallel.context_parallel``, the bytes of its
   ``bytes_per_layer``): ring attention (Liu et al. 2023) passes a K/V block of b·(s/c)·kv in
   each of c−1 steps forward, and K/V (c−1 steps) plus the dK/dV accumulators (c steps)
-  backward, overlapped with the attention compute of the step; all-gather (Llama 3), Ulysses
-  all-to-alls and the hybrid are priced by their volumes, not overlapped;
+  backward, overlapped with the attention compute of the step; all-gather (Llama 3) and
+  Ulysses' all-to-alls are priced by their volumes, not overlapped; the hybrid
+  (``parallel.cp_ulysses`` = u) as Ulysses over u ranks (the link of t·u ranks) plus the ring
+  over c/u ranks, whose hops overlap;
 - stragglers: the wait for the slowest rank at each blocking collective, zero on GPUs
   (:func:`tessera.planner.local.terms.rank_skew`).
 """
@@ -94,25 +96,41 @@ def exposed_behind(comm: float, units: int, compute: float, depth: int,
     return max(comm, units * comm - (units - 1) * c)
 
 
-def context_parallel_times(w: Workload, t: int, cp: int, b: int, method: str, link: Link
-                           ) -> tuple[float, float, bool]:
-    """(forward, backward seconds, whether they hide behind attention) of one layer's
-    context-parallel traffic: the bytes of ``context_parallel.bytes_per_layer`` (heads per tp
-    rank; bf16/fp32 activations, the ring's dK/dV in fp32) over `link`, one α per message step.
-    The ring's hops overlap the block products; all-gather and all-to-all wait for their data."""
+CP_STEPS = {"ring": lambda n: (n - 1, 2 * n - 1), "allgather": lambda n: (n - 1, 2 * (n - 1)),
+            "ulysses": lambda n: (4 * (n - 1), 4 * (n - 1))}
+"""Message steps (forward, backward) of each pure context-parallel method over n ranks, one α
+each: the ring's hops (backward: K/V n−1, dK/dV n), a ring all-gather (backward: and a
+reduce-scatter), Ulysses' four all-to-alls of n−1 messages (q, k, v in, the output back)."""
+
+
+def context_parallel_times(w: Workload, t: int, cp: int, b: int, method: str, link: Link,
+                           ulysses: int = 2, ulysses_link: Link | None = None
+                           ) -> tuple[float, float, float, float]:
+    """(forward, backward seconds, and the ring's part of each) of one layer's
+    context-parallel traffic: each phase of ``context_parallel.phase_bytes`` (heads per tp
+    rank; bf16/fp32 activations, the ring's dK/dV in fp32) priced as its pure method over its
+    group, one α per message step (CP_STEPS). Hybrid runs Ulysses over `ulysses` ranks (on
+    `ulysses_link`, default `link`) and the ring over cp/ulysses ranks, as the runtime does.
+    The ring's hops overlap the block products (the ring part); all-gathers and all-to-alls
+    wait for their data."""
     if cp == 1:
-        return 0.0, 0.0, True
-    from tessera.parallel.context_parallel import bytes_per_layer
+        return 0.0, 0.0, 0.0, 0.0
+    from tessera.parallel.context_parallel import phase_bytes
 
     spec, e = w.model, w.bytes[3]
     heads, kv = spec.heads // t, max(spec.kv_heads // t, 1)
-    vol = bytes_per_layer(method, cp, b, heads, kv, w.seq_len // cp, spec.head_dim, e)
-    steps = {"ring": (cp - 1, 2 * cp - 1), "allgather": (cp - 1, 2 * (cp - 1)),
-             "ulysses": (4 * (cp - 1), 4 * (cp - 1)),
-             "hybrid": (4 + cp // 2 - 1, 4 + 2 * (cp // 2) - 1)}[method]
-    fwd = steps[0] * link.alpha + vol["forward"] * link.beta
-    bwd = steps[1] * link.alpha + vol["backward"] * link.beta
-    return fwd, bwd, method == "ring"
+    fwd = bwd = ring_fwd = ring_bwd = 0.0
+    for pure, n, vol in phase_bytes(method, cp, b, heads, kv, w.seq_len // cp, spec.head_dim,
+                                    e, ulysses):
+        hybrid_a2a = method == "hybrid" and pure == "ulysses" and ulysses_link is not None
+        on = ulysses_link if hybrid_a2a else link
+        steps = CP_STEPS[pure](n)
+        f = steps[0] * on.alpha + vol["forward"] * on.beta
+        g = steps[1] * on.alpha + vol["backward"] * on.beta
+        fwd, bwd = fwd + f, bwd + g
+        if pure == "ring":
+            ring_fwd, ring_bwd = ring_fwd + f, ring_bwd + g
+    return fwd, bwd, ring_fwd, ring_bwd
 
 
 OPS_PER_TENSOR_BUCKET = 3

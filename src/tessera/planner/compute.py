@@ -100,8 +100,9 @@ class BlockCosts:
 
 @lru_cache(maxsize=8192)
 def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
-                cp_method: str = "ring") -> BlockCosts:
-    """Forward/backward seconds of one block and its activation bytes (module docstring)."""
+                cp_method: str = "ring", cp_ulysses: int = 2) -> BlockCosts:
+    """Forward/backward seconds of one block and its activation bytes (module docstring);
+    `cp_ulysses`: hybrid context parallelism's Ulysses degree."""
     spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
     s = w.seq_len
@@ -149,7 +150,9 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     bwd = back + redo
     tp_fwd += syncs * rank_skew(w, t, fwd / syncs)
     tp_bwd += syncs * rank_skew(w, t, bwd / syncs)
-    cp_fwd, cp_bwd, cp_hidden_ok = context_parallel_times(w, t, cp, b, cp_method, cp_link)
+    # Hybrid's Ulysses group: cp_ulysses consecutive cp ranks, t·cp_ulysses ranks apart at most.
+    cp_fwd, cp_bwd, ring_fwd, ring_bwd = context_parallel_times(
+        w, t, cp, b, cp_method, cp_link, cp_ulysses, p2p_link(hw, t * cp_ulysses))
     act = layer_activation_bytes(spec, b, s, t, sp, recompute, w.flash_attention, cp, e)
     work = full_bytes
     if w.tessera_engine and cp == 1:  # what tessera's block saves (engine module)
@@ -157,8 +160,8 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
         work = engine.block_saved_bytes(spec, b, s, t, sp, "none", e)
     return BlockCosts(forward=fwd, backward=back, recompute=redo, tp_forward=tp_fwd,
                       tp_backward=tp_bwd,
-                      cp_forward=max(0.0, cp_fwd - attn_time) if cp_hidden_ok else cp_fwd,
-                      cp_backward=max(0.0, cp_bwd - 2 * attn_time) if cp_hidden_ok else cp_bwd,
+                      cp_forward=cp_fwd - ring_fwd + max(0.0, ring_fwd - attn_time),
+                      cp_backward=cp_bwd - ring_bwd + max(0.0, ring_bwd - 2 * attn_time),
                       cp_total=cp_fwd + cp_bwd,
                       act_bytes=act, work_bytes=work if recompute == "full" else 0.0)
 
@@ -246,7 +249,7 @@ def hidden_state_bytes(w: Workload, b: int, cp: int) -> float:
 @lru_cache(maxsize=65536)
 def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recompute: str,
                     sp: bool, cp_method: str, sizes: tuple[int, ...],
-                    head_apart: bool) -> ChunkList:
+                    head_apart: bool, cp_ulysses: int = 2) -> ChunkList:
     """Per-chunk compute, tensor- and context-parallel costs and bytes, before any data
     parallelism (cached: the layouts that differ only in their ZeRO stage or data-parallel
     mode share them; :func:`tessera.planner.cost.chunk_costs` adds those to copies, these stay
@@ -257,7 +260,7 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
     s = w.seq_len
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
-    blk = block_costs(w, t, cp, b, sp, recompute, cp_method)
+    blk = block_costs(w, t, cp, b, sp, recompute, cp_method, cp_ulysses)
     keep = 1.0 - w.tp_overlap
 
     def blocks_only(nl: int) -> ChunkCosts:

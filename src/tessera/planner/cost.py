@@ -91,7 +91,7 @@ def layout_costs(w: Workload, L: Layout) -> LayoutCosts:
     chunks, p2p_latency, p2p_bytes, p2p_bandwidth = chunk_costs(
         w, L.tp, L.cp, L.pp, L.dp, L.virtual_stages, L.micro_batch, L.recompute,
         L.sequence_parallel, L.zero_stage, L.dp_mode, L.cp_method, chunk_sizes(w, L),
-        head_apart(L.schedule, L.pp, L.virtual_stages), zero3_by_actions(L))
+        head_apart(L.schedule, L.pp, L.virtual_stages), zero3_by_actions(L), L.cp_ulysses)
     wanted = sorted({0, min(1, L.pp - 1), L.pp - 1}) if chunks.uniform_middle else range(L.pp)
     ranks: dict[int, RankState] = {}
     by_chunks: dict[tuple[int, ...], RankState] = {}  # ranks holding the same chunks
@@ -149,7 +149,8 @@ def _copy(ch: ChunkCosts) -> ChunkCosts:
 def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
                  recompute: str, sp: bool, zero: int, dp_mode: str,
                  cp_method: str, sizes: tuple[int, ...], head_apart: bool,
-                 by_actions: bool = False) -> tuple[list[ChunkCosts], float, float, float]:
+                 by_actions: bool = False, cp_ulysses: int = 2
+                 ) -> tuple[list[ChunkCosts], float, float, float]:
     """Per-chunk costs (:func:`compute.compute_chunks`, with the data-parallel collectives) and the
     point-to-point latency, bytes and bandwidth (cached: a search asks for the same chunks
     under many layouts; the returned chunks are read-only)."""
@@ -157,7 +158,8 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     gb = w.bytes[1]
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
-    base = compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes, head_apart)
+    base = compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes, head_apart,
+                          cp_ulysses)
     copies: dict[int, ChunkCosts] = {}  # a shared middle chunk stays one object
     chunks = ChunkList()
     for ch in base:

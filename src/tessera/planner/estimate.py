@@ -181,6 +181,7 @@ class Estimate:
             "micro_batch": L.micro_batch, "microbatches": self.m, "zero": L.zero_stage,
             "recompute": L.recompute, "schedule": L.schedule,
             "sequence_parallel": L.sequence_parallel, "dp_mode": L.dp_mode,
+            "cp_method": L.cp_method, "cp_ulysses": L.cp_ulysses,
             "stage_layout": list(L.stage_layout) if L.stage_layout else None,
             "step_time_s": self.step_time, "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,

@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tessera.config import ModelConfig
+from tessera.config import Config, ModelConfig
 from tessera.planner.comm import allgather_time, allreduce_time, group_link
 from tessera.planner.models import ModelSpec
 from tessera.planner.workload import Layout, Workload
@@ -129,6 +129,21 @@ def moe_terms(w: Workload, L: Layout, spec: ModelSpec, moe: MoESpec, ep: int) ->
     return MoETerms(expert_bytes=expert_bytes, alltoall_bytes=exchanges * per_exchange,
                     alltoall_time=exchanges * one, expert_sync_time=sync,
                     intra_node=ep * stride <= w.hardware.gpus_per_node)
+
+
+def active_workload(w: Workload, L: Layout, cfg: Config) -> tuple[Workload, MoETerms | None]:
+    """How the planner prices a tessera run of `cfg` on layout `L`: the workload the dense
+    estimate takes and the MoE terms added to it. `w` is the run's workload with the model's
+    dense shape (``Workload.from_config``). A mixture of experts becomes its active model
+    (:func:`active_spec`: top-k experts and the shared expert, on every moe_every-th block)
+    with the terms of ``parallel.ep`` (:func:`moe_terms`); a dense model is `w` itself, with
+    no terms. The one place the run summary (``report.planner_prediction``) and the preflight's
+    memory (``preflight.memory_per_rank``) read the MoE part from."""
+    moe = MoESpec.from_model_config(cfg.model)
+    if moe is None:
+        return w, None
+    terms = moe_terms(w, L, w.model, moe, cfg.parallel.ep)
+    return dataclasses.replace(w, model=active_spec(w.model, moe)), terms
 
 
 @dataclass(frozen=True)

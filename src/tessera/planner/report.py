@@ -57,7 +57,8 @@ def table(plan: Plan, tokens: float | None = None) -> str:
         if L.dp_mode != "allreduce":
             sched = f"{L.dp_mode} {sched}" if sched != "-" else L.dp_mode
         if L.cp > 1:  # the context-parallel method shares the schedule's column
-            sched = f"{L.cp_method} {sched}" if sched != "-" else L.cp_method
+            method = L.cp_method + (f" u{L.cp_ulysses}" if L.cp_method == "hybrid" else "")
+            sched = f"{method} {sched}" if sched != "-" else method
         line = (f"{i:>2} {L.dp:>4} {L.tp:>3} {L.pp:>3} {L.cp:>3} {sched:>19} "
                 f"{L.micro_batch:>3} {e.m:>5} {L.zero_stage:>4} {L.recompute:>9} "
                 f"{'y' if L.sequence_parallel else '-':>3} {_num(e.step_time):>9} "

@@ -65,10 +65,10 @@ def check_layout(w: Workload, L: Layout) -> str | None:
     if L.cp > 1 and L.cp_method in ("ulysses", "hybrid"):
         from tessera.parallel.context_parallel import ulysses_kv_repeat
 
-        u = L.cp if L.cp_method == "ulysses" else 2
+        u = L.cp if L.cp_method == "ulysses" else L.cp_ulysses
+        if L.cp_method == "hybrid" and (u < 2 or L.cp % u):
+            return f"cp_ulysses={u} must be >= 2 and divide cp={L.cp}"
         try:
-            if L.cp % u:
-                raise ValueError(f"hybrid: the Ulysses degree 2 must divide cp={L.cp}")
             ulysses_kv_repeat(spec.heads // L.tp, max(spec.kv_heads // L.tp, 1), u)
         except ValueError as e:
             return str(e)

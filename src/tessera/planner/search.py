@@ -53,6 +53,9 @@ class SearchSpace:
     cp_method: Sequence[str] = ("ring",)
     """Context-parallel attention methods tried where cp > 1 (ring, allgather, ulysses,
     hybrid)."""
+    cp_ulysses: Sequence[int] | None = None
+    """Hybrid's Ulysses degrees (None: every divisor of cp); the layout rules keep those that
+    run. The other methods keep Layout's default, which they do not read."""
     virtual_stages: Sequence[int] = (1, 2, 4, 8)
     micro_batch: Sequence[int] = (1, 2, 4, 8, 16)
     zero_stage: Sequence[int] = (0, 1, 2, 3)
@@ -100,20 +103,30 @@ def enumerate_layouts(w: Workload, space: SearchSpace = SearchSpace(),
                                  else _schedules(pp, m, spec.layers, space))
                     for sched, v in schedules:
                         stages = None if tessera else _splits(spec.layers, pp * v)
-                        for zero, rc, sp, mode, method in itertools.product(
+                        for zero, rc, sp, mode, (method, u) in itertools.product(
                                 space.zero_stage if tessera or dp * cp > 1 else (0,),
                                 space.recompute,
                                 space.sequence_parallel if tp > 1 else (False,),
-                                space.dp_mode, space.cp_method if cp > 1 else ("ring",)):
+                                space.dp_mode, _cp_methods(cp, space)):
                             L = Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual_stages=v, micro_batch=b,
                                        zero_stage=zero, recompute=rc, schedule=sched,
                                        sequence_parallel=sp, dp_mode=mode, cp_method=method,
-                                       stage_layout=stages or None)
+                                       cp_ulysses=u, stage_layout=stages or None)
                             why = check_layout(w, L)
                             if why is None:
                                 yield L
                             elif refusals is not None:
                                 refusals[why] += 1
+
+
+def _cp_methods(cp: int, space: SearchSpace) -> list[tuple[str, int]]:
+    """(cp_method, cp_ulysses) pairs to try: ring alone at cp = 1; hybrid with each Ulysses
+    degree of the space, every other method with Layout's default degree."""
+    if cp == 1:
+        return [("ring", Layout.cp_ulysses)]
+    return [(method, u) for method in space.cp_method
+            for u in ((space.cp_ulysses or divisors(cp)) if method == "hybrid"
+                      else (Layout.cp_ulysses,))]
 
 
 def _every_schedule(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:

@@ -192,7 +192,10 @@ class Layout:
     'ps-async' with bounded staleness; tessera.parallel.parameter_server)."""
     cp_method: str = "ring"
     """Context-parallel attention (tessera.parallel.context_parallel): ring, allgather,
-    ulysses or hybrid (Ulysses over 2 ranks, ring across)."""
+    ulysses or hybrid (Ulysses over cp_ulysses ranks, ring across)."""
+    cp_ulysses: int = 2
+    """Hybrid's Ulysses degree: the all-to-all runs over groups of cp_ulysses consecutive cp
+    ranks, the ring over cp/cp_ulysses ranks (read only by cp_method='hybrid')."""
     stage_layout: tuple[int, ...] | None = None
     """Blocks in each of the pp·v chunks (uneven stages, e.g. Llama 3's 7, 8 x 14, 7); None:
     tessera's cost-balanced split for tessera models, l/(p·v) each for the others."""
@@ -218,6 +221,7 @@ class Layout:
             text += f" {self.dp_mode}"
         if self.cp > 1 and self.cp_method != "ring":
             text += f" cp_method={self.cp_method}"
+            text += f" cp_ulysses={self.cp_ulysses}" if self.cp_method == "hybrid" else ""
         if self.stage_layout:
             text += f" stages={stage_layout_text(self.stage_layout)}"
         return text
@@ -225,7 +229,8 @@ class Layout:
     def key(self) -> tuple:
         return (self.dp, self.tp, self.pp, self.cp, self.virtual_stages, self.micro_batch,
                 self.zero_stage, self.recompute, self.schedule, self.sequence_parallel,
-                self.dp_mode, self.cp_method, self.stage_layout, self.microbatch_group)
+                self.dp_mode, self.cp_method, self.stage_layout, self.microbatch_group,
+                self.cp_ulysses)
 
     def key_without_schedule(self) -> tuple:
         """:meth:`key` less the schedule, which orders the chunks but does not change their
@@ -233,7 +238,7 @@ class Layout:
         frozen dataclass costs ~20 µs and the search asks for ~20,000 keys)."""
         return (self.dp, self.tp, self.pp, self.cp, self.virtual_stages, self.micro_batch,
                 self.zero_stage, self.recompute, self.sequence_parallel, self.dp_mode,
-                self.cp_method, self.stage_layout, self.microbatch_group)
+                self.cp_method, self.stage_layout, self.microbatch_group, self.cp_ulysses)
 
 
 PARALLEL_FIELDS = tuple(f.name for f in fields(Layout)
