@@ -4,8 +4,11 @@
 ``torch.optim.AdamW`` (single-tensor path: decoupled weight decay, then the bias-corrected
 moment update), so on the elements it owns a rank computes what a replicated AdamW would. Weight
 decay applies to the ranges of the shard that hold matrices (as ``tessera.optim.adamw`` does).
-After the step it asks the ``ZeroModel`` to publish the new weights (cast, and all-gather at
-stages 1-2).
+Each op of the update runs once over the list of all units' tensors (``torch._foreach_*``:
+decay over every decayed range, lerp, mul, addcmul, sqrt, div, add, addcdiv), so a GPU launches a
+handful of multi-tensor kernels whatever the number of units; in bf16 each unit's gradient is
+cast up to fp32 first. After the step it asks the ``ZeroModel`` to publish the new weights
+(cast, and all-gather at stages 1-2).
 
 Memory accounting follows the ZeRO paper (Rajbhandari et al. 2020, section 3 and figure 1): with
 mixed precision a parameter costs 2 bytes (bf16 weight) + 2 (bf16 gradient) + K = 12 (fp32
@@ -65,30 +68,50 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW step of every unit: the units whose step counts agree (all of them, in
+        training) are updated together by multi-tensor ops (``torch._foreach_*``), one op per
+        list of tensors (module doc), then each model publishes its parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, (beta1, beta2) = group["lr"], group["betas"]
-            eps, weight_decay = group["eps"], group["weight_decay"]
+            by_step: dict[int, list[FlatUnit]] = {}
             for u in self.units:
-                master, state = u.master, self.state[u.master]
+                state = self.state[u.master]
                 state["step"] += 1
-                step = float(state["step"])
-                grad = u.owned_grad().float()  # a view in fp32, a cast copy in bf16
-                if weight_decay:
-                    for a, b in u.decay_ranges():
-                        master[a:b].mul_(1 - lr * weight_decay)
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step_size = lr / (1 - beta1 ** step)
-                bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-                denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
-                master.addcdiv_(state["exp_avg"], denom, value=-step_size)
+                by_step.setdefault(int(state["step"]), []).append(u)
+            for step, units in by_step.items():
+                self._update(units, float(step), group)
         for z in self.zeros:
             z.publish_parameters()
         return loss
+
+    def _update(self, units: list[FlatUnit], step: float, group: dict) -> None:
+        """AdamW's update of `units`, all at step count `step`: per element the single-tensor
+        AdamW's ops in the same order (on CPU bit for bit), each op applied to all the units'
+        tensors at once (on a GPU a few multi-tensor launches per op, on a CPU a loop over the
+        tensors). Its temporaries (the denominators, in bf16 the gradients cast up) exist for
+        all units at once."""
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        masters = [u.master for u in units]
+        exp_avgs = [self.state[m]["exp_avg"] for m in masters]
+        exp_avg_sqs = [self.state[m]["exp_avg_sq"] for m in masters]
+        grads = [u.owned_grad().float() for u in units]  # views in fp32, cast copies in bf16
+        if weight_decay:
+            decayed = [u.master[a:b] for u in units for a, b in u.decay_ranges()]
+            if decayed:
+                torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        step_size = lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(masters, exp_avgs, denom, value=-step_size)
 
     @torch.no_grad()
     def full_state(self) -> dict:

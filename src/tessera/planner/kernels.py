@@ -37,9 +37,10 @@ Per step, outside the blocks (:func:`step_kernels`, checked the same way against
 ``Executor.clip_grad_norm_`` and its optimizer's ``zero_grad`` and ``step``): the gradients
 zeroed, their global norm and the clipping, and the AdamW update, on the tensors the optimizer
 sees on a rank. Where ZeRO's flat units hold the model state (any ZeRO stage, and bf16 at
-stage 0: ``parallelize``'s precision policy) those are the U units, each stepped by
-``ShardedAdamW``'s own loop; otherwise the N parameter tensors, stepped by ``torch.optim.AdamW``
-with ``fused=True`` on a GPU (``tessera.optim.adamw_implementation``):
+stage 0: ``parallelize``'s precision policy) those are the U units, stepped by
+``ShardedAdamW`` with one multi-tensor op per list (all units' masters, moments, gradients);
+otherwise the N parameter tensors, stepped by ``torch.optim.AdamW`` with ``fused=True`` on a
+GPU (``tessera.optim.adamw_implementation``):
 
 =================  ==================================  =========================================
 part               flat units                          per-parameter (fused AdamW)
@@ -49,18 +50,24 @@ global norm        8: zeros, one ``_foreach_norm``,    10: the same and the expe
                    stack, pow, sum, add_, sqrt, the    and add
                    host's read of the norm
 clipping           U multiplies                        N multiplies
-AdamW              U · 7 (lerp_, mul_, addcmul_,       2 per param group (decayed matrices,
-                   sqrt, div, add_, addcdiv_) + one    undecayed gains): the steps' foreach add
-                   mul_ per run of decayed matrices    and ``_fused_adamw_``
+AdamW              7 multi-tensor ops over the units   2 per param group (decayed matrices,
+                   (lerp_, mul_, addcmul_, sqrt,       undecayed gains): the steps' foreach add
+                   div_, add_, addcdiv_) + one mul_    and ``_fused_adamw_``
+                   over every decayed range
 bf16               U · 2: the gradient cast up, the    (bf16 always runs on flat units)
                    master copied into the parameters
 =================  ==================================  =========================================
 
 The norm's read of the result synchronizes the host with the device, so the step's update
 starts from an idle device and a host issuing its kernels one by one: an update of small
-tensors is launch-bound. A multi-tensor op (``_foreach_norm``, ``_fused_adamw_``) counts as one
-kernel: on a GPU it launches once per few dozen tensors or ~20M elements, so the count is a
-floor for many tensors. The collectives (ZeRO-1/2's all-gather after the step, the norm's
+tensors is launch-bound. A multi-tensor op (``torch._foreach_*``, ``_foreach_norm``,
+``_fused_adamw_``) counts as one: it is one dispatched op (what the test counts), and on a GPU
+one launch per list as modelled here, while CUDA's multi-tensor apply actually launches once per
+few dozen tensors or ~21M elements (320 chunks of 65536). The count is thus a floor for large
+lists, where each launch carries enough bytes that the update's traffic, not its launches,
+bounds the time. On a CPU a multi-tensor op runs a loop over its tensors, one per-tensor kernel
+each inside the one dispatched op; CPU time is priced per tensor (``op_overhead_us``), not by
+these launches. The collectives (ZeRO-1/2's all-gather after the step, the norm's
 all-reduce) are priced as communication; the data-parallel wrappers' kernels inside the
 backward (DataParallel's bucket copies, ZeRO's per-unit division or flattening) are not
 counted.
@@ -160,8 +167,13 @@ def launch_floor(launch_us: float, count: int) -> float:
     return count * launch_us * 1e-6
 
 
-FLAT_UNIT_OPS = 1 + 1 + 7
-"""Per flat unit and step: its gradient buffer zeroed, clipped, and ShardedAdamW's 7 kernels."""
+FLAT_UNIT_OPS = 1 + 1
+"""Per flat unit and step: its gradient buffer zeroed and clipped."""
+FLAT_ADAMW_OPS = 7
+"""ShardedAdamW's multi-tensor ops over all units: lerp_, mul_, addcmul_, sqrt, div_, add_,
+addcdiv_ (one launch each on a GPU, modelled; module doc)."""
+FLAT_DECAY_OPS = 1
+"""ShardedAdamW's weight decay: one multi-tensor mul_ over every decayed range."""
 PARAMETER_OPS = 1
 """Per parameter tensor and step (fused AdamW): its clipping."""
 NORM_OPS = {True: 8, False: 10}
@@ -174,10 +186,12 @@ BF16_UNIT_CASTS = 2
 
 def step_kernels(tensors: int, *, flat: bool, precision: str, decay_runs: int = 0) -> int:
     """Kernels of one rank's step outside the forward and backward: zeroing the gradients, the
-    global norm, clipping and AdamW (module doc's second table). `tensors`: the flat units
-    (`flat`) or the parameter tensors the rank's optimizer steps; `decay_runs`: the runs of
-    adjacent weight-decayed matrices in the units (one mul_ each)."""
+    global norm, clipping and AdamW (module doc's second table), a multi-tensor op counted once.
+    `tensors`: the flat units (`flat`) or the parameter tensors the rank's optimizer steps;
+    `decay_runs`: the runs of adjacent weight-decayed matrices in the units (any: one
+    multi-tensor mul_ decays them all)."""
     if not flat:
         return tensors * PARAMETER_OPS + NORM_OPS[False] + FUSED_ADAMW_OPS
     casts = BF16_UNIT_CASTS if precision == "bf16" else 0
-    return tensors * (FLAT_UNIT_OPS + casts) + decay_runs + NORM_OPS[True]
+    decay = FLAT_DECAY_OPS if decay_runs else 0
+    return tensors * (FLAT_UNIT_OPS + casts) + FLAT_ADAMW_OPS + decay + NORM_OPS[True]
