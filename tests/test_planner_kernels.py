@@ -120,8 +120,8 @@ def test_launch_cost_prices_the_demo_step_on_an_h100():
 def test_launch_cost_leaves_a_device_bound_block_alone():
     """bench_gpu_step's model (d 1024, 12 layers, 16k tokens): each block's device time is
     above its launches, so the blocks cost the same; only the tiny head (vocabulary 256) and
-    the optimizer's step (72 kernels over 14 flat units, 1.4 ms of launches against 1 ms of
-    a fused update's traffic) are launch-bound."""
+    the optimizer's step (80 kernels over 14 flat units in 2 update groups, 1.6 ms of launches
+    against 1 ms of a fused update's traffic) are launch-bound."""
     cfg = make_config("tiny", model=dict(d_model=1024, n_layers=12, n_heads=16, n_kv_heads=4,
                                          max_seq_len=1024),
                       data=dict(seq_len=1024), parallel=dict(dp=1),
@@ -133,7 +133,7 @@ def test_launch_cost_leaves_a_device_bound_block_alone():
     with_launches, without = _step(cfg, h200), _step(cfg, replace(h200, launch_us=0.0))
     optimizer = estimate(*planner_workload(cfg, 1, h200)).costs.optimizer_time
     traffic = estimate(free, _).costs.optimizer_time
-    assert optimizer == pytest.approx(72 * LAUNCH_US_GPU * 1e-6) and traffic < optimizer
+    assert optimizer == pytest.approx(80 * LAUNCH_US_GPU * 1e-6) and traffic < optimizer
     assert without <= with_launches - (optimizer - traffic) <= 1.02 * without
 
 
@@ -309,3 +309,34 @@ def test_optimizer_launches_price_the_step_on_a_gpu_only_where_not_calibrated():
     calibrated = dataclasses.replace(w, hardware=replace(h100, optimizer_tensor_us=5.0))
     assert layout_costs(calibrated, layout).optimizer_time == pytest.approx(
         layout_costs(free, layout).optimizer_time + tensors * 5e-6)
+
+
+def test_large_units_are_updated_in_groups_and_each_group_is_counted():
+    """llama-1b in bf16 (flat units at stage 0): the embedding and every block exceed the
+    update group's cap (``tessera.parallel.update_batches``), so each unit is a group of its
+    own and launches the update's multi-tensor ops itself; at dp 8 under ZeRO-1 each rank owns
+    an eighth and the units share groups. A count that kept one group whatever the sizes fails
+    here."""
+    from tessera.parallel.update_batches import UPDATE_BATCH_ELEMENTS
+    from tessera.planner.engine import rank_units
+    from tessera.planner.state import rank_step_kernels
+
+    for dp, zero in ((1, 0), (8, 1)):
+        cfg = make_config("llama-1b", parallel=dict(dp=dp, zero_stage=zero),
+                          train=dict(precision="bf16", micro_batch_size=1, grad_accum=1))
+        w, layout = planner_workload(cfg, dp, "H100")
+        units = rank_units(w, layout, 0)
+        owned = [-(-n // dp) * (1 if zero else dp) for n, _ in units]
+        groups = 0
+        total = UPDATE_BATCH_ELEMENTS + 1
+        for n in owned:  # consecutive units within the cap share a group
+            total = total + n if total + n <= UPDATE_BATCH_ELEMENTS else n
+            groups += total == n
+        if dp == 1:
+            assert groups == len(units) and min(owned) > UPDATE_BATCH_ELEMENTS // 2
+        else:
+            assert 1 < groups < len(units)
+        decayed = groups  # every group here holds a matrix
+        assert rank_step_kernels(w, layout, 0, 0) == (
+            len(units) * (K.FLAT_UNIT_OPS + K.BF16_UNIT_CASTS) + groups * K.FLAT_ADAMW_OPS
+            + decayed * K.FLAT_DECAY_OPS + K.NORM_OPS[True]), (dp, zero)

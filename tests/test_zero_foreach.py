@@ -6,17 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tessera.parallel.update_batches as update_batches_module
 from tessera.config_io import make_config
+from tessera.parallel.update_batches import UPDATE_BATCH_ELEMENTS, update_batches
 from tessera.parallel.zero_state import ShardedAdamW
 from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
 SEQ = 16
-CASES = (("fp32", 1, 0.1), ("fp32", 2, 0.0), ("bf16", 0, 0.1), ("bf16", 2, 0.1),
-         ("bf16", 1, 0.0))
-"""(precision, ZeRO stage, weight decay) at dp=2: owned ranges that cut through parameters
-(stages 1-2), flat units at stage 0 (bf16), with and without decay."""
+CASES = (("fp32", 1, 0.1, None), ("fp32", 2, 0.0, 1), ("bf16", 0, 0.1, 1), ("bf16", 2, 0.1, None),
+         ("bf16", 1, 0.0, 20_000))
+"""(precision, ZeRO stage, weight decay, update group cap) at dp=2: owned ranges that cut
+through parameters (stages 1-2), flat units at stage 0 (bf16), with and without decay; all
+units in one update group (None: the default cap), each unit alone (1), or a few groups."""
 
 
 def _cfg(precision: str, stage: int, weight_decay: float):
@@ -53,7 +56,8 @@ def _foreach_rank() -> tuple[list[str], list[bool]]:
     every tensor equal bit for bit after every step) and, per case, whether the rank's owned
     elements mix decayed and undecayed ranges."""
     bad, mixed = [], []
-    for precision, stage, wd in CASES:
+    for precision, stage, wd, cap in CASES:
+        update_batches_module.UPDATE_BATCH_ELEMENTS = cap or UPDATE_BATCH_ELEMENTS
         cfg = _cfg(precision, stage, wd)
         ex = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
         opt = ex.optimizer(cfg.train)
@@ -98,3 +102,12 @@ def test_foreach_update_equals_per_unit_adamw_bit_for_bit():
     # a decay applied to the whole unit would be seen: each case has a rank whose units hold
     # both decayed matrices and undecayed norm gains
     assert all(any(case) for case in zip(*(mixed for _, mixed in results), strict=True))
+
+
+def test_update_groups_are_consecutive_units_within_the_cap():
+    """A group closes before the unit that would take it past the cap (a sum equal to the cap
+    stays one group); a unit over the cap stands alone."""
+    assert update_batches([10, 6, 1, 20, 3], cap=16) == [[0, 1], [2], [3], [4]]
+    assert update_batches([4, 4, 4, 4], cap=8) == [[0, 1], [2, 3]]
+    assert update_batches([], cap=8) == []
+    assert update_batches([1] * 5) == [[0, 1, 2, 3, 4]]

@@ -4,11 +4,12 @@
 ``torch.optim.AdamW`` (single-tensor path: decoupled weight decay, then the bias-corrected
 moment update), so on the elements it owns a rank computes what a replicated AdamW would. Weight
 decay applies to the ranges of the shard that hold matrices (as ``tessera.optim.adamw`` does).
-Each op of the update runs once over the list of all units' tensors (``torch._foreach_*``:
-decay over every decayed range, lerp, mul, addcmul, sqrt, div, add, addcdiv), so a GPU launches a
-handful of multi-tensor kernels whatever the number of units; in bf16 each unit's gradient is
-cast up to fp32 first. After the step it asks the ``ZeroModel`` to publish the new weights
-(cast, and all-gather at stages 1-2).
+Each op of the update runs once over a list of units' tensors (``torch._foreach_*``:
+decay over every decayed range, lerp, mul, addcmul, sqrt, div, add, addcdiv), the units grouped
+by at most 2²⁶ owned elements (``tessera.parallel.update_batches``, which bounds the update's
+temporaries), so a GPU launches a handful of multi-tensor kernels per group; in bf16 each
+unit's gradient is cast up to fp32 first. After the step it asks the ``ZeroModel`` to publish
+the new weights (cast, and all-gather at stages 1-2).
 
 Memory accounting follows the ZeRO paper (Rajbhandari et al. 2020, section 3 and figure 1): with
 mixed precision a parameter costs 2 bytes (bf16 weight) + 2 (bf16 gradient) + K = 12 (fp32
@@ -34,6 +35,7 @@ import torch
 
 from tessera.collectives.algorithms import all_gather_single
 from tessera.config import TrainConfig
+from tessera.parallel.update_batches import update_batches
 from tessera.parallel.zero import ZeroModel
 from tessera.parallel.zero_units import FlatUnit
 
@@ -70,7 +72,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         """One AdamW step of every unit: the units whose step counts agree (all of them, in
         training) are updated together by multi-tensor ops (``torch._foreach_*``), one op per
-        list of tensors (module doc), then each model publishes its parameters."""
+        list of tensors, in groups of at most ``UPDATE_BATCH_ELEMENTS`` owned elements
+        (``tessera.parallel.update_batches``), then each model publishes its parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -82,7 +85,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 by_step.setdefault(int(state["step"]), []).append(u)
             for step, units in by_step.items():
-                self._update(units, float(step), group)
+                for batch in update_batches([u.master.numel() for u in units]):
+                    self._update([units[i] for i in batch], float(step), group)
         for z in self.zeros:
             z.publish_parameters()
         return loss
@@ -92,7 +96,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         AdamW's ops in the same order (on CPU bit for bit), each op applied to all the units'
         tensors at once (on a GPU a few multi-tensor launches per op, on a CPU a loop over the
         tensors). Its temporaries (the denominators, in bf16 the gradients cast up) exist for
-        all units at once."""
+        these units at once: ``step`` passes groups of bounded size."""
         lr, (beta1, beta2) = group["lr"], group["betas"]
         eps, weight_decay = group["eps"], group["weight_decay"]
         masters = [u.master for u in units]

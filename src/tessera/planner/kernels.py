@@ -38,7 +38,8 @@ Per step, outside the blocks (:func:`step_kernels`, checked the same way against
 zeroed, their global norm and the clipping, and the AdamW update, on the tensors the optimizer
 sees on a rank. Where ZeRO's flat units hold the model state (any ZeRO stage, and bf16 at
 stage 0: ``parallelize``'s precision policy) those are the U units, stepped by
-``ShardedAdamW`` with one multi-tensor op per list (all units' masters, moments, gradients);
+``ShardedAdamW`` with one multi-tensor op per list (the masters, moments, gradients of a group
+of units of at most 2²⁶ owned elements, ``tessera.parallel.update_batches``);
 otherwise the N parameter tensors, stepped by ``torch.optim.AdamW`` with ``fused=True`` on a
 GPU (``tessera.optim.adamw_implementation``):
 
@@ -50,10 +51,10 @@ global norm        8: zeros, one ``_foreach_norm``,    10: the same and the expe
                    stack, pow, sum, add_, sqrt, the    and add
                    host's read of the norm
 clipping           U multiplies                        N multiplies
-AdamW              7 multi-tensor ops over the units   2 per param group (decayed matrices,
-                   (lerp_, mul_, addcmul_, sqrt,       undecayed gains): the steps' foreach add
+AdamW              per group of units, 7 multi-tensor  2 per param group (decayed matrices,
+                   ops (lerp_, mul_, addcmul_, sqrt,   undecayed gains): the steps' foreach add
                    div_, add_, addcdiv_) + one mul_    and ``_fused_adamw_``
-                   over every decayed range
+                   over its decayed ranges
 bf16               U · 2: the gradient cast up, the    (bf16 always runs on flat units)
                    master copied into the parameters
 =================  ==================================  =========================================
@@ -170,10 +171,11 @@ def launch_floor(launch_us: float, count: int) -> float:
 FLAT_UNIT_OPS = 1 + 1
 """Per flat unit and step: its gradient buffer zeroed and clipped."""
 FLAT_ADAMW_OPS = 7
-"""ShardedAdamW's multi-tensor ops over all units: lerp_, mul_, addcmul_, sqrt, div_, add_,
-addcdiv_ (one launch each on a GPU, modelled; module doc)."""
+"""ShardedAdamW's multi-tensor ops per group of units (``tessera.parallel.update_batches``):
+lerp_, mul_, addcmul_, sqrt, div_, add_, addcdiv_ (one launch each on a GPU, modelled; module
+doc)."""
 FLAT_DECAY_OPS = 1
-"""ShardedAdamW's weight decay: one multi-tensor mul_ over every decayed range."""
+"""ShardedAdamW's weight decay: one multi-tensor mul_ per group holding decayed ranges."""
 PARAMETER_OPS = 1
 """Per parameter tensor and step (fused AdamW): its clipping."""
 NORM_OPS = {True: 8, False: 10}
@@ -184,14 +186,15 @@ BF16_UNIT_CASTS = 2
 """bf16: each unit's gradient cast up for the update, its master copied into the parameters."""
 
 
-def step_kernels(tensors: int, *, flat: bool, precision: str, decay_runs: int = 0) -> int:
+def step_kernels(tensors: int, *, flat: bool, precision: str, groups: int = 1,
+                 decayed_groups: int = 0) -> int:
     """Kernels of one rank's step outside the forward and backward: zeroing the gradients, the
     global norm, clipping and AdamW (module doc's second table), a multi-tensor op counted once.
     `tensors`: the flat units (`flat`) or the parameter tensors the rank's optimizer steps;
-    `decay_runs`: the runs of adjacent weight-decayed matrices in the units (any: one
-    multi-tensor mul_ decays them all)."""
+    `groups`: the flat units' update groups (``tessera.parallel.update_batches``), of which
+    `decayed_groups` hold weight-decayed ranges (one multi-tensor mul_ decays each)."""
     if not flat:
         return tensors * PARAMETER_OPS + NORM_OPS[False] + FUSED_ADAMW_OPS
     casts = BF16_UNIT_CASTS if precision == "bf16" else 0
-    decay = FLAT_DECAY_OPS if decay_runs else 0
-    return tensors * (FLAT_UNIT_OPS + casts) + FLAT_ADAMW_OPS + decay + NORM_OPS[True]
+    return (tensors * (FLAT_UNIT_OPS + casts) + groups * FLAT_ADAMW_OPS
+            + decayed_groups * FLAT_DECAY_OPS + NORM_OPS[True])

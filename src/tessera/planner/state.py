@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.parallel.update_batches import update_batches
 from tessera.planner import engine
 from tessera.planner.compute import ChunkCosts
 from tessera.planner.hardware import Hardware
@@ -83,8 +84,11 @@ def rank_step_kernels(w: Workload, L: Layout, rank: int, tensors: int) -> int:
     if not engine.flat_units(w.precision, L.zero_stage, L.dp_mode):
         return step_kernels(tensors, flat=False, precision=w.precision)
     units = engine.rank_units(w, L, rank)
-    return step_kernels(len(units), flat=True, precision=w.precision,
-                        decay_runs=engine.unit_decay_runs(w.model, units))
+    owned = [-(-n // L.dp) * (1 if L.zero_stage else L.dp) for n, _ in units]  # padded to dp
+    groups = update_batches(owned)
+    decayed = sum(any(engine.unit_decay_runs(w.model, [units[i]]) for i in g) for g in groups)
+    return step_kernels(len(units), flat=True, precision=w.precision, groups=len(groups),
+                        decayed_groups=decayed)
 
 
 def rank_state(w: Workload, L: Layout, rank: int, chunks: list[ChunkCosts]) -> RankState:
