@@ -3,6 +3,8 @@ memory, all-to-all traffic and its link, and the ranking of layouts with ep."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tessera.config_io import make_config
@@ -41,8 +43,9 @@ def test_expert_memory_and_all_to_all_formulas():
     h, f = 4096, 14336
     L = Layout(dp=16, tp=1, pp=4, micro_batch=1)
     t = moe_terms(w, L, w.model, moe, ep=8)
-    # 32/4 MoE layers on a stage; 1 expert held, 2 counted by the active model; 16 B/param
-    assert t.expert_bytes == pytest.approx(8 * (1 - 2) * 3 * h * f * 16)
+    # 32/4 MoE layers on a stage; 1 expert held, 2 counted by the active model, and the
+    # router's E·h; 16 B/param
+    assert t.expert_bytes == pytest.approx(8 * ((1 - 2) * 3 * h * f + 8 * h) * 16)
     # m = 256/16 micro-batches; 4 all-to-alls of b·s·k·h bf16 bytes, 7/8 leave the rank
     assert t.alltoall_bytes == pytest.approx(4 * 8 * 16 * 4096 * 2 * h * 2 * 7 / 8)
     assert t.intra_node  # 8 ranks 1 apart: one node of 8 GPUs
@@ -90,7 +93,7 @@ def test_a_runs_moe_part_is_what_its_model_runs():
     """``active_workload``, the one place the run summary and the preflight's memory read a
     run's MoE part from: the active model's MLPs hold the parameters one token uses in
     tessera's model (top-k experts and the shared expert on every moe_every-th block; the
-    router's E·h per MoE block is the one thing left out, and ffn_hidden is rounded), the
+    router's E·h per MoE block is in the terms instead, and ffn_hidden is rounded), the
     terms are those of the run's ep, and the preflight's expert bytes are these terms'."""
     from tessera.model import mlp_params
     from tessera.planner.engine import layout_of
@@ -114,3 +117,65 @@ def test_a_runs_moe_part_is_what_its_model_runs():
     dense = make_config("tiny")
     w_dense = Workload.from_config(dense, load_hardware(BYTES_HARDWARE))
     assert active_workload(w_dense, layout_of(dense), dense) == (w_dense, None)
+
+
+def test_tessera_prices_moe_blocks_whole_on_every_tp_rank():
+    """tessera keeps MoE blocks whole on every tp rank (``parallel.expert_parallel``): at tp 2
+    the planner's per-rank feed-forward parameters (the active model's MLPs plus the terms'
+    experts and router) are what tessera's tp-2 model holds on a rank, counted on the model
+    ``apply_tensor_parallel`` builds over a one-process fake group of two ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tessera.model import Transformer, mlp_params
+    from tessera.parallel.tp_plan import apply_tensor_parallel
+    from tessera.planner.engine import layout_of
+    from tessera.planner.moe import active_workload
+    from tessera.preflight import BYTES_HARDWARE
+
+    cfg = make_config("moe-demo", overrides=["model.moe_every=2", "model.moe_shared_expert=true",
+                                             "parallel.dp=1", "parallel.ep=1", "parallel.tp=2"])
+    m = cfg.model
+    w = Workload.from_config(cfg, load_hardware(BYTES_HARDWARE))
+    L = layout_of(cfg)
+    assert w.tessera_engine and L.tp == 2 and L.zero_stage == 0
+    active, terms = active_workload(w, L, cfg)
+    state = sum(w.bytes[:3])  # model-state bytes per parameter, unsharded
+    planner = m.n_layers * 3 * m.d_model * active.model.ffn_hidden // L.tp
+    planner += terms.expert_bytes / state
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = apply_tensor_parallel(Transformer(m), dist.group.WORLD)
+        held = sum(p.numel() for block in model.layers
+                   for p in block.feed_forward.parameters())
+    finally:
+        dist.destroy_process_group()
+    split = sum(mlp_params(m, i) for i in range(m.n_layers)) / 2
+    assert held > 1.5 * split  # the MoE blocks are whole on the rank, not split
+    assert planner == pytest.approx(held, abs=m.n_layers * 3 * m.d_model / 2)  # the rounding
+
+
+def test_moe_compute_per_rank_is_the_same_at_tp_1_and_2():
+    """tessera's MoE layers compute whole on every tp rank: the active model's per-rank MLP
+    GEMMs of all-MoE Mixtral are the same at tp 2 as at tp 1 (attention halves), and of a model
+    with dense blocks between the MoE ones only the dense blocks' share halves. Another
+    engine's (kernels 'fused') splits them over tp like a dense MLP."""
+    from tessera.planner.compute import block_gemm_shapes
+    from tessera.planner.moe import moe_tp
+
+    def mlp(w, moe, tp):  # the per-rank MLP GEMMs' k·n summed
+        spec = active_spec(w.model, moe, moe_tp(w, tp))
+        qkv, *mlp_in, out, mlp_out = block_gemm_shapes(spec, tp)
+        return sum(k * n for k, n in (*mlp_in, mlp_out))
+
+    w, moe = _mixtral()
+    assert w.tessera_engine
+    assert mlp(w, moe, 2) == mlp(w, moe, 1) == 3 * 4096 * 2 * 14336
+    assert active_spec(w.model, moe, 2).ffn_hidden == 2 * 2 * 14336
+    fused = dataclasses.replace(w, kernels="fused")
+    assert not fused.tessera_engine and mlp(fused, moe, 2) == mlp(fused, moe, 1) / 2
+    every2 = dataclasses.replace(moe, every=2)
+    h, f = 4096, 14336  # 16 dense blocks (f, split) and 16 MoE blocks (2f, whole) averaged
+    assert mlp(w, every2, 2) == 3 * h * (f / 2 + 2 * f) / 2
+    assert mlp(w, every2, 1) == 3 * h * (f + 2 * f) / 2

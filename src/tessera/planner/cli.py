@@ -15,7 +15,6 @@ Bad input (an unknown model or hardware, a request no layout can satisfy) prints
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -199,7 +198,7 @@ def plan(
     from tessera.planner.estimate import estimate
     from tessera.planner.hardware import load_hardware
     from tessera.planner.models import load_model
-    from tessera.planner.moe import active_spec, ep_table, moe_for_model
+    from tessera.planner.moe import active_layouts, ep_table, moe_for_model
     from tessera.planner.report import describe_workload, table, to_json
     from tessera.planner.report import explain as explain_plan
     from tessera.planner.report import plot as plot_plan
@@ -248,9 +247,7 @@ def plan(
                             cp_ulysses=_degrees(cp_ulysses, "cp-ulysses"))
         moe = moe_for_model(model)
         if moe is not None:  # rank the active model's layouts with ep (tessera.planner.moe)
-            active = search(dataclasses.replace(w, model=active_spec(spec, moe)), space,
-                            top=max(top, 30))
-            print(ep_table(w, moe, [e.layout for e in active.ranked], top))
+            print(ep_table(w, moe, active_layouts(w, moe, space, max(top, 30)), top))
             return
         result = search(w, space, top=max(top, 30) if plot else top)
     shown = result.ranked[:top]

@@ -5,15 +5,22 @@ priced here in two parts:
 
 1. **the active model**: what one token computes and stores is a dense model whose MoE layers'
    SwiGLU is k·f_e (+ the shared expert's f) wide (``active_spec``); the dense estimate of that
-   model on the layout gives compute, activations, tp/pp/dp traffic and the dense state;
+   model on the layout gives compute, activations, tp/pp/dp traffic and the dense state.
+   tessera keeps MoE layers whole on every tp rank (``tessera.parallel.expert_parallel``), so
+   for its engine (``Workload.tessera_engine``) the active model's MoE MLPs are tp× as wide
+   (the dense estimate's 1/tp split then leaves each rank the whole k·f_e + f: tp× the expert
+   FLOPs, parameters and saved activations of a split); other engines' MoE is priced split
+   over tp like a dense MLP (:func:`moe_tp`);
 2. **MoE terms** (:func:`moe_terms`), added on top:
 
-   - expert memory: each rank holds E/ep experts of its stage's MoE layers whole (tessera
-     replicates experts over tp, ``tessera.parallel.expert_parallel``), 3·h·f_e parameters
-     each, at the workload's bytes of model state per parameter, which ZeRO shards over the
-     expert-data group (dp/ep · cp ranks) as tessera does; the k experts the active model
-     already counted (split over tp) are taken out (a rank with fewer than k experts holds
-     less than the active model counted: the term is then negative);
+   - expert memory: each rank holds E/ep experts of its stage's MoE layers whole, 3·h·f_e
+     parameters each, at the workload's bytes of model state per parameter, which ZeRO shards
+     over the expert-data group (dp/ep · cp ranks) as tessera does; the k experts the active
+     model already counted (whole, or 1/tp of them split) are taken out (a rank with fewer than
+     k experts holds less than the active model counted: the term is then negative); plus the
+     router's E·h parameters per MoE layer, replicated over tp and ZeRO-sharded over dp·cp
+     like the dense ones (its 2·E·h FLOPs per token and its gradient's share of the dense
+     all-reduce are left out: E/(3·k·f_e) of the layer's);
    - all-to-all: per MoE layer and micro-batch, four all-to-alls (dispatch and combine, forward
      and backward), each sending b·s·k·h activation bytes of which (ep−1)/ep leave the rank
      (balanced routing; dropless, or ≤ C·k with capacity C). Pairwise exchange: (ep−1)·α +
@@ -33,11 +40,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tessera.config import Config, ModelConfig
 from tessera.planner.comm import allgather_time, allreduce_time, group_link
 from tessera.planner.models import ModelSpec
 from tessera.planner.workload import Layout, Workload
+
+if TYPE_CHECKING:
+    from tessera.planner.search import SearchSpace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,14 +85,25 @@ class MoESpec:
         return k if self.capacity_factor <= 0 else min(k, self.capacity_factor * k)
 
 
-def active_spec(spec: ModelSpec, moe: MoESpec) -> ModelSpec:
-    """The dense model that computes what one token of the MoE model computes: MoE layers'
-    MLPs k·f_e (+ shared) wide, averaged over the layers with the dense ones (the planner's
-    blocks are uniform)."""
+def moe_tp(w: Workload, tp: int) -> int:
+    """On how many of `tp` tensor-parallel ranks each MoE layer is held whole: all `tp` for
+    tessera's engine, which replicates router, experts and shared expert over tp
+    (``tessera.parallel.expert_parallel``); 1 for other engines (kernels 'fused', precisions
+    tessera does not run), priced with experts split over tp like a dense MLP."""
+    return tp if w.tessera_engine else 1
+
+
+def active_spec(spec: ModelSpec, moe: MoESpec, tp: int = 1) -> ModelSpec:
+    """The dense model that computes, per tensor-parallel rank, what one token of the MoE model
+    computes: MoE layers' MLPs k·f_e (+ shared) wide on each of `tp` ranks (``moe_tp``: held
+    whole on each; 1: split over tp like the dense MLPs), averaged over the layers with the
+    dense ones (the planner's blocks are uniform). Its ffn_hidden is tp × the rank's width, a
+    multiple of tp, so that the dense estimate's 1/tp split leaves each rank that width."""
     moe_ffn = moe.top_k * moe.expert_hidden + moe.shared_hidden
-    dense_layers = spec.layers - moe.moe_layers(spec.layers)
-    ffn = (dense_layers * spec.ffn_hidden + moe.moe_layers(spec.layers) * moe_ffn) / spec.layers
-    return dataclasses.replace(spec, name=f"{spec.name} (active)", ffn_hidden=round(ffn))
+    moe_layers = moe.moe_layers(spec.layers)
+    per_rank = ((spec.layers - moe_layers) * spec.ffn_hidden / tp + moe_layers * moe_ffn
+                ) / spec.layers
+    return dataclasses.replace(spec, name=f"{spec.name} (active)", ffn_hidden=tp * round(per_rank))
 
 
 @dataclass(frozen=True)
@@ -89,7 +111,7 @@ class MoETerms:
     """What the MoE part adds to a layout's estimate (per rank, per optimizer step)."""
 
     expert_bytes: float
-    """Model-state bytes of the experts minus what the active model counted for them."""
+    """Model-state bytes of the experts and routers minus what the active model counted."""
     alltoall_bytes: float
     """Bytes this rank sends in token all-to-alls."""
     alltoall_time: float
@@ -104,15 +126,17 @@ def moe_terms(w: Workload, L: Layout, spec: ModelSpec, moe: MoESpec, ep: int) ->
     (module doc for the formulas)."""
     h, f_e = spec.hidden, moe.expert_hidden
     p_bytes, g_bytes, o_bytes, a_bytes = w.bytes
-    state = p_bytes + g_bytes + o_bytes
     layers_here = moe.moe_layers(spec.layers) / L.pp  # MoE layers on the fullest stage
-    if L.zero_stage > 0:  # ZeRO shards expert units over their expert-data group (dp/ep · cp)
-        n = L.dp // ep * L.cp
-        state = (p_bytes / (n if L.zero_stage >= 3 else 1)
-                 + g_bytes / (n if L.zero_stage >= 2 else 1) + o_bytes / n)
+
+    def state(n: int) -> float:  # model-state bytes per parameter, ZeRO sharding over n ranks
+        z = L.zero_stage
+        return (p_bytes / (n if z >= 3 else 1) + g_bytes / (n if z >= 2 else 1)
+                + o_bytes / (n if z >= 1 else 1))
+
     held = moe.experts / ep * 3 * h * f_e
-    counted = moe.top_k * 3 * h * f_e / L.tp  # already in the active model's estimate
-    expert_bytes = layers_here * (held - counted) * state
+    counted = moe.top_k * 3 * h * f_e * moe_tp(w, L.tp) / L.tp  # in the active model's estimate
+    expert_bytes = layers_here * ((held - counted) * state(L.dp // ep * L.cp)  # expert-data
+                                  + moe.experts * h * state(L.dp * L.cp))  # router: dense units
     m = L.microbatches(w.global_batch)
     rows = L.micro_batch * w.seq_len / L.cp * moe.copies_per_token
     per_exchange = rows * h * a_bytes * (ep - 1) / ep
@@ -143,7 +167,7 @@ def active_workload(w: Workload, L: Layout, cfg: Config) -> tuple[Workload, MoET
     if moe is None:
         return w, None
     terms = moe_terms(w, L, w.model, moe, cfg.parallel.ep)
-    return dataclasses.replace(w, model=active_spec(w.model, moe)), terms
+    return dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, L.tp))), terms
 
 
 @dataclass(frozen=True)
@@ -166,6 +190,28 @@ class EPPlan:
                 + ("" if self.fits else " (does not fit)"))
 
 
+def active_layouts(w: Workload, moe: MoESpec, space: SearchSpace, top: int) -> list[Layout]:
+    """The layouts to rank with ep: for each tp degree of `space` (every divisor of the GPUs if
+    none), the `top` best of the search over the active model at that degree (``moe_tp``'s
+    width differs by tp). Raises the search's PlanError when no degree has a fitting layout."""
+    from tessera.planner.estimate import PlanError
+    from tessera.planner.search import divisors, search
+
+    layouts: list[Layout] = []
+    refused: PlanError | None = None
+    for t in space.tp or divisors(w.gpus):
+        active = dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, t)))
+        try:
+            plan = search(active, dataclasses.replace(space, tp=(t,)), top=top)
+        except PlanError as e:
+            refused = e
+            continue
+        layouts += [e.layout for e in plan.ranked]
+    if not layouts and refused is not None:
+        raise refused
+    return layouts
+
+
 def ep_degrees(dp: int, experts: int) -> list[int]:
     """The expert-parallel degrees a layout allows: divisors of dp that divide E."""
     return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
@@ -178,10 +224,10 @@ def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout]) -> lis
     from tessera.errors import ConfigError
     from tessera.planner.estimate import PlanError, estimate
 
-    active = dataclasses.replace(w, model=active_spec(w.model, moe))
     plans = []
     capacity = w.hardware.memory_bytes
     for L in layouts:
+        active = dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, L.tp)))
         try:
             est = estimate(active, L)
         except (PlanError, ConfigError):
