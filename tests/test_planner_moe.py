@@ -62,6 +62,12 @@ def test_ep_degrees_divide_dp_and_the_experts():
 
 def test_ranking_puts_fitting_layouts_first_and_needs_ep_for_mixtral():
     w, moe = _mixtral()
+    # tessera runs expert parallelism in fp32 only (tessera.layout): in bf16 every ep > 1
+    # plan is refused, and 47B parameters fit nowhere
+    assert not any(p.fits for p in rank_ep_layouts(w, moe, [Layout(dp=16, tp=1, pp=4,
+                                                                  micro_batch=1,
+                                                                  recompute="full")]))
+    w = dataclasses.replace(w, precision="fp32")
     layouts = [Layout(dp=dp, tp=tp, pp=pp, micro_batch=1, recompute="full")
                for dp, tp, pp in [(64, 1, 1), (16, 1, 4), (8, 2, 4), (8, 8, 1)]]
     plans = rank_ep_layouts(w, moe, layouts)
@@ -179,3 +185,28 @@ def test_moe_compute_per_rank_is_the_same_at_tp_1_and_2():
     h, f = 4096, 14336  # 16 dense blocks (f, split) and 16 MoE blocks (2f, whole) averaged
     assert mlp(w, every2, 2) == 3 * h * (f / 2 + 2 * f) / 2
     assert mlp(w, every2, 1) == 3 * h * (f + 2 * f) / 2
+
+
+def test_tessera_moe_plans_are_layouts_tessera_runs():
+    """The MoE ranking proposes only (layout, ep) pairs ``tessera.layout.validate`` accepts
+    with the experts set: the active model's search offers sequence parallelism (a dense
+    model's option), which per-sequence routing refuses, and in bf16 expert parallelism is
+    refused (fp32 only). An allow-list that skipped the MoE rules would list them."""
+    from tessera.planner.moe import active_layouts, moe_for_model, refusal
+    from tessera.planner.search import SearchSpace
+
+    cfg = make_config("moe-demo")
+    moe = moe_for_model("moe-demo")
+    for precision in ("bf16", "fp32"):
+        w = Workload(model=from_model_config("moe-demo", cfg.model, cfg.data.seq_len),
+                     hardware=load_hardware("H100"), gpus=8, global_batch=32,
+                     seq_len=cfg.data.seq_len, precision=precision)
+        candidates = active_layouts(w, moe, SearchSpace(sequence_parallel=(True, False)), 20)
+        assert any(L.sequence_parallel for L in candidates)
+        plans = rank_ep_layouts(w, moe, candidates)
+        assert plans and not any(p.layout.sequence_parallel for p in plans)
+        eps = {p.ep for p in plans}
+        assert eps == {1} if precision == "bf16" else eps > {1}
+        sp = next(L for L in candidates if L.sequence_parallel)
+        active = dataclasses.replace(w, model=active_spec(w.model, moe, sp.tp))
+        assert "sequence_parallel" in (refusal(w, active, sp, moe, 1) or "")

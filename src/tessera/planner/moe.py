@@ -220,7 +220,8 @@ def ep_degrees(dp: int, experts: int) -> list[int]:
 def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout]) -> list[EPPlan]:
     """Every (layout, ep) with ep dividing dp and E, priced as the active model's estimate
     plus the MoE terms; fitting layouts first, then by predicted step time. Layouts the
-    estimate refuses (PlanError, ConfigError) are skipped."""
+    estimate refuses (PlanError, ConfigError) and those tessera's rules refuse for a mixture
+    of experts (:func:`refusal`) are skipped."""
     from tessera.errors import ConfigError
     from tessera.planner.estimate import PlanError, estimate
 
@@ -233,11 +234,36 @@ def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout]) -> lis
         except (PlanError, ConfigError):
             continue
         for ep in ep_degrees(L.dp, moe.experts):
+            if refusal(w, active, L, moe, ep) is not None:
+                continue
             t = moe_terms(w, L, w.model, moe, ep)
             memory = est.memory.total + t.expert_bytes
             time = est.step_time + t.alltoall_time + t.expert_sync_time
             plans.append(EPPlan(L, ep, time, memory, t, fits=memory <= capacity))
     return sorted(plans, key=lambda p: (not p.fits, p.step_time))
+
+
+def refusal(w: Workload, active: Workload, L: Layout, moe: MoESpec, ep: int) -> str | None:
+    """Why tessera would refuse layout `L` with expert parallelism `ep` for the mixture of
+    experts `moe` (``tessera.layout.validate`` on the run's config: the active model's with
+    the experts and ep set; its MoE rules refuse sequence parallelism, cp > 1, and ep > 1 but
+    in fp32 with 'allreduce'), or None; None for other engines' models."""
+    from tessera.errors import ConfigError
+    from tessera.layout import validate
+    from tessera.planner.engine import to_config
+
+    if not w.tessera_engine:
+        return None
+    try:
+        cfg = to_config(active, L)
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, moe_experts=moe.experts,
+                                           moe_top_k=moe.top_k),
+            parallel=dataclasses.replace(cfg.parallel, ep=ep))
+        validate(cfg, w.gpus)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def moe_for_model(name: str | None) -> MoESpec | None:
