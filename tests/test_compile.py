@@ -1,14 +1,30 @@
 """Regional compilation (``train.compile``, ``tessera.parallel.compile``) against eager.
 
 Layouts: (dp,tp,pp) = (2,2,2) 1F1B, (4,1,1) ZeRO-3 (with selective recomputation), (1,2,2)
-SP with full recomputation, cp 2 ring (in bf16) and ep 2 (MoE), each run compiled and eager
-on the same batches in the same ranks: the loss of every step and every parameter's
-first-step gradient must agree, the blocks must be compiled (dynamo captured graphs), and the
-second step must compile nothing. These use the ``aot_eager`` backend: dynamo's graphs, graph
-breaks and guards and AOTAutograd's forward/backward split, exactly as inductor receives
-them, without generating code, which would take minutes per layout on gloo ranks sharing two
-cores. Inductor itself runs in the one-process test; a checkpoint taken compiled resumes
-exactly through the trainer.
+SP with full recomputation, cp 2 ring (in bf16) and ep 2 (MoE) with torch's ``aot_eager``
+backend; dp 2 ZeRO-3, dp 2 (DDP) and tp 2 SP with inductor. Each runs compiled and eager on
+the same batches in the same ranks: the loss of every step and every parameter's first-step
+gradient must agree, the blocks must be compiled (dynamo captured graphs), and the second
+step must compile nothing. A checkpoint taken compiled resumes exactly through the trainer
+(``aot_eager``).
+
+Backends. ``aot_eager`` gives dynamo's graphs, graph breaks and guards and AOTAutograd's
+forward/backward split, exactly as inductor receives them, without generating code: a layout
+costs seconds. Inductor (the default backend; C++ kernels on a CPU) generates code for each
+graph on each rank and builds it with g++, tens of CPU-seconds per layout, so it runs on two
+ranks, on the layouts where its code meets the data-parallel and tensor-parallel machinery:
+ZeRO-3, where one graph for the four blocks reads the parameters (views into the unit's flat
+buffer) that the hooks gather before it and free after it, its backward graph reads them
+again after the re-gather, and its gradients feed the reduce-scatter hooks; DDP, whose hooks
+make each gradient a view of its bucket, into which the second micro-batch's backward graph's
+gradients accumulate; tp 2 with SP, whose graphs end and start at the all-gathers and
+reduce-scatters that read their outputs and feed their inputs. These also cover the
+single-device model's path (three graphs: the blocks, the final norm, the compiled loss). The
+pipeline, context- and expert-parallel layouts and recomputation run on ``aot_eager`` only.
+The two inductor ranks share a cache directory made empty for each run (never an earlier
+run's: they compile cold, as a fresh clone does): a kernel both ranks generate is built once
+by g++, under a file lock the other rank waits on before it loads the library, and the DDP
+layout loads the ZeRO-3 layout's graphs from the cache.
 
 Tolerances. A compiled graph computes the same sums in another order: inductor fuses and
 blocks its reductions (RMSNorm's mean over h, softmax over V, a weight gradient over the
@@ -25,6 +41,7 @@ another block's graph with the wrong weights, likewise.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +80,16 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "(1,2,2) sp full recompute": dict(tp=2, pp=2, sequence_parallel=True, recompute="full"),
     "dp2 cp2 ring bf16": dict(dp=2, cp=2, cp_method="ring", precision="bf16"),
     "dp4 ep2 moe": dict(dp=4, ep=2, model=MOE),
+    "dp2 zero3": dict(dp=2, zero_stage=3),
+    "tp2 sp": dict(tp=2, sequence_parallel=True),
+    "dp2": dict(dp=2),
 }
 LAUNCHES = {8: ["(2,2,2) 1f1b"],
             4: ["(4,1,1) zero3 selective", "(1,2,2) sp full recompute", "dp2 cp2 ring bf16",
                 "dp4 ep2 moe"]}
+"""The aot_eager launches: world size -> layouts."""
+INDUCTOR_GRAPHS = {"dp2 zero3": 3, "dp2": 3, "tp2 sp": 9}
+"""The inductor launch (two ranks, module docstring): layout -> dynamo graphs on each rank."""
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +107,17 @@ def _graphs() -> int:
 
 def _run(layout: dict[str, Any], compile: bool) -> dict[str, Any]:
     """STEPS AdamW steps; the losses, the first step's gradients (reference names, every rank
-    gathers) and, compiled, dynamo's graph count after each step and the compiled modules."""
+    gathers) and, compiled, dynamo's graph count after each step, the compiled modules and
+    the seconds spent compiling."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from tessera.parallel.compile import compile_seconds
     from tessera.step import build_executor
 
     torch._dynamo.reset()  # every layout traces its own graphs, within the recompile limit
     counters.clear()
+    before = compile_seconds()
     cfg = _cfg(compile=compile, **layout)
     topo = Topology.build(cfg.parallel)
     executor = build_executor(cfg, topo, torch.device("cpu"))
@@ -111,23 +137,24 @@ def _run(layout: dict[str, Any], compile: bool) -> dict[str, Any]:
     from torch._dynamo.utils import guard_failures
 
     out["recompiles"] = [r for reasons in guard_failures.values() for r in reasons]
+    out["compile_s"] = compile_seconds() - before
     return out
 
 
-def _layouts_rank(names: list[str]) -> dict[str, Any]:
+def _layouts_rank(names: list[str], backend: str = "aot_eager",
+                  cache_dir: str | None = None) -> dict[str, Any]:
     import tessera.parallel.compile as compile_module
 
-    compile_module.BACKEND = "aot_eager"  # module docstring: inductor runs in the test below
+    if backend == "inductor":
+        assert compile_module.BACKEND == "inductor"  # the default, as a training run has it
+        if cache_dir is not None:  # the ranks' shared cache (module docstring)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    else:
+        compile_module.BACKEND = backend
     return {name: (_run(LAYOUTS[name], False), _run(LAYOUTS[name], True)) for name in names}
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("world", sorted(LAUNCHES, reverse=True))
-def test_compiled_layouts_match_eager(world):
-    # A rank waits on its peers while they compile (a minute on a loaded 2-core host).
-    results = run_ranks(_layouts_rank, world, args=(LAUNCHES[world],), timeout=900,
-                        collective_timeout=300)
+def _check_layouts(results: list[dict[str, Any]]) -> None:
     for rank, by_layout in enumerate(results):
         for name, (eager, compiled) in by_layout.items():
             label = f"{name} rank {rank}"
@@ -136,13 +163,14 @@ def test_compiled_layouts_match_eager(world):
             assert compiled["graphs"][0] > 0, f"{label}: nothing was compiled"
             assert compiled["graphs"][-1] == compiled["graphs"][0], (
                 f"{label}: steps after the first compiled again: graphs {compiled['graphs']}")
-            # Every block of a chunk (two here) runs the first block's graphs: a guard on
+            # Every block of a chunk (two or four here) runs the first block's graphs: a guard on
             # something per block (an id, a partial's arguments) would recompile each. The
             # only recompiles allowed are for another shape (static shapes: under tp, wo's
             # and w2's row-parallel inputs run one code with two widths).
             other = [r for r in compiled["recompiles"] if "size mismatch" not in r]
             assert other == [], f"{label}: recompiled: {other[:3]}"
             assert eager["graphs"] == [0] * STEPS, label
+            assert compiled["compile_s"] > 0 and eager["compile_s"] == 0, label
             assert compiled["grads"].keys() == eager["grads"].keys(), label
             if LAYOUTS[name].get("precision") == "bf16":
                 _check_bf16(label, compiled, eager)
@@ -152,6 +180,35 @@ def test_compiled_layouts_match_eager(world):
             for k, want in eager["grads"].items():
                 assert_close_summed(compiled["grads"][k], want, terms=N_TERMS,
                                     msg=f"{label} step-1 grad {k}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(LAUNCHES, reverse=True))
+def test_compiled_layouts_match_eager(world):
+    # A rank waits on its peers while they compile (a minute on a loaded 2-core host).
+    _check_layouts(run_ranks(_layouts_rank, world, args=(LAUNCHES[world],), timeout=900,
+                             collective_timeout=300))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_inductor_layouts_match_eager(tmp_path):
+    """Inductor's C++ kernels on two gloo ranks (module docstring): dp 2 ZeRO-3, whose blocks
+    compile as one graph reading the parameters its hooks gather and free; dp 2 with DDP's
+    buckets (the same graphs: loaded from the cache); tp 2 with sequence parallelism, whose
+    graphs end and start at its collectives. The checks of the aot_eager layouts, and the
+    exact graph count: without tp one serves the four blocks, one the final norm and one the
+    loss; the tp chunk compiles nine (its loss is the eager vocabulary-parallel one)."""
+    results = run_ranks(_layouts_rank, 2, args=(list(INDUCTOR_GRAPHS), "inductor",
+                                                str(tmp_path / "inductor_cache")),
+                        timeout=900, collective_timeout=300)
+    _check_layouts(results)
+    for rank, by_layout in enumerate(results):
+        for name, graphs in INDUCTOR_GRAPHS.items():
+            compiled = by_layout[name][1]
+            assert compiled["compiled"] == 5, f"{name} rank {rank}"  # four blocks, final norm
+            assert compiled["graphs"] == [graphs] * STEPS, f"{name} rank {rank}"
 
 
 def _check_bf16(label: str, compiled: dict[str, Any], eager: dict[str, Any]) -> None:
@@ -172,37 +229,7 @@ def _check_bf16(label: str, compiled: dict[str, Any], eager: dict[str, Any]) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# One process: inductor's kernels against eager; a checkpoint taken compiled resumes exactly.
-
-def _one_process(compile: bool) -> dict[str, Any]:
-    from tessera.parallel.compile import compile_seconds
-
-    before = compile_seconds()
-    out = _run({}, compile)
-    out["compile_s"] = compile_seconds() - before
-    return out
-
-
-@pytest.mark.slow
-def test_inductor_matches_eager():
-    """Inductor (C++ kernels on CPU): losses and first-step gradients within the summation
-    bound over N_TERMS (module docstring); the blocks and the final norm are compiled, and the
-    graphs of step 1 serve step 2."""
-    import tessera.parallel.compile as compile_module
-
-    assert compile_module.BACKEND == "inductor"
-    eager, compiled = _one_process(False), _one_process(True)
-    assert compiled["compiled"] == 5  # four blocks and the final norm
-    # One graph serves all four blocks (a guard on something per block would compile one each),
-    # one the final norm, one the loss; step 2 compiles nothing.
-    assert compiled["graphs"] == [3] * STEPS
-    assert compiled["compile_s"] > 0 and eager["compile_s"] == 0
-    assert_curves_close(compiled["losses"], eager["losses"], terms_per_step=N_TERMS,
-                        msg="inductor losses")
-    for k, want in eager["grads"].items():
-        assert_close_summed(compiled["grads"][k], want, terms=N_TERMS,
-                            msg=f"inductor step-1 grad {k}")
-
+# Through the trainer: a checkpoint taken compiled resumes exactly.
 
 def _train_cfg(data: str, out: Path, **train: Any):
     overrides = [f"data.path={data}", "data.seq_len=16", "data.val_tokens=64",
@@ -222,7 +249,7 @@ def _metrics(out: Path) -> dict[int, dict[str, Any]]:
 
 @pytest.mark.slow
 def test_compiled_checkpoint_resumes_exactly(tiny_data, tmp_path, monkeypatch):
-    """Through the trainer (aot_eager, as the layouts above): a run resumed from a compiled
+    """Through the trainer (aot_eager, as most layouts above): a run resumed from a compiled
     run's step-2 checkpoint, compiled again, logs the same steps 3-4 (tolerance 0: the same
     graphs on the same numbers) and ends with the same model; compile_s is logged for step 1
     only (later steps compile nothing) and in summary.json."""
