@@ -210,3 +210,109 @@ def test_tessera_moe_plans_are_layouts_tessera_runs():
         sp = next(L for L in candidates if L.sequence_parallel)
         active = dataclasses.replace(w, model=active_spec(w.model, moe, sp.tp))
         assert "sequence_parallel" in (refusal(w, active, sp, moe, 1) or "")
+
+
+def _active(w: Workload, moe: MoESpec, tp: int) -> Workload:
+    from tessera.planner.moe import moe_tp
+
+    return dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, tp)))
+
+
+def test_a_tessera_moe_block_has_attentions_tp_collectives_only():
+    """tessera holds an MoE block whole on every tp rank: at tp 2 its tensor-parallel
+    communication is attention's one all-reduce forward and one backward (one more for a
+    recomputed forward), where a dense block (and another engine's MoE block, split over tp
+    like a dense MLP) has the MLP's too. A dense block of the active model is priced as the
+    same dense model without MoE blocks."""
+    from tessera.planner.comm import allreduce_time, group_link
+    from tessera.planner.compute import block_costs
+    from tessera.planner.local.terms import rank_skew
+
+    w, moe = _mixtral()
+    h, s = 4096, 4096
+    for recompute, passes in (("none", 1), ("full", 2)):
+        a = _active(w, moe, 2)
+        one = allreduce_time(2 * s * h, 2, group_link(a.hardware, 2))  # b·s·h bf16 bytes
+        dense = block_costs(a, 2, 1, 1, False, recompute)
+        mixed = block_costs(a, 2, 1, 1, False, recompute, moe=True)
+        assert mixed.tp_forward == pytest.approx(one + rank_skew(a, 2, mixed.forward))
+        assert mixed.tp_backward == pytest.approx(
+            passes * one + rank_skew(a, 2, mixed.backward + mixed.recompute))
+        assert dense.tp_forward == pytest.approx(2 * one + 2 * rank_skew(a, 2, dense.forward / 2))
+        assert dense.tp_backward == pytest.approx(2 * passes * one)
+        plain = dataclasses.replace(a, model=dataclasses.replace(a.model, moe=None))
+        assert dense == block_costs(plain, 2, 1, 1, False, recompute)
+        fused = _active(dataclasses.replace(w, kernels="fused"), moe, 2)
+        split = block_costs(fused, 2, 1, 1, False, recompute, moe=True)
+        assert split.tp_forward == block_costs(fused, 2, 1, 1, False, recompute).tp_forward
+        assert split.tp_forward == pytest.approx(2 * one)
+
+
+def test_router_gemm_is_priced_in_each_moe_block():
+    """An MoE block computes its router, (b·s, h)·(h, E): 2·b·s·h·E FLOPs forward and twice
+    that backward at the GEMM rate plus one GEMM's fixed tail each, on every tp rank; a dense
+    block has none."""
+    from tessera.planner.compute import block_costs
+
+    w, moe = _mixtral()
+    h, s, b = 4096, 4096, 2
+    for tp in (1, 2):
+        a = _active(w, moe, tp)
+        hw = a.compute_hardware
+        router = 2 * b * s * h * moe.experts / hw.matmul_flops + hw.matmul_tail_us * 1e-6
+        dense = block_costs(a, tp, 1, b, False, "full")
+        mixed = block_costs(a, tp, 1, b, False, "full", moe=True)
+        assert mixed.forward - dense.forward == pytest.approx(router, rel=1e-9)
+        assert mixed.recompute - dense.recompute == pytest.approx(router, rel=1e-9)
+        assert mixed.backward - dense.backward == pytest.approx(2 * router, rel=1e-9)
+
+
+def test_each_chunk_counts_its_own_moe_blocks():
+    """With an MoE block every second block (blocks 1, 3, 5, ...) and stages of 7, 9, 9 and 7
+    blocks the chunks hold 3, 5, 4 and 4 MoE blocks: each chunk's compute and tensor-parallel
+    time is its dense blocks' plus its MoE blocks', the two middle chunks of 9 blocks apart."""
+    from tessera.planner.compute import block_costs, compute_chunks
+
+    w, moe = _mixtral()
+    a = _active(w, dataclasses.replace(moe, every=2), 2)
+    sizes = (7, 9, 9, 7)
+    chunks = compute_chunks(a, 2, 1, 4, 1, 1, "none", False, "ring", sizes, True)
+    dense = block_costs(a, 2, 1, 1, False, "none")
+    mixed = block_costs(a, 2, 1, 1, False, "none", moe=True)
+    assert dense.tp_forward > mixed.tp_forward and mixed.forward > dense.forward
+    bare = compute_chunks(dataclasses.replace(a, model=dataclasses.replace(a.model, moe=None)),
+                          2, 1, 4, 1, 1, "none", False, "ring", sizes, True)
+    for ch, plain, nl, k in zip(chunks, bare, sizes, (3, 5, 4, 4), strict=True):
+        for field in ("forward_compute", "backward_compute", "tp_forward", "tp_backward"):
+            added = k * (getattr(mixed, field.removesuffix("_compute"))
+                         - getattr(dense, field.removesuffix("_compute")))
+            assert getattr(ch, field) == pytest.approx(getattr(plain, field) + added), (k, field)
+        assert ch.tp_backward == pytest.approx((nl - k) * dense.tp_backward
+                                               + k * mixed.tp_backward)
+    assert chunks[1] is not chunks[2] and not chunks.uniform_middle
+
+
+def test_moe_model_flops_are_the_models_own_with_the_router():
+    """The planner's model FLOPs (MFU) of an active model are what ``tessera.model``'s
+    flops_per_token counts for the mixture of experts (k experts, the shared expert and the
+    router per MoE block), the same at tp 1 and tp 2 though tessera's tp-2 ranks each run the
+    MoE blocks whole; the hardware FLOPs count what the ranks run: the router on each."""
+    from tessera.model import flops_per_token
+    from tessera.planner.formulas import hardware_flops_per_step, model_flops_per_step
+
+    cfg = make_config("moe-demo", overrides=["model.moe_every=2", "model.moe_shared_expert=true"])
+    s, B = cfg.data.seq_len, 8
+    w = Workload(model=from_model_config("moe-demo", cfg.model, s), hardware=load_hardware("H100"),
+                 gpus=2, global_batch=B, seq_len=s)
+    moe = MoESpec.from_model_config(cfg.model)
+    runtime = B * s * flops_per_token(cfg.model, s)
+    for tp in (1, 2):
+        spec = _active(w, moe, tp).model
+        assert model_flops_per_step(spec, B, s) == pytest.approx(runtime, rel=1e-12)
+    spec = _active(w, moe, 2).model
+    bare = dataclasses.replace(spec, moe=None)  # the blocks as the ranks run them, no router
+    routers = 6 * B * s * (cfg.model.n_layers // 2) * moe.experts * cfg.model.d_model
+    assert hardware_flops_per_step(spec, B, s, "none") - hardware_flops_per_step(
+        bare, B, s, "none") == pytest.approx(2 * routers)  # on each of the 2 tp ranks
+    assert hardware_flops_per_step(spec, B, s, "full") - hardware_flops_per_step(
+        bare, B, s, "full") == pytest.approx(2 * routers * 4 / 3)  # forward recomputed

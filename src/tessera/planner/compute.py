@@ -3,9 +3,10 @@ their tensor- and context-parallel communication, before any data parallelism.
 
 Compute time of a chunk: each matrix multiply at ``peak · matmul_efficiency`` (in fp32 the
 catalog GPUs' fp32 peak, ``Workload.compute_hardware``: PyTorch keeps TF32 off) plus a fixed
-``matmul_tail_us`` (its shape dependence: :func:`gemm_times`, :func:`block_matmul_times`); an
-extra per-layer term (e.g. a mixture-of-experts layer's) belongs in :func:`block_costs`,
-which every chunk multiplies by its blocks; attention at the
+``matmul_tail_us`` (its shape dependence: :func:`gemm_times`, :func:`block_matmul_times`); a
+term that differs by block belongs in :func:`block_costs` (an active model's MoE block: its
+router's GEMM, and only attention's tensor-parallel collectives where each tp rank holds the
+block whole), which each chunk counts for its blocks of each kind; attention at the
 attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
 memory-bound kernels move every stored activation byte ``Workload.elementwise_passes`` times
 (2 with fused kernels: written by the kernel that makes it, read by the one that consumes it;
@@ -24,6 +25,7 @@ The memory-traffic term keeps the closed-form count, the quantity ``calibrate`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -100,16 +102,28 @@ class BlockCosts:
 
 @lru_cache(maxsize=8192)
 def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
-                cp_method: str = "ring", cp_ulysses: int = 2) -> BlockCosts:
+                cp_method: str = "ring", cp_ulysses: int = 2, moe: bool = False) -> BlockCosts:
     """Forward/backward seconds of one block and its activation bytes (module docstring);
-    `cp_ulysses`: hybrid context parallelism's Ulysses degree."""
+    `cp_ulysses`: hybrid context parallelism's Ulysses degree; `moe`: one of an active model's
+    MoE blocks (``ModelSpec.moe``), with its router's GEMM and, where each tp rank holds it
+    whole, attention's tensor-parallel collectives only."""
     spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
     s = w.seq_len
     tp_link, cp_link = group_link(hw, t), p2p_link(hw, t * cp)
     _, attn = layer_forward_flops(spec, b, s, cp)
     mm_time, mm_back = block_matmul_times(spec, hw, b * (s // cp), t)
-    column_back = block_matmul_times(spec, hw, b * (s // cp), t, column_only=True)[1]
+    whole_mlp = moe and spec.moe is not None and spec.moe.whole_tp > 1
+    if whole_mlp:  # attention's QKV is the one column-parallel GEMM
+        qkv = block_gemm_shapes(spec, t, column_only=True)[0]
+        column_back = gemm_times(hw, b * (s // cp), *qkv)[1]
+    else:
+        column_back = block_matmul_times(spec, hw, b * (s // cp), t, column_only=True)[1]
+    if moe and spec.moe is not None:
+        # The router, replicated over tp: (tokens, h)·(h, E) on the rank's tokens (tessera
+        # refuses sequence parallelism with MoE; other engines route the s/t slice under it).
+        router = gemm_times(hw, b * (s // cp) / (t if sp else 1), spec.hidden, spec.moe.experts)
+        mm_time, mm_back = mm_time + router[0], mm_back + router[1]
     attn_time = attn / t / hw.attention_flops * (0.5 if w.flash_attention else 1.0)
     full_bytes = layer_activation_bytes(spec, b, s, t, sp, "none", w.flash_attention, cp, e)
     score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
@@ -129,24 +143,28 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     redo = {"none": 0.0,
             "selective": attn_time + w.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
-    # Tensor parallel: 2 all-reduces forward, 2 backward (with sequence parallelism an
-    # all-gather plus a reduce-scatter each: the same volume), 2 more for a recomputed forward.
-    # Sequence parallelism keeps only the s/t slice of the attention's and the MLP's input for
-    # backward and all-gathers it again there (Korthikanti et al. §4.2.2): 2 more all-gathers.
+    # Tensor parallel, per split sublayer (attention, and the MLP unless an MoE block is
+    # whole on every tp rank: tessera.parallel.expert_parallel): 1 all-reduce forward, 1
+    # backward (with sequence parallelism an all-gather plus a reduce-scatter each: the same
+    # volume), 1 more for a recomputed forward. Sequence parallelism keeps only the s/t slice
+    # of the sublayer's input for backward and all-gathers it again there (Korthikanti et al.
+    # §4.2.2): 1 more all-gather.
+    split = 1 if whole_mlp else 2
     act_tensor = e * b * (s // cp) * spec.hidden
     one = 2 * allgather_time(act_tensor, t, tp_link) if sp else allreduce_time(act_tensor, t,
                                                                                tp_link)
-    regather = 2 * allgather_time(act_tensor, t, tp_link) if sp else 0.0
-    tp_fwd = 2 * one
-    tp_bwd = 2 * one + regather + (2 * one if recompute == "full" else 0.0)
+    regather = split * allgather_time(act_tensor, t, tp_link) if sp else 0.0
+    tp_fwd = split * one
+    tp_bwd = split * one + regather + (split * one if recompute == "full" else 0.0)
     if w.tp_async_backward and t > 1:
-        # The row-parallel linears' gradient collectives stay blocking (one each); the
-        # column-parallel ones' (one each, and SP's regathers) hide behind their GEMMs.
-        async_part = one + regather
+        # The row-parallel linears' gradient collectives stay blocking (half of each
+        # sublayer's); the column-parallel ones' (the other half, and SP's regathers) hide
+        # behind their GEMMs.
+        async_part = split / 2 * one + regather
         tp_bwd -= async_part - max(0.0, async_part - column_back)
-    # Each blocking collective (2 forward and 2 backward; SP: 4 and 4, the regather overlaps)
-    # ends a stretch of compute, and waits for the slowest rank of the group.
-    syncs = 4 if sp else 2
+    # Each blocking collective (1 forward and 1 backward per split sublayer; SP: 2 and 2, the
+    # regather overlaps) ends a stretch of compute, and waits for the slowest rank of the group.
+    syncs = (2 if sp else 1) * split
     bwd = back + redo
     tp_fwd += syncs * rank_skew(w, t, fwd / syncs)
     tp_bwd += syncs * rank_skew(w, t, bwd / syncs)
@@ -261,18 +279,27 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
     blk = block_costs(w, t, cp, b, sp, recompute, cp_method, cp_ulysses)
+    # An active model's MoE blocks (ModelSpec.moe) differ in their router and tp collectives.
+    moe_blk = (block_costs(w, t, cp, b, sp, recompute, cp_method, cp_ulysses, moe=True)
+               if spec.moe is not None else blk)
     keep = 1.0 - w.tp_overlap
 
-    def blocks_only(nl: int) -> ChunkCosts:
+    def blocks_only(nl: int, n_moe: int) -> ChunkCosts:
+        """`nl` blocks of which `n_moe` are MoE blocks."""
+        def total(cost: Callable[[BlockCosts], float]) -> float:
+            return (nl - n_moe) * cost(blk) + n_moe * cost(moe_blk)
+
         return ChunkCosts(
-            forward_compute=nl * blk.forward, recompute=nl * blk.recompute,
-            backward_compute=nl * (blk.backward + blk.recompute),
-            tp_forward=nl * blk.tp_forward * keep, tp_backward=nl * blk.tp_backward * keep,
-            tp_hidden=nl * (blk.tp_forward + blk.tp_backward) * w.tp_overlap,
-            cp_forward=nl * blk.cp_forward, cp_backward=nl * blk.cp_backward,
-            cp_hidden=nl * (blk.cp_total - blk.cp_forward - blk.cp_backward),
+            forward_compute=total(lambda k: k.forward), recompute=total(lambda k: k.recompute),
+            backward_compute=total(lambda k: k.backward + k.recompute),
+            tp_forward=total(lambda k: k.tp_forward) * keep,
+            tp_backward=total(lambda k: k.tp_backward) * keep,
+            tp_hidden=total(lambda k: k.tp_forward + k.tp_backward) * w.tp_overlap,
+            cp_forward=total(lambda k: k.cp_forward), cp_backward=total(lambda k: k.cp_backward),
+            cp_hidden=total(lambda k: k.cp_total - k.cp_forward - k.cp_backward),
             params=nl * spec.layer_params / t, tensors=nl * layer_tensors(spec),
-            act_bytes=nl * blk.act_bytes, work_bytes=blk.work_bytes)
+            act_bytes=total(lambda k: k.act_bytes),
+            work_bytes=max(blk.work_bytes, moe_blk.work_bytes))
 
     # Embedding on chunk 0 (a gather: memory-bound) and final norm, LM head and fp32 logits
     # for the loss on the last chunk (Korthikanti et al. §4.3).
@@ -318,16 +345,20 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
         ch.tensors += 2
         ch.act_bytes += held_logits + 2 * act / split
 
-    shared: dict[int, ChunkCosts] = {}
+    shared: dict[tuple[int, int], ChunkCosts] = {}  # by (blocks, MoE blocks)
     chunks = ChunkList()
+    start = 0  # the chunk's first block
     for c, nl in enumerate(sizes):
         first, last = c == 0, c == n_chunks - 1
+        n_moe = spec.moe.count(start, nl) if spec.moe is not None else 0
+        start += nl
         if not (first or last):
-            if nl not in shared:
-                shared[nl] = blocks_only(nl)
-            chunks.append(shared[nl])
+            if (nl, n_moe) not in shared:
+                shared[nl, n_moe] = blocks_only(nl, n_moe)
+            chunks.append(shared[nl, n_moe])
             continue
-        ch = blocks_only(nl)
+        ch = blocks_only(nl, n_moe)
+        blocks_act = ch.act_bytes
         if first:
             add_embedding(ch)
         if last:
@@ -336,13 +367,13 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
             units = engine.chunk_units(spec, t, n_chunks, c, nl, head_apart)
             ch.params = sum(n for n, _ in units)
             ch.tensors = sum(k for _, k in units)
-            ch.act_bytes = nl * blk.act_bytes + engine.chunk_saved_bytes(
+            ch.act_bytes = blocks_act + engine.chunk_saved_bytes(
                 spec, b, s, t, sp, e, first=first, last=last,
                 loss_chunk=w.loss_chunk_tokens if chunked else 0)
         chunks.append(ch)
     if tessera:
-        for nl, ch in shared.items():
+        for (nl, _), ch in shared.items():
             ch.params = nl * engine.block_numel(spec, t)
-    # The middle chunks are shared[nl] objects: one object iff one middle size.
+    # The middle chunks are shared[nl, n_moe] objects: one object iff one middle kind.
     chunks.uniform_middle = len(shared) <= 1
     return chunks

@@ -128,8 +128,18 @@ def layer_forward_flops(spec: ModelSpec, b: int, s: int, cp: int = 1) -> tuple[f
 
 def model_flops_per_step(spec: ModelSpec, B: int, s: int, convention: str = "full") -> float:
     """Model FLOPs per iteration: 3·(2·B·s·N_mm + 4·B·s²·l·h), N_mm with the LM head; the
-    causal convention (FLOP_CONVENTIONS) counts half the score products, 2·B·s²·l·h."""
-    mm = spec.layers * spec.layer_matmul_params + spec.vocab_size * spec.hidden
+    causal convention (FLOP_CONVENTIONS) counts half the score products, 2·B·s²·l·h. For an
+    active model N_mm is the mixture of experts' own (``ModelSpec.model_matmul_params``: k
+    experts, the shared one and the router per MoE block, as ``tessera.model.flops_per_token``
+    counts them)."""
+    return _flops_per_step(spec, B, s, spec.model_matmul_params, convention)
+
+
+def _flops_per_step(spec: ModelSpec, B: int, s: int, blocks_mm: float, convention: str
+                    ) -> float:
+    """3·(2·B·s·(blocks_mm + V·h) + 4·B·s²·l·h·share): forward and backward FLOPs of a step
+    whose blocks' matrix multiplies use `blocks_mm` weights per token."""
+    mm = blocks_mm + spec.vocab_size * spec.hidden
     attn = 4 * B * s * s * spec.layers * spec.hidden * _attention_share(convention)
     return 3 * (2 * B * s * mm + attn)
 
@@ -142,8 +152,16 @@ def _attention_share(convention: str) -> float:
 
 def hardware_flops_per_step(spec: ModelSpec, B: int, s: int, recompute: str,
                             convention: str = "full") -> float:
-    """Model FLOPs plus what recomputation repeats (eq. 3's 96 for full recomputation)."""
+    """Model FLOPs plus what recomputation repeats (eq. 3's 96 for full recomputation); an
+    active model's blocks as its ranks run them (``planner.moe.active_spec``'s width: tp×
+    the MoE MLPs where each tp rank holds them whole, with the router on each of them)."""
     mm_layer, attn = layer_forward_flops(spec, B, s)
     attn *= _attention_share(convention)
     extra = {"none": 0.0, "selective": attn, "full": mm_layer + attn}[recompute]
-    return model_flops_per_step(spec, B, s, convention) + spec.layers * extra
+    blocks_mm = spec.layers * spec.layer_matmul_params
+    if spec.moe is not None:
+        routers = spec.moe.whole_tp * spec.moe_blocks * spec.moe.experts * spec.hidden
+        blocks_mm += routers
+        if recompute == "full":
+            extra += 2 * B * s * routers / spec.layers
+    return _flops_per_step(spec, B, s, blocks_mm, convention) + spec.layers * extra

@@ -39,6 +39,29 @@ from tessera.presets import PRESETS
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEBlocks:
+    """The mixture-of-experts blocks of an active model (``planner.moe.active_spec``): what its
+    uniform dense blocks leave out, for the costs that differ by block kind."""
+
+    every: int
+    """Blocks every−1, 2·every−1, ... are MoE (``ModelConfig.is_moe_layer``)."""
+    experts: int
+    """E: the router's outputs, a GEMM of 2·E·h FLOPs per token forward."""
+    dense_ffn: int
+    """The dense blocks' MLP inner size f."""
+    moe_ffn: int
+    """The MLP width one token uses in an MoE block: k·f_e, plus the shared expert's f."""
+    whole_tp: int = 1
+    """The tensor-parallel degree whose ranks each hold every MoE block whole, without a
+    tensor-parallel collective for its MLP (``planner.moe.moe_tp``); 1: split over tp like a
+    dense MLP."""
+
+    def count(self, start: int, n: int) -> int:
+        """MoE blocks among blocks start, ..., start + n − 1."""
+        return (start + n) // self.every - start // self.every
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer's shape."""
 
@@ -69,6 +92,9 @@ class ModelSpec:
     """The LM head shares the input embedding matrix."""
     dropout: bool = True
     """Dropout layers (their masks are stored for backward)."""
+    moe: MoEBlocks | None = None
+    """An active model's MoE blocks (set by ``planner.moe.active_spec``, never read from a
+    model file); None for a dense model."""
 
     def __post_init__(self) -> None:
         for f in ("hidden", "layers", "heads", "vocab_size", "max_seq_len"):
@@ -117,6 +143,24 @@ class ModelSpec:
         bias = (h + 2 * self.kv_dim) + h + (self.mlp_matrices - 1) * f + h if self.bias else 0
         norms = 2 * (2 * h if self.norm == "layernorm" else h)
         return self.layer_matmul_params + bias + norms
+
+    @cached_property
+    def moe_blocks(self) -> int:
+        """Blocks that are MoE (``moe``); 0 for a dense model."""
+        return self.moe.count(0, self.layers) if self.moe else 0
+
+    @cached_property
+    def model_matmul_params(self) -> int:
+        """Weights one token's matrix multiplies use in all blocks: layers · layer_matmul_params,
+        or for an active model the model's own (dense blocks' MLPs of f, MoE blocks' k·f_e +
+        shared and the router's E·h), not the per-rank width ``active_spec`` prices."""
+        if self.moe is None:
+            return self.layers * self.layer_matmul_params
+        h, m, n_moe = self.hidden, self.moe, self.moe_blocks
+        attention = self.layer_matmul_params - self.mlp_matrices * h * self.ffn_hidden
+        return (self.layers * attention
+                + (self.layers - n_moe) * self.mlp_matrices * h * m.dense_ffn
+                + n_moe * (self.mlp_matrices * h * m.moe_ffn + m.experts * h))
 
     @cached_property
     def embedding_params(self) -> int:
@@ -299,7 +343,7 @@ def model_from_file(path: Path) -> ModelSpec:
         raise ConfigError("--model", str(path), f"cannot be parsed: {e}".splitlines()[0]) from None
     if not isinstance(raw, dict):
         raise ConfigError("--model", str(path), "must hold a table of fields")
-    spec_fields = {f.name for f in fields(ModelSpec)}
+    spec_fields = {f.name for f in fields(ModelSpec)} - {"moe"}
     table: Any = raw.get("model", raw)
     if isinstance(table, dict) and "hidden" in table and set(table) <= spec_fields:
         table = dict(table)

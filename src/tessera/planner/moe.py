@@ -9,8 +9,13 @@ priced here in two parts:
    tessera keeps MoE layers whole on every tp rank (``tessera.parallel.expert_parallel``), so
    for its engine (``Workload.tessera_engine``) the active model's MoE MLPs are tp× as wide
    (the dense estimate's 1/tp split then leaves each rank the whole k·f_e + f: tp× the expert
-   FLOPs, parameters and saved activations of a split); other engines' MoE is priced split
-   over tp like a dense MLP (:func:`moe_tp`);
+   FLOPs, parameters and saved activations of a split) and its MoE blocks carry attention's
+   tensor-parallel collectives only; other engines' MoE is priced split over tp like a dense
+   MLP, with its collectives (:func:`moe_tp`). The active model knows which blocks are MoE
+   (``ModelSpec.moe``): each chunk counts its own MoE blocks' router GEMM (2·E·h FLOPs per
+   token forward, twice that backward, on every tp rank) and collectives
+   (``compute.block_costs``); its model FLOPs (MFU) are the model's own, router included, as
+   ``tessera.model.flops_per_token`` counts them;
 2. **MoE terms** (:func:`moe_terms`), added on top:
 
    - expert memory: each rank holds E/ep experts of its stage's MoE layers whole, 3·h·f_e
@@ -19,8 +24,8 @@ priced here in two parts:
      model already counted (whole, or 1/tp of them split) are taken out (a rank with fewer than
      k experts holds less than the active model counted: the term is then negative); plus the
      router's E·h parameters per MoE layer, replicated over tp and ZeRO-sharded over dp·cp
-     like the dense ones (its 2·E·h FLOPs per token and its gradient's share of the dense
-     all-reduce are left out: E/(3·k·f_e) of the layer's);
+     like the dense ones (its gradient's share of the dense all-reduce is left out:
+     E/(3·k·f_e) of the layer's);
    - all-to-all: per MoE layer and micro-batch, four all-to-alls (dispatch and combine, forward
      and backward), each sending b·s·k·h activation bytes of which (ep−1)/ep leave the rank
      (balanced routing; dropless, or ≤ C·k with capacity C). Pairwise exchange: (ep−1)·α +
@@ -44,7 +49,7 @@ from typing import TYPE_CHECKING
 
 from tessera.config import Config, ModelConfig
 from tessera.planner.comm import allgather_time, allreduce_time, group_link
-from tessera.planner.models import ModelSpec
+from tessera.planner.models import ModelSpec, MoEBlocks
 from tessera.planner.workload import Layout, Workload
 
 if TYPE_CHECKING:
@@ -98,12 +103,18 @@ def active_spec(spec: ModelSpec, moe: MoESpec, tp: int = 1) -> ModelSpec:
     computes: MoE layers' MLPs k·f_e (+ shared) wide on each of `tp` ranks (``moe_tp``: held
     whole on each; 1: split over tp like the dense MLPs), averaged over the layers with the
     dense ones (the planner's blocks are uniform). Its ffn_hidden is tp × the rank's width, a
-    multiple of tp, so that the dense estimate's 1/tp split leaves each rank that width."""
+    multiple of tp, so that the dense estimate's 1/tp split leaves each rank that width. Its
+    ``moe`` (:class:`~tessera.planner.models.MoEBlocks`) says which blocks are MoE, for what
+    differs by block: their router GEMM and tensor-parallel collectives (``compute``), and the
+    model FLOPs (the model's own, not this per-rank width)."""
     moe_ffn = moe.top_k * moe.expert_hidden + moe.shared_hidden
     moe_layers = moe.moe_layers(spec.layers)
     per_rank = ((spec.layers - moe_layers) * spec.ffn_hidden / tp + moe_layers * moe_ffn
                 ) / spec.layers
-    return dataclasses.replace(spec, name=f"{spec.name} (active)", ffn_hidden=tp * round(per_rank))
+    blocks = MoEBlocks(every=moe.every, experts=moe.experts, dense_ffn=spec.ffn_hidden,
+                       moe_ffn=moe_ffn, whole_tp=tp)
+    return dataclasses.replace(spec, name=f"{spec.name} (active)", ffn_hidden=tp * round(per_rank),
+                               moe=blocks)
 
 
 @dataclass(frozen=True)
