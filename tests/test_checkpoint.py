@@ -24,8 +24,9 @@ from tessera.checkpoint import CheckpointError, latest, load_model, step_dir
 from tessera.cli import app
 from tessera.config_io import make_config
 from tessera.metrics import read_metrics
-from tessera.noise_scale import noise_scale_unsupported
+from tessera.noise_scale import NoiseScale, noise_scale_unsupported
 from tessera.testing import run_ranks
+from test_noise_scale import _strip_noise_state
 
 STEPS, EVERY = 6, 3
 
@@ -268,6 +269,7 @@ def test_inspect_and_export(saved, tmp_path):
     assert f"checkpoint {step_dir(saved, STEPS)}" in out and "step 6," in out
     assert "world_size=1" in out and "dp=1 tp=1 pp=1" in out
     assert "model.tok_embeddings.weight" in out and "optim.exp_avg_sq.norm.weight" in out
+    assert "\nnoise scale: not measured\n" in out  # dp 1 saves no averages
     result = CliRunner().invoke(app, ["checkpoint", "export", str(ckpt), "--to",
                                       str(tmp_path / "pt"), "--format", "torch"])
     assert result.exit_code == 0, result.output
@@ -285,6 +287,39 @@ def test_inspect_and_export(saved, tmp_path):
     (bad / "__0_0.distcp").write_bytes((bad / "__0_0.distcp").read_bytes()[:-1])
     assert f"checkpoint {bad / '__0_0.distcp'}: size or SHA-256 differs" in cli_error(
         ["checkpoint", "inspect", str(bad)])
+
+
+def test_inspect_shows_the_saved_noise_scale(saved, tmp_path):
+    """`checkpoint inspect` gives B_simple and both averages as training computes them from the
+    saved state (``NoiseScale``, bias-corrected: decay 0.9 over 3 steps divides each average
+    by 0.271), the record of the step it was saved at; a state without a positive |G|^2
+    average, one saved before the averages were, and a malformed one (refused, with its
+    path)."""
+    def inspect(ckpt: Path) -> list[str]:
+        result = CliRunner().invoke(app, ["checkpoint", "inspect", str(ckpt)])
+        assert result.exit_code == 0, result.output
+        return [ln for ln in result.output.splitlines() if ln.startswith("noise scale:")]
+
+    ckpt = step_dir(saved, EVERY)
+    noise = NoiseScale(decay=0.9)
+    last = [noise.update(s, b, 4, 16) for s, b in ((1.5, 1.125), (3.1, 2.2), (2.0, 1.3))][-1]
+    _strip_noise_state(ckpt, tmp_path / "measured", noise.state_dict())
+    assert inspect(tmp_path / "measured") == [
+        f"noise scale: B_simple ≈ {last['noise_scale']:.4g} sequences after 3 measured steps "
+        f"(averages |G|^2 {last['grad_sq_est']:.4g}, tr(Σ) {last['grad_trace_est']:.4g}, "
+        f"decay 0.9)"]
+    negative = NoiseScale()
+    g_sq = negative.update(1.0, 0.1, 1, 2)["grad_sq_est"]
+    _strip_noise_state(ckpt, tmp_path / "negative", negative.state_dict())
+    assert inspect(tmp_path / "negative") == [
+        f"noise scale: B_simple undefined after 1 measured step (the |G|^2 average, "
+        f"{g_sq:.4g}, is not positive)"]
+    _strip_noise_state(ckpt, tmp_path / "older")
+    assert inspect(tmp_path / "older") == [
+        "noise scale: not saved (the checkpoint predates the saved moving averages)"]
+    _strip_noise_state(ckpt, tmp_path / "bad", {"decay": 0.9})
+    assert cli_error(["checkpoint", "inspect", str(tmp_path / "bad")]).startswith(
+        f"error: checkpoint {tmp_path / 'bad' / 'extra.json'}: malformed noise-scale state")
 
 
 def _sync_and_async(data: str, root: str) -> None:

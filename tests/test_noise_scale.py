@@ -427,16 +427,23 @@ def _ckpt_cfg(data: str, out, dp: int, parallel: dict | None = None, **train: An
                                   checkpoint_interval=SAVED_AT, keep_checkpoints=0) | train)
 
 
-def _strip_noise_state(src, dst) -> None:
+_DROP = object()
+
+
+def _strip_noise_state(src, dst, state: Any = _DROP) -> None:
     """A copy of checkpoint `src` as written before the noise scale was saved: extra.json
-    without ``noise_scale``, the manifest's size and checksum of it updated."""
+    without ``noise_scale`` (or, given `state`, with it set to that), the manifest's size and
+    checksum of it updated."""
     import shutil
 
     from tessera.checkpoint_manifest import _sha256
 
     shutil.copytree(src, dst)
     extra = json.loads((dst / "extra.json").read_text())
-    del extra["noise_scale"]
+    if state is _DROP:
+        del extra["noise_scale"]
+    else:
+        extra["noise_scale"] = state
     (dst / "extra.json").write_text(json.dumps(extra, indent=1))
     meta = json.loads((dst / "meta.json").read_text())
     meta["files"]["extra.json"] = {"sha256": _sha256(dst / "extra.json"),
@@ -499,6 +506,12 @@ def test_resume_continues_the_moving_averages(tiny_data, tmp_path):
     assert _saved_noise(tmp_path / "a", SAVED_AT)["steps"] == SAVED_AT
     assert _saved_noise(tmp_path / "b") == _saved_noise(tmp_path / "a")
     assert not [ln for ln in printed["b"].splitlines() if ln.startswith("noise scale:")]
+    # `checkpoint inspect` states the last record's B_simple from the saved averages.
+    from tessera.checkpoint import describe, step_dir
+
+    shown = describe(step_dir(tmp_path / "a" / "checkpoints", RESUME_STEPS))
+    assert (f"noise scale: B_simple ≈ {a[RESUME_STEPS]['noise_scale']:.4g} sequences after "
+            f"{RESUME_STEPS} measured steps") in "\n".join(shown)
 
     # The older checkpoint: step 4's raw estimate, recovered from a's averages at steps 3
     # and 4 (avg_k·(1 − d^k) = d·avg_{k−1}·(1 − d^(k−1)) + (1 − d)·raw_k).
@@ -518,10 +531,10 @@ def test_resume_continues_the_moving_averages(tiny_data, tmp_path):
     assert all(r["grad_sq_est"] is not None for r in _noise_rows(tmp_path / "zero2").values())
 
     # dp 1 cannot measure: no noise-scale records, and its checkpoints hold no averages.
-    from tessera.checkpoint import step_dir
-
     run(_ckpt_cfg(tiny_data, tmp_path / "dp1", 1, grad_accum=2,
                   resume=str(step_dir(tmp_path / "a" / "checkpoints", SAVED_AT))),
         progress=False)
     assert all(v is None for r in _noise_rows(tmp_path / "dp1").values() for v in r.values())
     assert _saved_noise(tmp_path / "dp1") is None
+    assert "noise scale: not measured" in describe(
+        step_dir(tmp_path / "dp1" / "checkpoints", RESUME_STEPS))

@@ -3,6 +3,7 @@ cheapest plan follows the critical batch (McCandlish et al. 2018)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import lru_cache
 
@@ -24,6 +25,7 @@ from tessera.planner.critical_batch import (
 )
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
+from tessera.planner.search import SearchSpace, enumerate_layouts, search
 from tessera.planner.workload import Layout, Workload
 
 A100 = load_hardware("A100-80GB")
@@ -90,11 +92,39 @@ def test_families_and_grid():
         "breadth-first + ZeRO-3")
     assert family(Layout(pp=4, schedule="interleaved-lean", virtual_stages=2)) == "interleaved"
     assert family(Layout(pp=4, schedule="gpipe")) is None
+    assert family(Layout(pp=4, schedule="zb-h1")) == "zero-bubble"
+    assert family(Layout(dp=2, pp=4, zero_stage=2, schedule="zb-v", virtual_stages=2)) == (
+        "zero-bubble")
+    assert family(Layout(dp=2, pp=4, zero_stage=1, schedule="dualpipev", virtual_stages=2)) == (
+        "zero-bubble")
+    # tessera refuses ZeRO-3 with a split backward: no such layout joins any family.
+    assert family(Layout(dp=2, pp=4, zero_stage=3, schedule="dualpipev", virtual_stages=2)) is None
     assert gpu_counts(64) == [2, 4, 8, 16, 32, 64]
     assert gpu_counts(24) == [1, 2, 4, 8, 16, 24]
     plan = small_plan()
     assert {(p.gpus, p.batch) for p in plan.points} >= {(4, 1), (32, 512), (8, 32)}
     assert all(p.best.layout.gpus == p.gpus for p in plan.points)
+
+
+def test_zero_bubble_family_holds_split_backward_schedules_without_zero3():
+    """The zero-bubble family is the best of zb-h1 / zb-v / dualpipev at each grid point, never
+    under ZeRO-3, and no other family holds a split-backward schedule."""
+    split = {"zb-h1", "zb-v", "dualpipev"}
+    plan = small_plan()
+    zb = [p for p in plan.points if p.family == "zero-bubble"]
+    assert zb and {p.best.layout.schedule for p in zb} <= split
+    assert all(p.best.layout.zero_stage < 3 and p.best.layout.pp > 1 for p in zb)
+    others = [p for p in plan.points if p.family != "zero-bubble"]
+    assert not {p.best.layout.schedule for p in others} & split
+    assert plan.frontier("zero-bubble")
+    # The point is the fastest of every pipelined split-backward layout below ZeRO-3 there.
+    p = next(q for q in zb if (q.gpus, q.batch) == (8, 32))
+    w = dataclasses.replace(plan.workload, gpus=p.gpus, global_batch=p.batch)
+    layouts = [L for L in enumerate_layouts(w, SearchSpace())
+               if L.schedule in split and L.pp > 1 and L.zero_stage < 3]
+    assert {L.schedule for L in layouts} == split
+    alone = search(w, SearchSpace(), top=1, layouts=layouts).best
+    assert p.best.step_time == pytest.approx(alone.step_time, rel=1e-12)
 
 
 def test_small_critical_batch_moves_the_cheapest_plan_to_fewer_gpus_and_smaller_batch():
@@ -166,6 +196,9 @@ def test_cli_critical_batch_json_and_errors():
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["critical_batch"] == 64 and "Cheapest" in out["explain"]
+    assert "Zero-bubble (zb-h1, zb-v, dualpipev) is priced without ZeRO-3 only" in out["explain"]
+    zb = out["frontier"]["zero-bubble"]
+    assert zb and all(p["family"] == "zero-bubble" and "zero=3" not in p["layout"] for p in zb)
     rows = [p for p in out["points"] if p["global_batch"] == 32]
     assert rows and all(p["lr_scale"] == 2.0 for p in rows)
     assert {p["gpus"] for p in out["points"]} == {4, 8}

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from tessera.checkpoint_manifest import EXTRA, META, CheckpointError, find, read_manifest
 from tessera.config import ModelConfig
+from tessera.noise_scale import NoiseScale
 from tessera.sharded_state import Piece
 
 
@@ -217,10 +218,34 @@ def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
     return model_cfg, {k: state[k] for k in order}, path
 
 
+def noise_scale_line(path: Path, extra: dict[str, Any]) -> str:
+    """One line on the gradient noise scale's moving averages in `extra` (extra.json of
+    checkpoint `path`): B_simple as training computes it from them
+    (``tessera.noise_scale.NoiseScale.estimate``, bias-corrected), or why there is none."""
+    if "noise_scale" not in extra:
+        return "noise scale: not saved (the checkpoint predates the saved moving averages)"
+    if extra["noise_scale"] is None:
+        return "noise scale: not measured"
+    noise = NoiseScale()
+    try:
+        noise.load_state_dict(extra["noise_scale"])
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path / EXTRA}: {e}") from None
+    if noise.steps == 0:
+        return "noise scale: no step measured yet"
+    g_sq, trace, scale = noise.estimate()
+    steps = f"{noise.steps} measured step{'s' if noise.steps != 1 else ''}"
+    if scale is None:
+        return (f"noise scale: B_simple undefined after {steps} (the |G|^2 average, "
+                f"{g_sq:.4g}, is not positive)")
+    return (f"noise scale: B_simple ≈ {scale:.4g} sequences after {steps} (averages |G|^2 "
+            f"{g_sq:.4g}, tr(Σ) {trace:.4g}, decay {noise.decay:g})")
+
+
 def describe(path: str | Path) -> list[str]:
-    """`tessera checkpoint inspect`: the run id and config hash, step, layout, model, and every
-    tensor with its global shape, dtype, number of saved boxes and bytes; files checked
-    first."""
+    """`tessera checkpoint inspect`: the run id and config hash, step, layout, model, the
+    gradient noise scale's saved averages (:func:`noise_scale_line`), and every tensor with its
+    global shape, dtype, number of saved boxes and bytes; files checked first."""
     path = find(path)
     meta = read_manifest(path)
     extra = json.loads((path / EXTRA).read_text())
@@ -233,6 +258,7 @@ def describe(path: str | Path) -> list[str]:
              f"{extra['global_batch']}), lr {extra['scheduler']['lr'][0]:.3g}",
              "written by: " + " ".join(f"{k}={v}" for k, v in layout.items()),
              "model: " + " ".join(f"{k}={v}" for k, v in meta["model"].items()),
+             noise_scale_line(path, extra),
              f"files: {len(meta['files'])}, "
              f"{sum(f['bytes'] for f in meta['files'].values()):,} bytes"]
     totals: dict[str, int] = {}

@@ -95,12 +95,20 @@ class NoiseScale:
         self.steps += 1
         self._g_sq = self.decay * self._g_sq + (1 - self.decay) * g_sq
         self._trace = self.decay * self._trace + (1 - self.decay) * trace
-        correction = 1 - self.decay ** self.steps
-        g_avg, trace_avg = self._g_sq / correction, self._trace / correction
-        scale = trace_avg / g_avg if g_avg > 0 else None
+        g_avg, trace_avg, scale = self.estimate()
         return {"noise_scale": scale,
                 "noise_scale_tokens": scale * seq_len if scale is not None else None,
                 "grad_sq_est": g_avg, "grad_trace_est": trace_avg}
+
+    def estimate(self) -> tuple[float, float, float | None]:
+        """(|G|², tr Σ, B_simple in sequences) from the averages so far, each average divided
+        by 1 − decay^steps; B_simple is None while the |G|² average is not positive. Needs at
+        least one step (:meth:`update`, or a state loaded from a checkpoint)."""
+        if self.steps < 1:
+            raise ValueError("no step averaged yet")
+        correction = 1 - self.decay ** self.steps
+        g_avg, trace_avg = self._g_sq / correction, self._trace / correction
+        return g_avg, trace_avg, trace_avg / g_avg if g_avg > 0 else None
 
     def state_dict(self) -> dict[str, float | int]:
         """What the next update depends on, as plain numbers (a checkpoint's ``extra.json``):

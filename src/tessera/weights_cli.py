@@ -110,8 +110,9 @@ def checkpoint_inspect_cmd(
     path: Annotated[str, typer.Argument(help="A checkpoint step directory, a checkpoint root "
                                               "or a run's --out (its newest).")],
 ) -> None:
-    """Step, the layout that wrote it, the model, and every tensor (global shape, dtype, boxes
-    saved, bytes). Reads no tensor data; checks every file's checksum first."""
+    """Step, the layout that wrote it, the model, the gradient noise scale from the saved moving
+    averages, and every tensor (global shape, dtype, boxes saved, bytes). Reads no tensor data;
+    checks every file's checksum first."""
     from tessera.checkpoint import describe
 
     lines = describe(path)

@@ -31,15 +31,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.errors import ConfigError, UserError
+from tessera.layout import check_split_backward
+from tessera.pipeline.schedules import SCHEDULES
 from tessera.planner.estimate import Estimate, PlanError
 from tessera.planner.search import SearchSpace, enumerate_layouts, search
 from tessera.planner.workload import Layout, Workload
 
 FAMILIES = ("1F1B", "1F1B + ZeRO-3", "interleaved", "interleaved + ZeRO-3", "breadth-first",
-            "breadth-first + ZeRO-3")
-"""Schedule families of the frontier; a layout without a pipeline (pp = v = 1) counts as 1F1B."""
+            "breadth-first + ZeRO-3", "zero-bubble")
+"""Schedule families of the frontier; a layout without a pipeline (pp = v = 1) counts as 1F1B.
+Zero-bubble has no ZeRO-3 variant: tessera refuses ZeRO-3 with a split backward."""
+ZERO_BUBBLE = tuple(name for name, spec in SCHEDULES.items() if spec.split_backward)
+"""The schedules of the zero-bubble family: those that split each backward into I and W
+(zb-h1, zb-v, dualpipev)."""
 SCHEDULE_FAMILY = {"1f1b": "1F1B", "interleaved": "interleaved",
-                   "interleaved-lean": "interleaved", "bfs": "breadth-first"}
+                   "interleaved-lean": "interleaved", "bfs": "breadth-first"} | {
+                       name: "zero-bubble" for name in ZERO_BUBBLE}
 DEFAULT_BETAS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """Sequences per GPU tried at every GPU count (B = β·N must be a whole number)."""
 MAX_GPU_COUNTS = 6
@@ -56,10 +63,17 @@ def samples_needed(tokens: float, seq_len: int, batch: int, b_crit: float) -> fl
 
 
 def family(L: Layout) -> str | None:
-    """The frontier family of layout `L` (None: a schedule outside the three families)."""
+    """The frontier family of layout `L` (None: a schedule outside the families, or a
+    zero-bubble schedule under ZeRO-3, which ``layout.check_split_backward`` refuses)."""
     name = "1F1B" if L.pp * L.virtual_stages == 1 else SCHEDULE_FAMILY.get(L.schedule)
     if name is None:
         return None
+    if name == "zero-bubble":
+        try:
+            check_split_backward(L.zero_stage, L.schedule, True)
+        except ConfigError:
+            return None
+        return name
     return f"{name} + ZeRO-3" if L.zero_stage == 3 else name
 
 

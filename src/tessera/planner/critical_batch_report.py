@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.pipeline.timeline import save_figure
-from tessera.planner.critical_batch import FAMILIES, CriticalBatchPlan, Point
+from tessera.planner.critical_batch import FAMILIES, ZERO_BUBBLE, CriticalBatchPlan, Point
 from tessera.planner.report import human_count
 
 HEAD = (f"{'family':<22} {'GPUs':>5} {'batch':>6} {'β':>6} {'MFU':>6} {'step s':>8} "
@@ -20,8 +20,8 @@ def describe(plan: CriticalBatchPlan) -> str:
             f"{w.hardware.name}, sequence {w.seq_len}, {human_count(plan.tokens)} tokens at "
             f"small batch, critical batch {plan.b_crit:.4g} sequences\n"
             f"samples needed = T/s x (1 + B/B_crit); cost = GPU-hours; no pipeline counts as "
-            f"1F1B; a row is on its "
-            f"family's time/cost frontier (* : on the frontier of all families)")
+            f"1F1B; zero-bubble = the best of {', '.join(ZERO_BUBBLE)}, without ZeRO-3; a row "
+            f"is on its family's time/cost frontier (* : on the frontier of all families)")
 
 
 def _row(plan: CriticalBatchPlan, p: Point, overall: set[int]) -> str:
@@ -63,6 +63,9 @@ def explain(plan: CriticalBatchPlan) -> str:
         f"GPU-hours ({fast.gpu_hours / cheap.gpu_hours:.3g}x the cheapest's cost, "
         f"{cheap.hours / fast.hours:.3g}x faster).",
     ]
+    lines.append(f"Zero-bubble ({', '.join(ZERO_BUBBLE)}) is priced without ZeRO-3 only: "
+                 f"tessera refuses ZeRO-3 with a schedule that splits its backward into I and "
+                 f"W (every unit would stay gathered from I to W).")
     small = [p for p in plan.frontier() if p.beta <= 1]
     if small:
         fam = {p.family for p in small}
@@ -106,7 +109,8 @@ def to_json(plan: CriticalBatchPlan) -> dict[str, Any]:
 STYLE = {"1F1B": ("tab:blue", "o", "-"), "1F1B + ZeRO-3": ("tab:blue", "o", "--"),
          "interleaved": ("tab:orange", "s", "-"), "interleaved + ZeRO-3": ("tab:orange", "s", "--"),
          "breadth-first": ("tab:green", "^", "-"),
-         "breadth-first + ZeRO-3": ("tab:green", "^", "--")}
+         "breadth-first + ZeRO-3": ("tab:green", "^", "--"),
+         "zero-bubble": ("tab:red", "D", "-")}
 
 
 def plot(plan: CriticalBatchPlan, path: str | Path) -> Path:
