@@ -93,3 +93,13 @@ def add_sums_of_squares(acc: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     pieces = [p for t in tensors for p in t.reshape(-1).split(SQUARES_PIECE)]
     if pieces:
         acc += torch.stack(torch._foreach_norm(pieces, 2.0, dtype=torch.float64)).pow(2).sum()
+
+
+def scale_all_(tensors: list[torch.Tensor], factor: float) -> None:
+    """Multiply every tensor in `tensors` by `factor` in place, as one multi-tensor op
+    (``torch._foreach_mul_``), each element exactly as ``t.mul_(factor)`` computes it: the
+    factor is passed as a 0-dim fp64 host tensor, which the op applies at the tensors' compute
+    precision (fp32 for bf16), where a Python float would first be rounded to the tensors'
+    dtype by torch's CPU kernel (bf16: a different product)."""
+    if tensors:
+        torch._foreach_mul_(tensors, torch.tensor(factor, dtype=torch.float64))

@@ -15,7 +15,7 @@ from torch import nn
 
 from tessera.config import Config, TrainConfig
 from tessera.model import Transformer
-from tessera.optim import adamw, add_sums_of_squares
+from tessera.optim import adamw, add_sums_of_squares, scale_all_
 from tessera.parallel.context_parallel import CPContext
 from tessera.parallel.expert_parallel import (
     EPContext,
@@ -29,7 +29,7 @@ from tessera.parallel.tensor_parallel import (
     sum_partial_pieces,
     sync_partial_grads,
 )
-from tessera.parallel.zero import ZeroModel
+from tessera.parallel.zero import ZeroModel, publish_unit_parameters, scale_unit_grads
 from tessera.parallel.zero_state import (
     ShardedAdamW,
     gather_owned,
@@ -131,8 +131,7 @@ class ParallelModel:
 
     def after_parameters_loaded(self) -> None:
         """parameters() were overwritten (a checkpoint): refresh what derives from them."""
-        for z in self.zeros:
-            z.publish_parameters()
+        publish_unit_parameters(self.zeros)
 
     # -- gradient ownership --------------------------------------------------------------------
     def _owned(self, c: int, name: str) -> bool:
@@ -232,13 +231,14 @@ class ParallelModel:
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
+        """Multiply every gradient this rank holds by `factor` (the clipping) with one
+        multi-tensor op: the units' buffers where ZeRO's flat units hold them, else each
+        parameter's gradient where it has one."""
         if self.sharded:
-            for z in self.zeros:
-                z.scale_grads(factor)
+            scale_unit_grads(self.zeros, factor)
             return
-        for _, _, p in self.named_chunk_parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        scale_all_([p.grad for _, _, p in self.named_chunk_parameters() if p.grad is not None],
+                   factor)
 
     # -- after the data-parallel reduction -----------------------------------------------------
     @torch.no_grad()

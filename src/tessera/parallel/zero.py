@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ from torch import nn
 
 from tessera.collectives.algorithms import all_gather_single, reduce_scatter_single
 from tessera.model import Transformer
-from tessera.optim import add_sums_of_squares
+from tessera.optim import add_sums_of_squares, scale_all_
 from tessera.parallel.comm_timing import CommLog
 from tessera.parallel.zero_units import FlatUnit, Slot, transformer_units
 
@@ -415,14 +415,9 @@ class ZeroModel(nn.Module):
                 *(buf for _, _, buf in self._reduces)]
 
     # -- around the optimizer ------------------------------------------------------------------
-    @torch.no_grad()
     def zero_grad(self) -> None:
-        for u in self.units:
-            if self.stage < 2:
-                u.grad.zero_()
-            else:
-                u.grad_fresh = True
-                u.grad.zero_()
+        """Zero the units' gradient buffers (``zero_unit_grads``)."""
+        zero_unit_grads([self])
 
     @torch.no_grad()
     def local_grad_sq(self) -> torch.Tensor:
@@ -431,20 +426,57 @@ class ZeroModel(nn.Module):
         add_sums_of_squares(sq, [u.dp_grad_slice() for u in self.units])
         return sq
 
-    @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
-        for u in self.units:
-            u.grad.mul_(factor)
+        """Multiply the units' gradient buffers by `factor` (``scale_unit_grads``)."""
+        scale_unit_grads([self], factor)
 
-    @torch.no_grad()
     def publish_parameters(self) -> None:
-        """Make the compute parameters equal the (just stepped) fp32 masters on every rank."""
-        works = []
-        for u in self.units:
-            target = u.shard if self.stage == 3 else u.full[u.own_lo:u.own_hi]
+        """Make the compute parameters equal the fp32 masters (``publish_unit_parameters``)."""
+        publish_unit_parameters([self])
+
+
+# ---------------------------------------------------------------------------------------------
+# Around the optimizer: every unit of a rank's ZeroModels (its pipeline chunks) at once, each
+# elementwise op one multi-tensor op (one dispatched op; on a GPU a few launches per list).
+
+
+@torch.no_grad()
+def zero_unit_grads(zeros: Sequence[ZeroModel]) -> None:
+    """Zero the gradient buffers of every unit of `zeros` (reused, never set to None) with one
+    ``torch._foreach_zero_``; at stages 2-3 each buffer is marked as holding nothing of the
+    step yet."""
+    units = [u for z in zeros for u in z.units]
+    for z in zeros:
+        if z.stage >= 2:
+            for u in z.units:
+                u.grad_fresh = True
+    if units:
+        torch._foreach_zero_([u.grad for u in units])
+
+
+@torch.no_grad()
+def scale_unit_grads(zeros: Sequence[ZeroModel], factor: float) -> None:
+    """Multiply the gradient buffer of every unit of `zeros` by `factor` (the clipping) with
+    one multi-tensor op (``optim.scale_all_``: per element each buffer's ``mul_``)."""
+    scale_all_([u.grad for z in zeros for u in z.units], factor)
+
+
+@torch.no_grad()
+def publish_unit_parameters(zeros: Sequence[ZeroModel]) -> None:
+    """Make the compute parameters equal the (just stepped) fp32 masters on every rank: the
+    masters that are not the parameters themselves (bf16: every one) copied and cast into
+    their owned range of the parameters by one ``torch._foreach_copy_`` (the same rounding as
+    ``copy_``), then, at stages 1-2, each unit all-gathered from its shards."""
+    targets, masters = [], []
+    for z in zeros:
+        for u in z.units:
+            target = u.shard if z.stage == 3 else u.full[u.own_lo:u.own_hi]
             if target.data_ptr() != u.master.data_ptr():
-                target.copy_(u.master)
-            if self.stage in (1, 2):
-                works.append(all_gather_single(u.full, u.shard, group=u.group, async_op=True))
-        for w in works:
-            w.wait()
+                targets.append(target)
+                masters.append(u.master)
+    if targets:
+        torch._foreach_copy_(targets, masters)
+    works = [all_gather_single(u.full, u.shard, group=u.group, async_op=True)
+             for z in zeros if z.stage in (1, 2) for u in z.units]
+    for w in works:
+        w.wait()

@@ -8,8 +8,9 @@ Each op of the update runs once over a list of units' tensors (``torch._foreach_
 decay over every decayed range, lerp, mul, addcmul, sqrt, div, add, addcdiv), the units grouped
 by at most 2²⁶ owned elements (``tessera.parallel.update_batches``, which bounds the update's
 temporaries), so a GPU launches a handful of multi-tensor kernels per group; in bf16 each
-unit's gradient is cast up to fp32 first. After the step it asks the ``ZeroModel`` to publish
-the new weights (cast, and all-gather at stages 1-2).
+unit's gradient is cast up to fp32 first. After the step the ``ZeroModel``s publish the new
+weights (``zero.publish_unit_parameters``: one multi-tensor cast copy, and all-gathers at
+stages 1-2).
 
 Memory accounting follows the ZeRO paper (Rajbhandari et al. 2020, section 3 and figure 1): with
 mixed precision a parameter costs 2 bytes (bf16 weight) + 2 (bf16 gradient) + K = 12 (fp32
@@ -36,7 +37,7 @@ import torch
 from tessera.collectives.algorithms import all_gather_single
 from tessera.config import TrainConfig
 from tessera.parallel.update_batches import update_batches
-from tessera.parallel.zero import ZeroModel
+from tessera.parallel.zero import ZeroModel, publish_unit_parameters, zero_unit_grads
 from tessera.parallel.zero_units import FlatUnit
 
 
@@ -64,16 +65,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         return self.zeros[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the units' gradient buffers (they are reused, never set to None)."""
-        for z in self.zeros:
-            z.zero_grad()
+        """Zero the units' gradient buffers (they are reused, never set to None): one
+        multi-tensor op over the units of every model (``zero.zero_unit_grads``)."""
+        zero_unit_grads(self.zeros)
 
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step of every unit: the units whose step counts agree (all of them, in
         training) are updated together by multi-tensor ops (``torch._foreach_*``), one op per
         list of tensors, in groups of at most ``UPDATE_BATCH_ELEMENTS`` owned elements
-        (``tessera.parallel.update_batches``), then each model publishes its parameters."""
+        (``tessera.parallel.update_batches``), then the models publish their parameters
+        (``zero.publish_unit_parameters``: one multi-tensor copy of the masters)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -87,8 +89,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             for step, units in by_step.items():
                 for batch in update_batches([u.master.numel() for u in units]):
                     self._update([units[i] for i in batch], float(step), group)
-        for z in self.zeros:
-            z.publish_parameters()
+        publish_unit_parameters(self.zeros)
         return loss
 
     def _update(self, units: list[FlatUnit], step: float, group: dict) -> None:

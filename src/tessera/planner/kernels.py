@@ -46,17 +46,20 @@ GPU (``tessera.optim.adamw_implementation``):
 =================  ==================================  =========================================
 part               flat units                          per-parameter (fused AdamW)
 =================  ==================================  =========================================
-zero_grad          U fills (buffers reused)            0 (gradients set to None)
+zero_grad          1: ``_foreach_zero_`` over every    0 (gradients set to None)
+                   unit's buffer (buffers reused)
 global norm        8: zeros, one ``_foreach_norm``,    10: the same and the expert sum's zeros
                    stack, pow, sum, add_, sqrt, the    and add
                    host's read of the norm
-clipping           U multiplies                        N multiplies
+clipping           1: ``_foreach_mul_`` over the       1: ``_foreach_mul_`` over the gradients
+                   units' buffers
 AdamW              per group of units, 7 multi-tensor  2 per param group (decayed matrices,
                    ops (lerp_, mul_, addcmul_, sqrt,   undecayed gains): the steps' foreach add
                    div_, add_, addcdiv_) + one mul_    and ``_fused_adamw_``
                    over its decayed ranges
-bf16               U · 2: the gradient cast up, the    (bf16 always runs on flat units)
-                   master copied into the parameters
+bf16               U + 1: each unit's gradient cast    (bf16 always runs on flat units)
+                   up, one ``_foreach_copy_`` of the
+                   masters into the parameters
 =================  ==================================  =========================================
 
 The norm's read of the result synchronizes the host with the device, so the step's update
@@ -168,8 +171,9 @@ def launch_floor(launch_us: float, count: int) -> float:
     return count * launch_us * 1e-6
 
 
-FLAT_UNIT_OPS = 1 + 1
-"""Per flat unit and step: its gradient buffer zeroed and clipped."""
+FLAT_STEP_OPS = 1 + 1
+"""Per rank and step on flat units: one multi-tensor op zeroing every unit's gradient buffer,
+one clipping them (``tessera.parallel.zero``)."""
 FLAT_ADAMW_OPS = 7
 """ShardedAdamW's multi-tensor ops per group of units (``tessera.parallel.update_batches``):
 lerp_, mul_, addcmul_, sqrt, div_, add_, addcdiv_ (one launch each on a GPU, modelled; module
@@ -177,24 +181,27 @@ doc)."""
 FLAT_DECAY_OPS = 1
 """ShardedAdamW's weight decay: one multi-tensor mul_ per group holding decayed ranges."""
 PARAMETER_OPS = 1
-"""Per parameter tensor and step (fused AdamW): its clipping."""
+"""Per rank and step (fused AdamW): one multi-tensor op clipping every parameter's gradient."""
 NORM_OPS = {True: 8, False: 10}
 """The global norm's kernels on flat units (True) and on parameters (False) (module doc)."""
 FUSED_ADAMW_OPS = 2 * 2
 """Two param groups, each a foreach add of its step counts and one ``_fused_adamw_``."""
-BF16_UNIT_CASTS = 2
-"""bf16: each unit's gradient cast up for the update, its master copied into the parameters."""
+BF16_UNIT_CASTS = 1
+"""bf16, per unit: its gradient cast up to fp32 for the update."""
+BF16_PUBLISH_OPS = 1
+"""bf16, per rank: one multi-tensor copy casting every unit's master into the parameters."""
 
 
 def step_kernels(tensors: int, *, flat: bool, precision: str, groups: int = 1,
                  decayed_groups: int = 0) -> int:
     """Kernels of one rank's step outside the forward and backward: zeroing the gradients, the
     global norm, clipping and AdamW (module doc's second table), a multi-tensor op counted once.
-    `tensors`: the flat units (`flat`) or the parameter tensors the rank's optimizer steps;
+    `tensors`: the flat units (`flat`: in bf16 each casts its gradient up) or the parameter
+    tensors the rank's optimizer steps (no per-tensor op: their clipping is one multi-tensor op);
     `groups`: the flat units' update groups (``tessera.parallel.update_batches``), of which
     `decayed_groups` hold weight-decayed ranges (one multi-tensor mul_ decays each)."""
     if not flat:
-        return tensors * PARAMETER_OPS + NORM_OPS[False] + FUSED_ADAMW_OPS
-    casts = BF16_UNIT_CASTS if precision == "bf16" else 0
-    return (tensors * (FLAT_UNIT_OPS + casts) + groups * FLAT_ADAMW_OPS
-            + decayed_groups * FLAT_DECAY_OPS + NORM_OPS[True])
+        return PARAMETER_OPS + NORM_OPS[False] + FUSED_ADAMW_OPS
+    casts = tensors * BF16_UNIT_CASTS + BF16_PUBLISH_OPS if precision == "bf16" else 0
+    return (FLAT_STEP_OPS + casts + groups * FLAT_ADAMW_OPS + decayed_groups * FLAT_DECAY_OPS
+            + NORM_OPS[True])
