@@ -426,14 +426,6 @@ class ZeroModel(nn.Module):
         add_sums_of_squares(sq, [u.dp_grad_slice() for u in self.units])
         return sq
 
-    def scale_grads(self, factor: float) -> None:
-        """Multiply the units' gradient buffers by `factor` (``scale_unit_grads``)."""
-        scale_unit_grads([self], factor)
-
-    def publish_parameters(self) -> None:
-        """Make the compute parameters equal the fp32 masters (``publish_unit_parameters``)."""
-        publish_unit_parameters([self])
-
 
 # ---------------------------------------------------------------------------------------------
 # Around the optimizer: every unit of a rank's ZeroModels (its pipeline chunks) at once, each
