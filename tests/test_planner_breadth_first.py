@@ -27,14 +27,14 @@ from functools import lru_cache
 
 from tessera.planner.estimate import Estimate, estimate, pipeline_comm_exposed
 from tessera.planner.hardware import load_hardware
-from tessera.planner.models import gpt
+from tessera.planner.models import CATALOG
 from tessera.planner.pipeline import build
 from tessera.planner.search import SearchSpace, search
 from tessera.planner.workload import Layout, Workload
 
 V100 = load_hardware("V100")
-GPT_52B = gpt("gpt-52b", 8192, 64, 64)
-GPT_6_6B = gpt("gpt-6.6b", 4096, 32, 32)
+GPT_52B = CATALOG["gpt-52b"]
+GPT_6_6B = CATALOG["gpt-6.6b"]
 DEPTH_FIRST = ("interleaved", "interleaved-lean")
 
 

@@ -36,7 +36,7 @@ from tessera.planner.formulas import (
     zero_model_state_bytes,
 )
 from tessera.planner.hardware import load_hardware
-from tessera.planner.models import KORTHIKANTI_RUNS, gpt, load_model
+from tessera.planner.models import CATALOG, KORTHIKANTI_RUNS, gpt, load_model
 from tessera.planner.search import SearchSpace, search
 from tessera.planner.workload import Layout, Workload
 
@@ -326,7 +326,7 @@ def test_breadth_first_overlaps_zero3_with_the_loop():
     from tessera.pipeline.simulator import unshard_counts
     from tessera.planner.pipeline import build
 
-    w = Workload(model=gpt("gpt-52b", 8192, 64, 64), hardware=A100, gpus=1024,
+    w = Workload(model=CATALOG["gpt-52b"], hardware=A100, gpus=1024,
                  global_batch=512, seq_len=2048)
     times = {}
     for schedule in ("interleaved", "bfs"):

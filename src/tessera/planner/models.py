@@ -308,6 +308,9 @@ def _catalog() -> dict[str, ModelSpec]:
         out[row.model.name] = row.model
     out["gpt-161b"] = gpt("gpt-161b", 20480, 32, 128)
     out["gpt-5.9b"] = gpt("gpt-5.9b", 3840, 32, 32)
+    # Lamy-Poirier 2022 (breadth-first pipeline parallelism): its 52B and 6.6B GPTs
+    out["gpt-52b"] = gpt("gpt-52b", 8192, 64, 64)
+    out["gpt-6.6b"] = gpt("gpt-6.6b", 4096, 32, 32)
     out["llama3-8b"] = llama3("llama3-8b", 4096, 32, 32, 14336)
     out["llama3-70b"] = llama3("llama3-70b", 8192, 80, 64, 28672)
     out["llama3-405b"] = llama3("llama3-405b", 16384, 126, 128, 53248)
