@@ -119,9 +119,9 @@ def test_launch_cost_prices_the_demo_step_on_an_h100():
 def test_launch_cost_leaves_a_device_bound_block_alone():
     """bench_gpu_step's model (d 1024, 12 layers, 16k tokens): each block's device time is
     above its launches, so the blocks cost the same; only the tiny head (vocabulary 256) is
-    launch-bound. The optimizer's step (41 kernels over 14 flat units in 2 update groups: 0.8
-    ms of launches) stays below its 1 ms of a fused update's traffic; with a kernel per unit
-    for zeroing, clipping and publishing (80) its launches were above it."""
+    launch-bound. The optimizer's step (31 kernels over 14 flat units in 2 update groups of
+    fused AdamW: 0.6 ms of launches) stays below its 1 ms of a fused update's traffic; with a
+    kernel per unit for zeroing, clipping and publishing (70) its launches were above it."""
     from tessera.planner.state import rank_step_kernels
 
     cfg = make_config("tiny", model=dict(d_model=1024, n_layers=12, n_heads=16, n_kv_heads=4,
@@ -136,7 +136,7 @@ def test_launch_cost_leaves_a_device_bound_block_alone():
     optimizer = estimate(*planner_workload(cfg, 1, h200)).costs.optimizer_time
     traffic = estimate(free, layout).costs.optimizer_time
     kernels = rank_step_kernels(w, layout, 0, 0)
-    assert kernels == 41 and kernels * LAUNCH_US_GPU * 1e-6 < traffic
+    assert kernels == 31 and kernels * LAUNCH_US_GPU * 1e-6 < traffic
     assert optimizer == pytest.approx(traffic)
     assert without <= with_launches <= 1.02 * without
 
@@ -248,7 +248,8 @@ def _step_config(precision: str, zero: int, layers: int):
 def _step_ops() -> list[int]:
     """On one gloo rank, for each of STEP_LAYOUTS: the ops of a step's zero_grad, norm with
     clipping (a max norm every step exceeds) and optimizer step, after a warm-up step, with
-    AdamW as a GPU runs it (``fused=True``: ``optim.adamw_implementation`` on CUDA)."""
+    AdamW as a GPU runs it: fused, per parameter and on flat units (``ShardedAdamW`` asks the
+    same ``optim.adamw_implementation``, which says fused on CUDA)."""
     import tessera.optim
     from tessera.step import build_executor
     from tessera.topology import Topology
@@ -306,8 +307,9 @@ def test_optimizer_launches_price_the_step_on_a_gpu_only_where_not_calibrated():
     tensors = sum(ch.tensors for ch in costs.chunks)
     kernels = rank_step_kernels(w, layout, 0, tensors)
     # bf16: 6 units (embedding, 4 blocks, head) of one gradient cast each, zeroing, clipping
-    # and the masters' copy, 7 + 1 multi-tensor update ops, the norm
-    assert kernels == 6 + 3 + 7 + 1 + 8
+    # and the masters' copy, the fused update (step counts' add, _fused_adamw_) and the
+    # decay's multiply, the norm
+    assert kernels == 6 + 3 + 2 + 1 + 8
     assert costs.optimizer_time == pytest.approx(kernels * LAUNCH_US_GPU * 1e-6)
     free = dataclasses.replace(w, hardware=replace(h100, launch_us=0.0))
     assert layout_costs(free, layout).optimizer_time < 0.1 * costs.optimizer_time

@@ -21,6 +21,13 @@ def adamw_implementation(device_types: set[str]) -> dict[str, bool]:
     return {"foreach": False}
 
 
+def uses_fused_adamw(device_types: set[str]) -> bool:
+    """Whether AdamW's update runs as torch's fused kernel for tensors on these device types:
+    ``adamw_implementation``'s rule, which ``adamw`` (per parameter) and ``ShardedAdamW``
+    (flat units) both follow."""
+    return adamw_implementation(device_types).get("fused", False)
+
+
 def adamw(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
     params = list(params)

@@ -1,8 +1,9 @@
 """How ``ShardedAdamW`` groups its flat units into multi-tensor updates.
 
-Each op of the update runs once per group over the group's tensors (``torch._foreach_*``), and
-its temporaries (the denominators, in bf16 the gradients cast up: 8 bytes an owned element)
-exist for one group at a time. Groups are consecutive units whose owned elements add up to at
+The update runs once per group over the group's tensors (on CUDA one fused AdamW kernel, else
+each op as a ``torch._foreach_*`` op), and its temporaries (in bf16 the gradients cast up, and
+on the multi-tensor path the denominators: at most 8 bytes an owned element) exist for one
+group at a time. Groups are consecutive units whose owned elements add up to at
 most ``UPDATE_BATCH_ELEMENTS`` (a larger unit is a group alone): a model of a few hundred
 million parameters steps in a few groups, and the step's extra memory stays near 8 bytes ×
 max(largest unit, 2²⁶) elements (512 MiB) instead of 8 bytes per owned element. No torch

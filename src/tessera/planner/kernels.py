@@ -34,14 +34,14 @@ norm, the RoPE of q and k, the residual add with the MLP norm, the MLP activatio
 residual add; backward the same five and one reduction per norm weight.
 
 Per step, outside the blocks (:func:`step_kernels`, checked the same way against tessera's
-``Executor.clip_grad_norm_`` and its optimizer's ``zero_grad`` and ``step``): the gradients
-zeroed, their global norm and the clipping, and the AdamW update, on the tensors the optimizer
-sees on a rank. Where ZeRO's flat units hold the model state (any ZeRO stage, and bf16 at
-stage 0: ``parallelize``'s precision policy) those are the U units, stepped by
-``ShardedAdamW`` with one multi-tensor op per list (the masters, moments, gradients of a group
-of units of at most 2²⁶ owned elements, ``tessera.parallel.update_batches``);
-otherwise the N parameter tensors, stepped by ``torch.optim.AdamW`` with ``fused=True`` on a
-GPU (``tessera.optim.adamw_implementation``):
+``Executor.clip_grad_norm_`` and its optimizer's ``zero_grad`` and ``step``, with AdamW as it
+runs on a GPU): the gradients zeroed, their global norm and the clipping, and the AdamW update,
+on the tensors the optimizer sees on a rank. Where ZeRO's flat units hold the model state (any
+ZeRO stage, and bf16 at stage 0: ``parallelize``'s precision policy) those are the U units,
+stepped by ``ShardedAdamW`` with torch's fused AdamW kernel on a GPU, once per group of units
+of at most 2²⁶ owned elements (``tessera.parallel.update_batches``); otherwise the N parameter
+tensors, stepped by ``torch.optim.AdamW`` with ``fused=True`` on a GPU (both by
+``tessera.optim.uses_fused_adamw``):
 
 =================  ==================================  =========================================
 part               flat units                          per-parameter (fused AdamW)
@@ -53,14 +53,18 @@ global norm        8: zeros, one ``_foreach_norm``,    10: the same and the expe
                    host's read of the norm
 clipping           1: ``_foreach_mul_`` over the       1: ``_foreach_mul_`` over the gradients
                    units' buffers
-AdamW              per group of units, 7 multi-tensor  2 per param group (decayed matrices,
-                   ops (lerp_, mul_, addcmul_, sqrt,   undecayed gains): the steps' foreach add
-                   div_, add_, addcdiv_) + one mul_    and ``_fused_adamw_``
-                   over its decayed ranges
+AdamW              per group of units, 2: the steps'   2 per param group (decayed matrices,
+                   foreach add and ``_fused_adamw_``,  undecayed gains): the steps' foreach add
+                   + one ``_foreach_mul_`` over its    and ``_fused_adamw_``
+                   decayed ranges
 bf16               U + 1: each unit's gradient cast    (bf16 always runs on flat units)
                    up, one ``_foreach_copy_`` of the
                    masters into the parameters
 =================  ==================================  =========================================
+
+On a CPU ``ShardedAdamW`` runs AdamW's arithmetic as 7 multi-tensor ops per group instead
+(lerp_, mul_, addcmul_, sqrt, div_, add_, addcdiv_); CPU time is priced per tensor, not by
+these counts (below).
 
 The norm's read of the result synchronizes the host with the device, so the step's update
 starts from an idle device and a host issuing its kernels one by one: an update of small
@@ -174,10 +178,9 @@ def launch_floor(launch_us: float, count: int) -> float:
 FLAT_STEP_OPS = 1 + 1
 """Per rank and step on flat units: one multi-tensor op zeroing every unit's gradient buffer,
 one clipping them (``tessera.parallel.zero``)."""
-FLAT_ADAMW_OPS = 7
-"""ShardedAdamW's multi-tensor ops per group of units (``tessera.parallel.update_batches``):
-lerp_, mul_, addcmul_, sqrt, div_, add_, addcdiv_ (one launch each on a GPU, modelled; module
-doc)."""
+FLAT_ADAMW_OPS = 2
+"""ShardedAdamW's ops per group of units (``tessera.parallel.update_batches``) on a GPU: a
+foreach add of the units' step counts and one ``_fused_adamw_`` (module doc)."""
 FLAT_DECAY_OPS = 1
 """ShardedAdamW's weight decay: one multi-tensor mul_ per group holding decayed ranges."""
 PARAMETER_OPS = 1
