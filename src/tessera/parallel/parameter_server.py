@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.config import ParallelConfig, TrainConfig
-from tessera.optim import adamw, add_sums_of_squares
+from tessera.optim import adamw, add_sums_of_squares, scale_all_
 from tessera.topology import Topology
 
 SERVER = 0
@@ -322,10 +322,8 @@ class ServerSync:
     def _clip(self, max_norm: float) -> float:
         norm = self._local_grad_norm()
         if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            scale_all_([p.grad for p in self.params if p.grad is not None],
+                       max_norm / (norm + 1e-6))
         return norm
 
     def _after_server_step(self, opt: torch.optim.Optimizer) -> None:
