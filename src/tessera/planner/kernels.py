@@ -78,8 +78,9 @@ each inside the one dispatched op; CPU time is priced per tensor (``op_overhead_
 these launches. The collectives (ZeRO-1/2's all-gather after the step, the norm's
 all-reduce) are priced as communication. The data-parallel wrappers' kernels inside the
 backward (:func:`backward_hook_kernels`: accumulation into flat buffers, ZeRO's per-unit
-division or flattening, DataParallel's bucket copies) join the launch floor of the backward
-that runs them (``compute.compute_chunks``).
+division or flattening) join the launch floor of the backward that runs them
+(``compute.compute_chunks``); DataParallel's bucket copies are counted (``ddp``) but not
+floored (``cost.chunk_costs``: the parameter server's own copies are unpriced).
 
 Launches: an eager step's host issues each kernel (the Python call, autograd's graph, the
 dispatcher, the launch) while an asynchronous device runs the kernels queued before it, so a
