@@ -11,6 +11,9 @@ and the chunked loss's logits.
 - The step's kernels outside the blocks (zero_grad, the global norm, clipping, AdamW), counted
   from the code on the tensors the optimizer steps (flat units or parameters), equal the ops
   tessera's step dispatches; on a GPU their launches floor the optimizer's time.
+- The data-parallel wrapper's kernels inside the backward (flat units' accumulation and
+  division, ZeRO-2's flattening, DataParallel's bucket copies) equal the ops a CPU run
+  dispatches beyond the blocks', and floor the launch-bound demo's backward.
 - kernels='compiled' launches fewer kernels and prices fused memory-bound passes.
 - train.loss_chunk_tokens: the last chunk holds one chunk's logits, not the micro-batch's.
 """
@@ -348,3 +351,112 @@ def test_large_units_are_updated_in_groups_and_each_group_is_counted():
             K.FLAT_STEP_OPS + len(units) * K.BF16_UNIT_CASTS + K.BF16_PUBLISH_OPS
             + groups * K.FLAT_ADAMW_OPS + decayed * K.FLAT_DECAY_OPS + K.NORM_OPS[True]), (
             dp, zero)
+
+
+# ---------------------------------------------------------------------------------------------
+# The data-parallel wrappers' kernels inside the backward, outside the blocks.
+
+HOOK_LAYOUTS = (("bf16", 0, 1), ("bf16", 2, 1), ("fp32", 0, 1), ("fp32", 0, 2))
+"""(precision, ZeRO stage, dp): flat units at stage 0 (in-place accumulation into the unit
+buffers, per-unit division) and 2 (flattening, shard division or accumulation); per parameter
+at dp 1 (world 1 installs no DataParallel hooks: accumulation only from the second
+micro-batch) and DataParallel at dp 2 (each fresh gradient copied into its bucket slot)."""
+NOT_KERNELS = ("empty_like", "copy_")
+"""Not counted as hook kernels: an allocation (no kernel), and at dp 1 the gloo reduce-scatter's
+own copy (at dp > 1 the collective, priced as communication). At dp 2, copy_ is counted: there
+it is DataParallel's copy into the bucket (nothing else in these steps dispatches copy_)."""
+
+
+def _hook_config(precision: str, zero: int, dp: int, layers: int, mb: int):
+    return make_config("tiny", model=dict(n_layers=layers),
+                       parallel=dict(dp=dp, zero_stage=zero),
+                       train=dict(micro_batch_size=1, grad_accum=mb, precision=precision,
+                                  noise_scale=False))
+
+
+def _backward_ops(dp: int) -> list[int]:
+    """On a gloo rank of `dp`, for each HOOK_LAYOUTS layout of that dp at 2 and 3 layers and 1
+    and 2 micro-batches: the ops of a step's forward_backward (after a warm-up step), less
+    NOT_KERNELS at dp 1."""
+    from tessera.step import build_executor
+    from tessera.topology import Topology
+
+    counts = []
+    for precision, zero, layout_dp in HOOK_LAYOUTS:
+        if layout_dp != dp:
+            continue
+        for layers in (2, 3):
+            for mb in (1, 2):
+                cfg = _hook_config(precision, zero, dp, layers, mb)
+                ex = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+                opt = ex.optimizer(cfg.train)
+                tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1))
+                batch = [(tokens[:, :-1], tokens[:, 1:])] * mb
+                for _ in range(2):
+                    opt.zero_grad(set_to_none=True)
+                    with StepOps() as ops:
+                        ex.forward_backward(batch)
+                    opt.step()
+                skipped = sum(ops.ops[n] for n in NOT_KERNELS) if dp == 1 else 0
+                counts.append(ops.total - skipped)
+    return counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_backward_hook_kernels_match_dispatched_ops():
+    """A block more adds, per micro-batch, its eager kernels plus what ``backward_hook_kernels``
+    counts for its unit (9 tensors): each difference of the dispatched ops between 3 and 2
+    layers, at 1 and 2 micro-batches, equals the planner's (one DataParallel bucket at either
+    depth: the per-bucket kernels cancel). A count that missed the per-tensor accumulation, the
+    per-unit division or DataParallel's copies, or counted stage 2's ops once a step instead of
+    per micro-batch, fails."""
+    from tessera.planner.engine import flat_units, rank_units
+    from tessera.testing import run_ranks
+
+    dispatched = iter(run_ranks(_backward_ops, 1, args=(1,))[0]
+                      + run_ranks(_backward_ops, 2, args=(2,))[0])
+    for precision, zero, dp in HOOK_LAYOUTS:
+        got = {(layers, mb): next(dispatched) for layers in (2, 3) for mb in (1, 2)}
+        want = {}
+        for layers in (2, 3):
+            for mb in (1, 2):
+                w, layout = planner_workload(_hook_config(precision, zero, dp, layers, mb), dp,
+                                             "H100")
+                flat = flat_units(precision, zero, layout.dp_mode)
+                assert flat == (precision == "bf16")
+                want[layers, mb] = K.backward_hook_kernels(
+                    list(rank_units(w, layout, 0)), mb, flat=flat, stage=zero, dp=dp,
+                    ddp=not flat and dp > 1)
+        spec = from_model_config("tiny", _hook_config(precision, zero, dp, 3, 1).model, 32)
+        block = K.eager_block(spec, precision)
+        for mb in (1, 2):
+            model = mb * (block.forward + block.backward)
+            assert got[3, mb] - got[2, mb] - model == want[3, mb] - want[2, mb], (
+                precision, zero, dp, mb, got, want)
+
+
+def test_hook_kernels_floor_the_launch_bound_demo_backward(monkeypatch):
+    """The demo (bf16 flat units at stage 0, one micro-batch, launch-bound on an H100): its
+    step costs the hook kernels' launches more than with none (within 1e-4: one stretch they
+    join holds a few ns of device time above its launches; every other is launch-bound): one
+    in-place add per parameter tensor, one division per unit."""
+    from tessera.planner import compute, cost
+    from tessera.planner.engine import rank_units
+
+    h100 = load_hardware("H100")
+    w, layout = planner_workload(_demo(), 1, h100)
+    units = list(rank_units(w, layout, 0))
+    hooks = K.backward_hook_kernels(units, 1, flat=True, stage=0, dp=1)
+    assert hooks == sum(k for _, k in units) + len(units) == 39 + 6
+
+    def fresh() -> float:
+        for cached in (cost.chunk_costs, compute.compute_chunks, compute.block_costs):
+            cached.cache_clear()
+        return estimate(w, layout).step_time
+
+    with_hooks = fresh()
+    monkeypatch.setattr(compute, "hook_kernels_per_microbatch", lambda units, hooks: 0.0)
+    assert with_hooks - fresh() == pytest.approx(hooks * LAUNCH_US_GPU * 1e-6, rel=1e-4)
+    monkeypatch.undo()
+    fresh()

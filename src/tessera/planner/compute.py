@@ -39,7 +39,14 @@ from tessera.planner.comm import (
 )
 from tessera.planner.formulas import layer_activation_bytes, layer_forward_flops
 from tessera.planner.hardware import Hardware
-from tessera.planner.kernels import EMBEDDING, block_kernels, head, launch_floor
+from tessera.planner.kernels import (
+    EMBEDDING,
+    Hooks,
+    block_kernels,
+    head,
+    hook_kernels_per_microbatch,
+    launch_floor,
+)
 from tessera.planner.local.terms import rank_skew
 from tessera.planner.models import ModelSpec
 from tessera.planner.workload import Workload
@@ -102,11 +109,14 @@ class BlockCosts:
 
 @lru_cache(maxsize=8192)
 def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
-                cp_method: str = "ring", cp_ulysses: int = 2, moe: bool = False) -> BlockCosts:
+                cp_method: str = "ring", cp_ulysses: int = 2, moe: bool = False,
+                hook_kernels: float = 0.0) -> BlockCosts:
     """Forward/backward seconds of one block and its activation bytes (module docstring);
     `cp_ulysses`: hybrid context parallelism's Ulysses degree; `moe`: one of an active model's
     MoE blocks (``ModelSpec.moe``), with its router's GEMM and, where each tp rank holds it
-    whole, attention's tensor-parallel collectives only."""
+    whole, attention's tensor-parallel collectives only; `hook_kernels`: the data-parallel
+    wrapper's kernels in the block's backward per micro-batch
+    (``kernels.hook_kernels_per_microbatch``), under its launch floor with the block's own."""
     spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
     s = w.seq_len
@@ -139,7 +149,7 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     fwd = max(mm_time + attn_time + mem_time + ops_time,
               launch_floor(hw.launch_us, kernels.forward))
     back = max(mm_back + 2 * (attn_time + mem_time) + back_ops,
-               launch_floor(hw.launch_us, kernels.backward))
+               launch_floor(hw.launch_us, kernels.backward + hook_kernels))
     redo = {"none": 0.0,
             "selective": attn_time + w.elementwise_passes * score_bytes / hw.memory_bw,
             "full": fwd}[recompute]
@@ -267,20 +277,28 @@ def hidden_state_bytes(w: Workload, b: int, cp: int) -> float:
 @lru_cache(maxsize=65536)
 def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recompute: str,
                     sp: bool, cp_method: str, sizes: tuple[int, ...],
-                    head_apart: bool, cp_ulysses: int = 2) -> ChunkList:
+                    head_apart: bool, cp_ulysses: int = 2, hooks: Hooks | None = None
+                    ) -> ChunkList:
     """Per-chunk compute, tensor- and context-parallel costs and bytes, before any data
     parallelism (cached: the layouts that differ only in their ZeRO stage or data-parallel
     mode share them; :func:`tessera.planner.cost.chunk_costs` adds those to copies, these stay
     read-only). `head_apart`: the last chunk runs on another rank than chunk 0
-    (``pipeline.head_apart``), so a tied head holds a copy of the embedding."""
+    (``pipeline.head_apart``), so a tied head holds a copy of the embedding. `hooks`: the
+    data-parallel wrapper whose backward kernels each unit's backward launches (tessera's)
+    (``kernels.Hooks``), or None."""
     spec, hw = w.model, w.compute_hardware
     e = w.bytes[3]
     s = w.seq_len
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
-    blk = block_costs(w, t, cp, b, sp, recompute, cp_method, cp_ulysses)
+    def hooked(units: list[tuple[int, int]]) -> float:
+        return hook_kernels_per_microbatch(units, hooks) if hooks is not None else 0.0
+
+    block_hooks = hooked([(engine.block_numel(spec, t), layer_tensors(spec))])
+    blk = block_costs(w, t, cp, b, sp, recompute, cp_method, cp_ulysses, hook_kernels=block_hooks)
     # An active model's MoE blocks (ModelSpec.moe) differ in their router and tp collectives.
-    moe_blk = (block_costs(w, t, cp, b, sp, recompute, cp_method, cp_ulysses, moe=True)
+    moe_blk = (block_costs(w, t, cp, b, sp, recompute, cp_method, cp_ulysses, moe=True,
+                           hook_kernels=block_hooks)
                if spec.moe is not None else blk)
     keep = 1.0 - w.tp_overlap
 
@@ -314,10 +332,11 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
     held_logits = 4 * w.loss_chunk_tokens * spec.vocab_size / t if chunked else logits_bytes
     launch_us, compiled = hw.launch_us, w.kernels != "tessera"
 
-    def add_embedding(ch: ChunkCosts) -> None:
+    def add_embedding(ch: ChunkCosts, hook_kernels: float) -> None:
         embed_mem = w.elementwise_passes * act / hw.memory_bw
         ch.forward_compute += max(embed_mem, launch_floor(launch_us, EMBEDDING.forward))
-        ch.backward_compute += max(2 * embed_mem, launch_floor(launch_us, EMBEDDING.backward))
+        ch.backward_compute += max(2 * embed_mem,
+                                   launch_floor(launch_us, EMBEDDING.backward + hook_kernels))
         ch.params += spec.embedding_params / t
         ch.tensors += 2 if spec.learned_positions else 1
         ch.act_bytes += (tokens * spec.hidden if spec.dropout else 0) / split
@@ -328,13 +347,13 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
             ch.tp_forward += comm * keep
             ch.tp_hidden += comm * w.tp_overlap
 
-    def add_head(ch: ChunkCosts) -> None:
+    def add_head(ch: ChunkCosts, hook_kernels: float) -> None:
         head_f, head_b = gemm_times(hw, tokens, spec.hidden, spec.vocab_size / t)
         memory = w.elementwise_passes * logits_bytes / hw.memory_bw
         kernels = head(spec, w.precision, compiled)
         ch.forward_compute += max(head_f + memory, launch_floor(launch_us, kernels.forward))
         ch.backward_compute += max(head_b + (head_f if chunked else 0.0) + 2 * memory,
-                                   launch_floor(launch_us, kernels.backward))
+                                   launch_floor(launch_us, kernels.backward + hook_kernels))
         if t > 1:  # the loss over split logits all-reduces the b·s row maxima, then the sums
             # of exponentials with the target logits (Shoeybi et al. 2019 §3)
             ch.tp_forward += allreduce_time(4 * tokens, t, tp_link) + allreduce_time(
@@ -359,12 +378,13 @@ def compute_chunks(w: Workload, t: int, cp: int, pp: int, v: int, b: int, recomp
             continue
         ch = blocks_only(nl, n_moe)
         blocks_act = ch.act_bytes
+        # tessera's units: embedding (chunk 0), the blocks, head (last chunk)
+        units = engine.chunk_units(spec, t, n_chunks, c, nl, head_apart) if tessera else []
         if first:
-            add_embedding(ch)
+            add_embedding(ch, hooked(units[:1]) if units else 0.0)
         if last:
-            add_head(ch)
+            add_head(ch, hooked(units[-1:]) if units else 0.0)
         if tessera:  # tessera's exact parameters and saved tensors (engine module)
-            units = engine.chunk_units(spec, t, n_chunks, c, nl, head_apart)
             ch.params = sum(n for n, _ in units)
             ch.tensors = sum(k for _, k in units)
             ch.act_bytes = blocks_act + engine.chunk_saved_bytes(

@@ -43,6 +43,7 @@ from tessera.planner.comm import (
     scalar_sync_times,
 )
 from tessera.planner.compute import ChunkCosts, ChunkList, compute_chunks, hidden_state_bytes
+from tessera.planner.kernels import Hooks
 from tessera.planner.local.terms import local_terms, rank_skew, zero_unit_work
 from tessera.planner.models import ModelSpec
 from tessera.planner.pipeline import head_apart, rank_chunks
@@ -158,8 +159,15 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     gb = w.bytes[1]
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
+    # tessera's data-parallel wrapper's kernels in each unit's backward (kernels.Hooks; not
+    # where the schedule's sharding actions reduce the gradients instead of hooks).
+    # DataParallel's bucket copies are left out (ddp=False) while the parameter server's own
+    # per-tensor copies (its push and pull) are unpriced: pricing one alone would rank it wrongly.
+    flat = engine.flat_units(w.precision, zero, dp_mode)
+    hooks = Hooks(flat, min(zero, 2) if flat else 0, dp if flat and zero >= 2 else 1,
+                  w.global_batch // (dp * b)) if tessera and not by_actions else None
     base = compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes, head_apart,
-                          cp_ulysses)
+                          cp_ulysses, hooks)
     copies: dict[int, ChunkCosts] = {}  # a shared middle chunk stays one object
     chunks = ChunkList()
     for ch in base:

@@ -76,9 +76,11 @@ lists, where each launch carries enough bytes that the update's traffic, not its
 bounds the time. On a CPU a multi-tensor op runs a loop over its tensors, one per-tensor kernel
 each inside the one dispatched op; CPU time is priced per tensor (``op_overhead_us``), not by
 these launches. The collectives (ZeRO-1/2's all-gather after the step, the norm's
-all-reduce) are priced as communication; the data-parallel wrappers' kernels inside the
-backward (DataParallel's bucket copies, ZeRO's per-unit division or flattening) are not
-counted.
+all-reduce) are priced as communication. The data-parallel wrappers' kernels inside the
+backward (:func:`backward_hook_kernels`: accumulation into flat buffers, ZeRO's per-unit
+division or flattening) join the launch floor of the backward that runs them
+(``compute.compute_chunks``); DataParallel's bucket copies are counted (``ddp``) but not
+floored (``cost.chunk_costs``: the parameter server's own copies are unpriced).
 
 Launches: an eager step's host issues each kernel (the Python call, autograd's graph, the
 dispatcher, the launch) while an asynchronous device runs the kernels queued before it, so a
@@ -90,6 +92,7 @@ stretch of k kernels takes at least k · ``Hardware.launch_us`` whatever its dev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tessera.planner.models import ModelSpec
 
@@ -208,3 +211,44 @@ def step_kernels(tensors: int, *, flat: bool, precision: str, groups: int = 1,
     casts = tensors * BF16_UNIT_CASTS + BF16_PUBLISH_OPS if precision == "bf16" else 0
     return (FLAT_STEP_OPS + casts + groups * FLAT_ADAMW_OPS + decayed_groups * FLAT_DECAY_OPS
             + NORM_OPS[True])
+
+
+def backward_hook_kernels(units: list[tuple[int, int]], micro_batches: int, *, flat: bool,
+                          stage: int, dp: int, ddp: bool = False) -> int:
+    """Kernels a rank's data-parallel wrapper adds to one step's backwards, outside the blocks,
+    over its ZeRO `units` ((elements, parameter tensors) each, ``engine.rank_units``); the
+    collectives (all-reduce, reduce-scatter) are priced as communication, not counted.
+    Flat units at stages 0-1: each parameter's gradient accumulated into its view of the unit's
+    buffer every micro-batch (autograd's in-place add), and each unit's division by its
+    divisor once a step. Stages 2-3: per unit and micro-batch, the gradients flattened (one cat,
+    plus the padding's zeros where dp does not divide the unit), then the shard divided (first
+    micro-batch) or the reduced part added in (the others). Per parameter (no flat units):
+    every micro-batch after the first accumulates each gradient in place, and under `ddp`
+    (DataParallel at dp > 1) the first copies each fresh gradient into its bucket slot. Not
+    counted: DataParallel's two kernels per bucket (the used flags' copy, the division after the
+    all-reduce) and, under ``train.noise_scale`` at dp > 1, the local gradients' sums of
+    squares before each reduction."""
+    n_units, tensors = len(units), sum(k for _, k in units)
+    if not flat:
+        return (micro_batches - 1 + (1 if ddp else 0)) * tensors
+    if stage < 2:
+        return micro_batches * tensors + n_units
+    padded = sum(1 for n, _ in units if n % dp)
+    return micro_batches * (2 * n_units + padded)
+
+
+class Hooks(NamedTuple):
+    """What sets a rank's data-parallel backward kernels (:func:`backward_hook_kernels`)."""
+
+    flat: bool
+    stage: int
+    dp: int
+    micro_batches: int
+    ddp: bool = False
+
+
+def hook_kernels_per_microbatch(units: list[tuple[int, int]], hooks: Hooks) -> float:
+    """:func:`backward_hook_kernels` of `units` over a step, per micro-batch (the step's total
+    spread evenly: the pipeline sums a chunk's backward over its micro-batches)."""
+    return backward_hook_kernels(units, hooks.micro_batches, flat=hooks.flat, stage=hooks.stage,
+                                 dp=hooks.dp, ddp=hooks.ddp) / hooks.micro_batches
