@@ -75,6 +75,7 @@ def test_estimates_invert_the_expectations():
     g_sq, trace = 2.5, 40.0
     for b_small, b_big in [(4, 8), (2, 64), (8, 32)]:
         got = unbiased_estimates(g_sq + trace / b_small, g_sq + trace / b_big, b_small, b_big)
+        # a handful of double operations on values of one magnitude: a few ulps (~1e-15)
         assert got == pytest.approx((g_sq, trace), rel=1e-12)
     with pytest.raises(ValueError):
         unbiased_estimates(1.0, 1.0, 8, 8)
@@ -315,7 +316,10 @@ def test_transformer_norms_are_the_single_device_models():
         cfg, per_mb = LAYOUTS[name]
         record, skip = results[0][name]
         dp, m = cfg.parallel.dp, cfg.train.grad_accum
-        for key in ("grad_sq_est", "grad_trace_est"):  # one step: |G|² may come out < 0
+        # one step: |G|² may come out < 0. Every rank computes the estimate from the same
+        # all-reduced sums (gloo hands each rank the same bits) by the same few double
+        # operations: equal up to a few ulps, hence 1e-12
+        for key in ("grad_sq_est", "grad_trace_est"):
             assert all(r[name][0][key] == pytest.approx(record[key], rel=1e-12)
                        for r in results), f"{name}: ranks disagree on {key}"
         if cfg.parallel.sequence_parallel:
@@ -519,6 +523,7 @@ def test_resume_continues_the_moving_averages(tiny_data, tmp_path):
     for key in ("grad_sq_est", "grad_trace_est"):
         raw = (a[k][key] * (1 - d**k) - d * a[k - 1][key] * (1 - d ** (k - 1))) / (1 - d)
         scale = max(abs(a[k][key]), abs(a[k - 1][key])) / (1 - d)
+        # the recovery subtracts two terms of size `scale` in double: a few ulps of it
         assert old[k][key] == pytest.approx(raw, rel=0, abs=1e-12 * scale), key
         assert old[k][key] != a[k][key]
     assert _saved_noise(tmp_path / "old")["steps"] == RESUME_STEPS - SAVED_AT

@@ -53,6 +53,18 @@ def _reference_step(unit, state: dict, grad: torch.Tensor, lr: float, betas, eps
     master.addcdiv_(state["exp_avg"], denom, value=-step_size)
 
 
+def _micro_step(ex, opt: ShardedAdamW, cfg, k: int) -> list[torch.Tensor]:
+    """Step k's gradients: a fresh batch (seeded by k and the rank) through the executor, the
+    lr moved (the step must read it each time); returns copies of the units' owned gradients
+    in fp32, what the reference steps with."""
+    g = torch.Generator().manual_seed(10 * k + ex.topo.rank)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, SEQ + 1), generator=g)
+    opt.zero_grad()
+    ex.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
+    opt.param_groups[0]["lr"] = 1e-2 * (k + 1)
+    return [u.owned_grad().float().clone() for u in opt.units]
+
+
 def _foreach_rank() -> tuple[list[str], list[bool]]:
     """Per case, three steps of the optimizer and of the reference on copies of its state, the
     last with the first unit's step count ahead of the others'. Returns the mismatches (empty:
@@ -66,17 +78,10 @@ def _foreach_rank() -> tuple[list[str], list[bool]]:
         opt = ex.optimizer(cfg.train)
         assert isinstance(opt, ShardedAdamW)
         units = opt.units
-        ref = [{"step": 0, "master": u.master.clone(),
-                "exp_avg": opt.state[u.master]["exp_avg"].clone(),
-                "exp_avg_sq": opt.state[u.master]["exp_avg_sq"].clone()} for u in units]
+        ref = _state_copies(opt)
         group = opt.param_groups[0]
         for k in range(3):
-            g = torch.Generator().manual_seed(10 * k + ex.topo.rank)
-            tokens = torch.randint(0, cfg.model.vocab_size, (2, SEQ + 1), generator=g)
-            opt.zero_grad()
-            ex.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-            group["lr"] = 1e-2 * (k + 1)  # a moving lr: the step reads it each time
-            grads = [u.owned_grad().float().clone() for u in units]
+            grads = _micro_step(ex, opt, cfg, k)
             if k == 2:  # units at different step counts are updated with their own counts
                 opt.state[units[0].master]["step"] += 5
                 ref[0]["step"] += 5
@@ -189,12 +194,7 @@ def _fused_rank() -> dict:
         group = opt.param_groups[0]
         used, used_no_decay = 0.0, 0.0
         for k in range(3):
-            g = torch.Generator().manual_seed(10 * k + ex.topo.rank)
-            tokens = torch.randint(0, cfg.model.vocab_size, (2, SEQ + 1), generator=g)
-            opt.zero_grad()
-            ex.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-            group["lr"] = 1e-2 * (k + 1)  # a moving lr: the step reads it each time
-            grads = [u.owned_grad().float().clone() for u in units]
+            grads = _micro_step(ex, opt, cfg, k)
             if k == 2:
                 opt.state[units[0].master]["step"] += 5
                 ref[0]["step"] += 5
