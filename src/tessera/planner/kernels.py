@@ -78,13 +78,14 @@ The experts' loop runs every expert whatever its rows (an expert with none dispa
 on empty tensors), so the count does not depend on the routing; the planner assumes what a
 realistic batch gives on a GPU, every expert receiving tokens (an empty GEMM may launch
 nothing there). Nor does it grow with k: the k·T assignments travel in the same ops. Not
-counted: the all-to-alls (priced as communication, ``planner.moe``) and allocations
-(``new_empty``, ``empty_like``); with ``parallel.ep_alltoall`` 'pairwise' each exchange
-copies its own block (one copy_ more, 3 forward and 2 backward); on a GPU the host copies that
-a CPU run skips (``counts.tolist()`` and the statistics' ``.cpu()``, under ep the other split
-sizes' and the index's), and a replay under full recomputation skips the statistics' 9. The
-host reads (``_local_scalar_dense``: 5, 7 with capacity, and 2·E more under ep) each
-synchronize the host with the device, which the floor (asynchronous launches) does not model.
+counted: the all-to-alls (priced as communication, ``planner.moe``); allocations
+(``new_empty``, ``empty_like``); with ``parallel.ep_alltoall`` 'pairwise', each exchange's
+copy of its own block (3 forward, 2 backward); on a GPU, the device-to-host copies a CPU run
+does not dispatch (``counts.tolist()``, the statistics' ``.cpu()``; under ep the other split
+sizes' and the index's copy to the device). A replay under full recomputation skips the
+statistics' 9 but is priced as the forward. The host reads (``_local_scalar_dense``: 5, 7
+with capacity, 2·E more under ep) each synchronize the host with the device, which the floor
+(asynchronous launches) does not model.
 
 Compiled ('compiled', and 'fused' for the fused kernels of Megatron-LM and Llama 3's
 training): the GEMMs and the attention kernel stay (extern kernels), and torch.compile's
