@@ -3,7 +3,8 @@ and the chunked loss's logits.
 
 - The eager block's kernel count, derived part by part from the code, equals the ATen ops
   that compute (views excluded) dispatched by tessera's Block forward and backward, counted
-  once on CPU, in fp32 and bf16.
+  once on CPU, in fp32 and bf16; so does an MoE block's (router, dispatch, experts, combine,
+  auxiliary losses), for several MoE settings and at ep 2.
 - With the catalog's launch cost the demo model's predicted step on an H100 is of the order of
   the 19 ms measured (benchmarks/results/gpu_h100.txt: "step time measured 19 ms"); without
   it the planner priced the step as a few ms of device time. A device-bound model (the
@@ -82,6 +83,91 @@ def test_eager_block_count_matches_dispatched_ops(dtype):
     want = K.eager_block(spec, "fp32" if dtype == torch.float32 else "bf16")
     assert (forward.total, backward.total) == (want.forward, want.backward), (
         forward.ops, backward.ops)
+
+
+MOE_BLOCKS = (
+    (dict(moe_experts=4, moe_top_k=1), "fp32"),
+    (dict(moe_experts=8, moe_top_k=2, moe_shared_expert=True), "bf16"),
+    (dict(moe_experts=6, moe_top_k=2, moe_capacity_factor=2.0, moe_router_bias_rate=0.01,
+          moe_aux_loss_coef=0.0), "fp32"),
+)
+"""(MoE settings, precision): top-1 and top-2, with and without a shared expert, 4, 6 and 8
+experts, the auxiliary losses attached or not, capacity and the router bias, fp32 and bf16: a
+count that missed a factor of the experts, counted the top-k renormalization, shared expert,
+auxiliary losses' backward, capacity or casts where they are not run (or not where they are)
+fails one of them."""
+ALLOCATIONS = ("new_empty", "empty_like")
+"""Not kernels (module doc of ``planner.kernels``): the all-to-alls' output buffers under ep."""
+
+
+def _moe_block_ops(settings: dict, precision: str, ep: int = 1) -> tuple[int, int]:
+    """The ops an MoE block of the tiny model dispatches forward and backward (less
+    allocations and collectives), its experts split over the `ep` ranks of the world group;
+    every expert on the rank receives tokens (checked)."""
+    import torch.distributed as dist
+
+    from tessera.model import Block, rope_tables
+    from tessera.parallel.expert_parallel import EPContext, apply_expert_parallel
+
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    cfg = make_config("tiny", model=settings)
+    torch.manual_seed(0)
+    block = Block(cfg.model)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    if ep > 1:
+        apply_expert_parallel(block, EPContext(dist.group.WORLD))
+    block = block.to(dtype)
+    rows: list[list[int]] = []
+    block.feed_forward.experts.register_forward_pre_hook(lambda m, args: rows.append(args[1]))
+    seq = cfg.data.seq_len
+    cos, sin = rope_tables(cfg.model.head_dim, seq, cfg.model.rope_theta)
+    x = torch.randn(2, seq, cfg.model.d_model, dtype=dtype, requires_grad=True)
+    with StepOps() as forward:
+        y = block(x, cos, sin)
+    grad = torch.ones_like(y)
+    with StepOps() as backward:
+        y.backward(grad)
+    assert len(rows) == 1 and len(rows[0]) == cfg.model.moe_experts // ep and min(rows[0]) > 0
+    return tuple(ops.total - sum(ops.ops[n] for n in ALLOCATIONS)
+                 for ops in (forward, backward))
+
+
+def _moe_spec(settings: dict, ep: int = 1):
+    from tessera.planner.moe import MoESpec, active_spec
+
+    cfg = make_config("tiny", model=settings)
+    spec = from_model_config("tiny", cfg.model, cfg.data.seq_len)
+    return active_spec(spec, MoESpec.from_model_config(cfg.model), 1, ep)
+
+
+@pytest.mark.parametrize("settings,precision", MOE_BLOCKS)
+def test_eager_moe_block_count_matches_dispatched_ops(settings, precision):
+    """An MoE block's kernels (``kernels.eager_moe_block`` of the planner's active model, as
+    ``planner.moe.active_spec`` builds it) equal the ops tessera's Block with an MoE
+    feed-forward dispatches, forward and backward."""
+    want = K.eager_moe_block(_moe_spec(settings), precision)
+    assert _moe_block_ops(settings, precision) == (want.forward, want.backward)
+    dense = K.eager_block(_moe_spec(settings), precision)
+    assert want.forward > dense.forward and want.backward > dense.backward
+
+
+def _moe_blocks_ops_at_ep_2() -> list[tuple[int, int]]:
+    return [_moe_block_ops(settings, precision, ep=2) for settings, precision in MOE_BLOCKS[:2]]
+
+
+@pytest.mark.multiprocess
+def test_eager_moe_block_count_matches_dispatched_ops_under_expert_parallelism():
+    """At ep 2 each rank runs E/2 experts and the all-to-all dispatcher's per-expert, per-source
+    offsets: its ops (less the collectives and their buffers) equal the count with ep=2, which
+    differs from the count at ep 1."""
+    from tessera.testing import run_ranks
+
+    for got in run_ranks(_moe_blocks_ops_at_ep_2, 2):
+        for (settings, precision), ops in zip(MOE_BLOCKS[:2], got, strict=True):
+            want = K.eager_moe_block(_moe_spec(settings, ep=2), precision)
+            assert ops == (want.forward, want.backward), settings
+            assert want != K.eager_moe_block(_moe_spec(settings), precision)
 
 
 def test_compiled_block_launches_fewer_kernels():

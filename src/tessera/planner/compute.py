@@ -5,8 +5,8 @@ Compute time of a chunk: each matrix multiply at ``peak · matmul_efficiency`` (
 catalog GPUs' fp32 peak, ``Workload.compute_hardware``: PyTorch keeps TF32 off) plus a fixed
 ``matmul_tail_us`` (its shape dependence: :func:`gemm_times`, :func:`block_matmul_times`); a
 term that differs by block belongs in :func:`block_costs` (an active model's MoE block: its
-router's GEMM, and only attention's tensor-parallel collectives where each tp rank holds the
-block whole), which each chunk counts for its blocks of each kind; attention at the
+router's GEMM, its kernels, and only attention's tensor-parallel collectives where each tp rank
+holds the block whole), which each chunk counts for its blocks of each kind; attention at the
 attention rate (half the FLOPs when flash attention skips the causal mask's upper half);
 memory-bound kernels move every stored activation byte ``Workload.elementwise_passes`` times
 (2 with fused kernels: written by the kernel that makes it, read by the one that consumes it;
@@ -113,8 +113,9 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
                 hook_kernels: float = 0.0) -> BlockCosts:
     """Forward/backward seconds of one block and its activation bytes (module docstring);
     `cp_ulysses`: hybrid context parallelism's Ulysses degree; `moe`: one of an active model's
-    MoE blocks (``ModelSpec.moe``), with its router's GEMM and, where each tp rank holds it
-    whole, attention's tensor-parallel collectives only; `hook_kernels`: the data-parallel
+    MoE blocks (``ModelSpec.moe``), with its router's GEMM, its own kernel count
+    (``kernels.eager_moe_block``) and, where each tp rank holds it whole, attention's
+    tensor-parallel collectives only; `hook_kernels`: the data-parallel
     wrapper's kernels in the block's backward per micro-batch
     (``kernels.hook_kernels_per_microbatch``), under its launch floor with the block's own."""
     spec, hw = w.model, w.compute_hardware
@@ -139,8 +140,10 @@ def block_costs(w: Workload, t: int, cp: int, b: int, sp: bool, recompute: str,
     score_bytes = full_bytes - layer_activation_bytes(spec, b, s, t, sp, "selective",
                                                       w.flash_attention, cp, e)
     mem_time = w.elementwise_passes * full_bytes / hw.memory_bw
-    kernels = block_kernels(spec, w.precision, w.kernels)
-    if w.kernels == "tessera":  # the forward's ops; backward about twice as many
+    kernels = block_kernels(spec, w.precision, w.kernels, moe=moe and spec.moe is not None)
+    # The forward's ops; backward about twice as many (MoE blocks too: op_overhead_us is
+    # priced from this profiled count, not from the kernel count)
+    if w.kernels == "tessera":
         ops_time = OPS_PER_LAYER_FORWARD * hw.op_overhead_us * 1e-6
         back_ops = 2 * ops_time
     else:

@@ -25,13 +25,77 @@ bf16 casts                  2 each   2 each    each RMSNorm and RoPE call casts 
                                                back (tests/test_bf16_casts.py)
 ==========================  =======  ========  ==============================================
 
+A mixture-of-experts block (``tessera.moe.MoEFeedForward`` in place of the SwiGLU MLP;
+:func:`eager_moe_block`) is the dense block less its MLP's GEMMs, activation and fork, plus the
+MoE layer's ops, counted the same way, for E_r = E/ep experts on the rank:
+
+==========================  =======  ========  ==============================================
+part                        forward  backward  ops
+==========================  =======  ========  ==============================================
+router                      5        6         GEMM, softmax, top-k, the gates' gather, the
+                                               keep mask; back: the GEMM's 2, softmax, the
+                                               gather's zeros and scatter_add, the layer
+                                               input's fork (router and rows)
+top-k > 1                   2        7         the gates renormalized (sum, divide); back:
+                                               the division's 5, the sum, a fork
+dispatch                    10       2         assignment → token index (arange, a copy),
+                                               nonzero, the stable sort and its 3 gathers,
+                                               bincount, the rows' token index and gather;
+                                               back: the gather's zeros and index_put
+each of the E_r experts     5        16        3 GEMMs, silu, product; back: the GEMMs' 6,
+                                               silu's and the product's 3, each weight's
+                                               slice (select_backward) and sum into the
+                                               stacked gradient (3 each), the input's fork
+experts (once)              1        -2        the outputs' cat; back: the split's cat, and
+                                               the first expert's 3 sums not run
+combine                     4        6         the gate's gather, zeros, the gated product,
+                                               index_add; back: index_select, the product's
+                                               2 and sum, the gate gather's zeros, index_put
+auxiliary losses            16       0         always computed: one_hot (min/max, 2 host
+                                               reads, zeros, scatter), the shares, mean
+                                               probabilities and their product, z-loss
+attached to the loss        3        16        a load-balancing or z-loss coefficient > 0:
+                                               the weighted sum; back: both losses' graphs
+load statistics             9        0         training: bincount, a cast, the counters'
+                                               2 adds, the dropped count (not, sum) and 3
+                                               host reads (it and the two losses)
+capacity (C > 0)            11       0         one_hot (5), its transposed copy, cumsum,
+                                               the positions (mul, sum), the mask and its
+                                               copy
+router bias                 1        0         the balancing bias's add (selects only)
+shared expert               5 + 1    10 + 1    the dense block's SwiGLU MLP and the add;
+                                               back: the MLP's and the input's fork
+bf16 casts                  3        3         the input and router weight up, gates down
+expert parallel (ep > 1)    8 + 4E   3         the counts' sums, the arrival offsets
+                                               (cumsum, subtract), per expert and source rank
+                                               two host reads, an add and an arange; the
+                                               index's cat, the arrivals' gather, the sizes'
+                                               sum, index_copy back; back: index_select, the
+                                               gather's zeros and index_put
+==========================  =======  ========  ==============================================
+
+The experts' loop runs every expert whatever its rows (an expert with none dispatches its ops
+on empty tensors), so the count does not depend on the routing; the planner assumes what a
+realistic batch gives on a GPU, every expert receiving tokens (an empty GEMM may launch
+nothing there). Nor does it grow with k: the k·T assignments travel in the same ops. Not
+counted: the all-to-alls (priced as communication, ``planner.moe``); allocations
+(``new_empty``, ``empty_like``); with ``parallel.ep_alltoall`` 'pairwise', each exchange's
+copy of its own block (3 forward, 2 backward); on a GPU, the device-to-host copies a CPU run
+does not dispatch (``counts.tolist()``, the statistics' ``.cpu()``; under ep the other split
+sizes' and the index's copy to the device). A replay under full recomputation skips the
+statistics' 9 but is priced as the forward. The host reads (``_local_scalar_dense``: 5, 7
+with capacity, 2·E more under ep) each synchronize the host with the device, which the floor
+(asynchronous launches) does not model.
+
 Compiled ('compiled', and 'fused' for the fused kernels of Megatron-LM and Llama 3's
 training): the GEMMs and the attention kernel stay (extern kernels), and torch.compile's
 inductor fuses each run of memory-bound work between two of them into one kernel, which
 reads its inputs once and writes its outputs once (2 passes over the bytes it touches:
 ``Hardware.compiled_elementwise_passes``). A block has five such runs forward: the attention
 norm, the RoPE of q and k, the residual add with the MLP norm, the MLP activation, the last
-residual add; backward the same five and one reduction per norm weight.
+residual add; backward the same five and one reduction per norm weight. A compiled MoE block
+is counted as a dense one (:func:`block_kernels`), though tessera's compile leaves
+``MoEFeedForward`` eager (a graph break, docs/compile.md): its count there is a floor.
 
 Per step, outside the blocks (:func:`step_kernels`, checked the same way against tessera's
 ``Executor.clip_grad_norm_`` and its optimizer's ``zero_grad`` and ``step``, with AdamW as it
@@ -143,6 +207,62 @@ def eager_block(spec: ModelSpec, precision: str = "bf16") -> Kernels:
     return Kernels(forward, backward)
 
 
+MOE_ROUTER = (5, 6)
+MOE_TOP_K = (2, 7)
+"""The gates' renormalization where k > 1."""
+MOE_DISPATCH = (10, 2)
+MOE_EXPERT = (5, 16)
+"""Per expert held on the rank."""
+MOE_EXPERTS_ONCE = (1, 1 - 3)
+"""The outputs' cat and the split's; the first expert's three gradient sums not run."""
+MOE_COMBINE = (4, 6)
+MOE_AUX = (16, 0)
+"""The auxiliary losses, computed whatever their coefficients."""
+MOE_AUX_ATTACHED = (3, 16)
+"""A load-balancing or z-loss coefficient > 0: the losses' sum, and their backward."""
+MOE_STATS = (9, 0)
+MOE_CAPACITY = (11, 0)
+MOE_ROUTER_BIAS = (1, 0)
+MOE_SHARED_ADD = (1, 1)
+"""The shared expert's output added (and the input's fork), beside its MLP's kernels."""
+MOE_CASTS = (3, 3)
+"""bf16: the input and the router weight cast up to fp32, the gates down."""
+MOE_EP_ONCE = (8, 3)
+MOE_EP_PER_EXPERT = 4
+"""ep > 1, per expert of the whole layer (each held expert from each source rank)."""
+
+
+def _mlp(spec: ModelSpec) -> Kernels:
+    """The dense MLP's kernels in :func:`eager_block`: its GEMMs, activation, input's fork."""
+    af, ab = ACTIVATION[spec.mlp_matrices == 3]
+    m = spec.mlp_matrices
+    return Kernels(m + af, 2 * m + (m if spec.bias else 0) + ab + m - 2)
+
+
+def eager_moe_block(spec: ModelSpec, precision: str = "bf16") -> Kernels:
+    """Kernels of one eager mixture-of-experts block (``spec.moe``), forward and backward: the
+    dense block's without its MLP, plus the MoE layer's (module doc's second table), with
+    ``spec.moe.experts / spec.moe.ep`` experts on the rank, each receiving tokens."""
+    moe = spec.moe
+    if moe is None:
+        raise ValueError(f"{spec.name} has no MoE blocks")
+    held = moe.experts // moe.ep
+    parts = [MOE_ROUTER, MOE_DISPATCH, (held * MOE_EXPERT[0], held * MOE_EXPERT[1]),
+             MOE_EXPERTS_ONCE, MOE_COMBINE, MOE_AUX, MOE_STATS]
+    parts += [MOE_TOP_K] if moe.top_k > 1 else []
+    parts += [MOE_AUX_ATTACHED] if moe.aux_losses else []
+    parts += [MOE_CAPACITY] if moe.capacity else []
+    parts += [MOE_ROUTER_BIAS] if moe.router_bias else []
+    parts += [MOE_CASTS] if precision != "fp32" else []
+    if moe.ep > 1:
+        parts += [MOE_EP_ONCE, (MOE_EP_PER_EXPERT * moe.experts, 0)]
+    layer = sum((Kernels(*p) for p in parts), Kernels(0, 0))
+    if moe.shared:
+        layer += _mlp(spec) + Kernels(*MOE_SHARED_ADD)
+    dense, mlp = eager_block(spec, precision), _mlp(spec)
+    return Kernels(dense.forward - mlp.forward, dense.backward - mlp.backward) + layer
+
+
 def compiled_block(spec: ModelSpec) -> Kernels:
     """Kernels of one compiled (or hand-fused) block: its GEMMs and attention, and one kernel
     per fused memory-bound run (module doc)."""
@@ -168,9 +288,13 @@ EMBEDDING = Kernels(1, 1)
 """The lookup; back: embedding_dense_backward."""
 
 
-def block_kernels(spec: ModelSpec, precision: str, kernels: str) -> Kernels:
-    """One block's kernels under ``Workload.kernels``: 'tessera' eager, else compiled."""
-    return eager_block(spec, precision) if kernels == "tessera" else compiled_block(spec)
+def block_kernels(spec: ModelSpec, precision: str, kernels: str, moe: bool = False) -> Kernels:
+    """One block's kernels under ``Workload.kernels``: 'tessera' eager, else compiled; `moe`:
+    one of the model's MoE blocks (``spec.moe``), counted as such when eager (compiled: as a
+    dense block, module doc)."""
+    if kernels != "tessera":
+        return compiled_block(spec)
+    return eager_moe_block(spec, precision) if moe else eager_block(spec, precision)
 
 
 def launch_floor(launch_us: float, count: int) -> float:

@@ -55,6 +55,18 @@ class MoEBlocks:
     """The tensor-parallel degree whose ranks each hold every MoE block whole, without a
     tensor-parallel collective for its MLP (``planner.moe.moe_tp``); 1: split over tp like a
     dense MLP."""
+    top_k: int = 1
+    shared: bool = False
+    """A shared expert every token goes through."""
+    capacity: bool = False
+    """A capacity factor drops assignments (0: dropless)."""
+    aux_losses: bool = True
+    """The auxiliary losses enter the backward (a load-balancing or z-loss coefficient > 0)."""
+    router_bias: bool = False
+    """DeepSeek-V3's balancing bias selects the experts."""
+    ep: int = 1
+    """Expert-parallel degree: each rank holds experts/ep of every MoE block. These six set an
+    eager MoE block's kernels (``kernels.eager_moe_block``)."""
 
     def count(self, start: int, n: int) -> int:
         """MoE blocks among blocks start, ..., start + n − 1."""

@@ -13,9 +13,11 @@ priced here in two parts:
    tensor-parallel collectives only; other engines' MoE is priced split over tp like a dense
    MLP, with its collectives (:func:`moe_tp`). The active model knows which blocks are MoE
    (``ModelSpec.moe``): each chunk counts its own MoE blocks' router GEMM (2·E·h FLOPs per
-   token forward, twice that backward, on every tp rank) and collectives
-   (``compute.block_costs``); its model FLOPs (MFU) are the model's own, router included, as
-   ``tessera.model.flops_per_token`` counts them;
+   token forward, twice that backward, on every tp rank), collectives and eager kernels
+   (``compute.block_costs``; the launch floor's ``kernels.eager_moe_block`` counts E/ep
+   experts on a rank, so :func:`rank_ep_layouts` estimates each ep apart); its model FLOPs
+   (MFU) are the model's own, router included, as ``tessera.model.flops_per_token`` counts
+   them;
 2. **MoE terms** (:func:`moe_terms`), added on top:
 
    - expert memory: each rank holds E/ep experts of its stage's MoE layers whole, 3·h·f_e
@@ -70,6 +72,10 @@ class MoESpec:
     """The shared expert's inner size (0: none)."""
     capacity_factor: float = 0.0
     """0: dropless (each token sent k times); C: at most C·k copies per token on average."""
+    aux_losses: bool = True
+    """A load-balancing or z-loss coefficient > 0: the losses enter the backward."""
+    router_bias: bool = False
+    """DeepSeek-V3's balancing bias (a router bias rate > 0)."""
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> MoESpec | None:
@@ -78,7 +84,9 @@ class MoESpec:
         return cls(experts=cfg.moe_experts, top_k=cfg.moe_top_k, every=cfg.moe_every,
                    expert_hidden=cfg.moe_hidden,
                    shared_hidden=cfg.ffn_hidden if cfg.moe_shared_expert else 0,
-                   capacity_factor=cfg.moe_capacity_factor)
+                   capacity_factor=cfg.moe_capacity_factor,
+                   aux_losses=cfg.moe_aux_loss_coef > 0 or cfg.moe_z_loss_coef > 0,
+                   router_bias=cfg.moe_router_bias_rate > 0)
 
     def moe_layers(self, layers: int) -> int:
         return layers // self.every
@@ -98,21 +106,24 @@ def moe_tp(w: Workload, tp: int) -> int:
     return tp if w.tessera_engine else 1
 
 
-def active_spec(spec: ModelSpec, moe: MoESpec, tp: int = 1) -> ModelSpec:
+def active_spec(spec: ModelSpec, moe: MoESpec, tp: int = 1, ep: int = 1) -> ModelSpec:
     """The dense model that computes, per tensor-parallel rank, what one token of the MoE model
     computes: MoE layers' MLPs k·f_e (+ shared) wide on each of `tp` ranks (``moe_tp``: held
     whole on each; 1: split over tp like the dense MLPs), averaged over the layers with the
     dense ones (the planner's blocks are uniform). Its ffn_hidden is tp × the rank's width, a
     multiple of tp, so that the dense estimate's 1/tp split leaves each rank that width. Its
     ``moe`` (:class:`~tessera.planner.models.MoEBlocks`) says which blocks are MoE, for what
-    differs by block: their router GEMM and tensor-parallel collectives (``compute``), and the
-    model FLOPs (the model's own, not this per-rank width)."""
+    differs by block: their router GEMM, tensor-parallel collectives and eager kernels (with
+    E/`ep` experts on a rank: ``compute``), and the model FLOPs (the model's own, not this
+    per-rank width)."""
     moe_ffn = moe.top_k * moe.expert_hidden + moe.shared_hidden
     moe_layers = moe.moe_layers(spec.layers)
     per_rank = ((spec.layers - moe_layers) * spec.ffn_hidden / tp + moe_layers * moe_ffn
                 ) / spec.layers
     blocks = MoEBlocks(every=moe.every, experts=moe.experts, dense_ffn=spec.ffn_hidden,
-                       moe_ffn=moe_ffn, whole_tp=tp)
+                       moe_ffn=moe_ffn, whole_tp=tp, top_k=moe.top_k,
+                       shared=moe.shared_hidden > 0, capacity=moe.capacity_factor > 0,
+                       aux_losses=moe.aux_losses, router_bias=moe.router_bias, ep=ep)
     return dataclasses.replace(spec, name=f"{spec.name} (active)", ffn_hidden=tp * round(per_rank),
                                moe=blocks)
 
@@ -177,8 +188,9 @@ def active_workload(w: Workload, L: Layout, cfg: Config) -> tuple[Workload, MoET
     moe = MoESpec.from_model_config(cfg.model)
     if moe is None:
         return w, None
-    terms = moe_terms(w, L, w.model, moe, cfg.parallel.ep)
-    return dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, L.tp))), terms
+    ep = cfg.parallel.ep
+    terms = moe_terms(w, L, w.model, moe, ep)
+    return dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, L.tp), ep)), terms
 
 
 @dataclass(frozen=True)
@@ -230,21 +242,21 @@ def ep_degrees(dp: int, experts: int) -> list[int]:
 
 def rank_ep_layouts(w: Workload, moe: MoESpec, layouts: Iterable[Layout]) -> list[EPPlan]:
     """Every (layout, ep) with ep dividing dp and E, priced as the active model's estimate
-    plus the MoE terms; fitting layouts first, then by predicted step time. Layouts the
-    estimate refuses (PlanError, ConfigError) and those tessera's rules refuse for a mixture
-    of experts (:func:`refusal`) are skipped."""
+    (its MoE blocks' kernels with E/ep experts on a rank) plus the MoE terms; fitting layouts
+    first, then by predicted step time. Layouts the estimate refuses (PlanError, ConfigError)
+    and those tessera's rules refuse for a mixture of experts (:func:`refusal`) are skipped."""
     from tessera.errors import ConfigError
     from tessera.planner.estimate import PlanError, estimate
 
     plans = []
     capacity = w.hardware.memory_bytes
     for L in layouts:
-        active = dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, L.tp)))
-        try:
-            est = estimate(active, L)
-        except (PlanError, ConfigError):
-            continue
         for ep in ep_degrees(L.dp, moe.experts):
+            active = dataclasses.replace(w, model=active_spec(w.model, moe, moe_tp(w, L.tp), ep))
+            try:
+                est = estimate(active, L)
+            except (PlanError, ConfigError):
+                continue
             if refusal(w, active, L, moe, ep) is not None:
                 continue
             t = moe_terms(w, L, w.model, moe, ep)
