@@ -83,11 +83,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (S, h): rows grouped by held expert, counts[e] rows for held expert e -> (S, h).
-        Every expert's weights enter the graph (an expert with no rows gets a zero gradient)."""
+        Every expert's weights enter the graph (an expert with no rows gets a zero gradient).
+        The stacks are unbound once: the backward stacks the E slices' gradients into one
+        tensor per weight, where indexing each slice would write a zero-filled (E, ...)
+        gradient per expert and sum E of them."""
+        w1, w3, w2 = self.w1.unbind(), self.w3.unbind(), self.w2.unbind()
         outs = []
         for e, xe in enumerate(x.split(counts)):  # xe (S_e, h)
-            hidden = F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])  # (S_e, f)
-            outs.append(hidden @ self.w2[e])  # (S_e, h)
+            hidden = F.silu(xe @ w1[e]) * (xe @ w3[e])  # (S_e, f)
+            outs.append(hidden @ w2[e])  # (S_e, h)
         return torch.cat(outs)
 
 

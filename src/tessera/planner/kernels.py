@@ -42,12 +42,10 @@ dispatch                    10       2         assignment → token index (arang
                                                nonzero, the stable sort and its 3 gathers,
                                                bincount, the rows' token index and gather;
                                                back: the gather's zeros and index_put
-each of the E_r experts     5        16        3 GEMMs, silu, product; back: the GEMMs' 6,
-                                               silu's and the product's 3, each weight's
-                                               slice (select_backward) and sum into the
-                                               stacked gradient (3 each), the input's fork
-experts (once)              1        -2        the outputs' cat; back: the split's cat, and
-                                               the first expert's 3 sums not run
+each of the E_r experts     5        10        3 GEMMs, silu, product; back: the GEMMs' 6,
+                                               silu's and the product's 3, the input's fork
+experts (once)              1        4         the outputs' cat; back: the split's cat, and
+                                               the 3 stacks of the unbound weights' slices
 combine                     4        6         the gate's gather, zeros, the gated product,
                                                index_add; back: index_select, the product's
                                                2 and sum, the gate gather's zeros, index_put
@@ -211,10 +209,10 @@ MOE_ROUTER = (5, 6)
 MOE_TOP_K = (2, 7)
 """The gates' renormalization where k > 1."""
 MOE_DISPATCH = (10, 2)
-MOE_EXPERT = (5, 16)
+MOE_EXPERT = (5, 10)
 """Per expert held on the rank."""
-MOE_EXPERTS_ONCE = (1, 1 - 3)
-"""The outputs' cat and the split's; the first expert's three gradient sums not run."""
+MOE_EXPERTS_ONCE = (1, 1 + 3)
+"""The outputs' cat and the split's; the three weights' slices stacked into their gradients."""
 MOE_COMBINE = (4, 6)
 MOE_AUX = (16, 0)
 """The auxiliary losses, computed whatever their coefficients."""
