@@ -14,6 +14,8 @@ and the chunked loss's logits.
 - The data-parallel wrapper's kernels inside the backward (flat units' accumulation and
   division, ZeRO-2's flattening, DataParallel's bucket copies) equal the ops a CPU run
   dispatches beyond the blocks', and floor the launch-bound demo's backward.
+- The parameter server's kernels (its messages packed and unpacked, the server's sum, reply and
+  serving) equal the ops each rank dispatches.
 - kernels='compiled' launches fewer kernels and prices fused memory-bound passes.
 - train.loss_chunk_tokens: the last chunk holds one chunk's logits, not the micro-batch's.
 """
@@ -462,3 +464,89 @@ def test_hook_kernels_floor_the_launch_bound_demo_backward(monkeypatch):
     assert with_hooks - fresh() == pytest.approx(hooks * LAUNCH_US_GPU * 1e-6, rel=1e-4)
     monkeypatch.undo()
     fresh()
+
+
+# ---------------------------------------------------------------------------------------------
+# The parameter server's kernels: its messages packed and unpacked, the server's sum and reply.
+
+PS_LAYERS = (2, 3)
+"""Depths (9 parameter tensors a block): a count that does not grow with the tensors fails."""
+
+
+def _ps_config(dp: int, layers: int, mode: str):
+    return make_config("tiny", model=dict(n_layers=layers), parallel=dict(dp=dp, dp_mode=mode),
+                       train=dict(micro_batch_size=1, grad_accum=1, precision="fp32",
+                                  noise_scale=False))
+
+
+def _counted(method, into: StepOps):
+    """`method`, its dispatched ops counted in `into`."""
+    def run(*args, **kwargs):
+        with into:
+            return method(*args, **kwargs)
+    return run
+
+
+def _ps_step_ops(cfg) -> tuple[int, int, int]:
+    """This rank's ops in a step's exchange, the server's reply and its serving less the updates
+    it applies (their clipping and AdamW: the optimizer's step), after a warm-up step; the
+    server's packing of its own push (0 on a worker); the parameter tensors."""
+    from tessera.step import build_executor
+    from tessera.topology import Topology
+
+    ex = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+    opt = ex.optimizer(cfg.train)
+    sync, ps = ex.model.server, ex.model.server.ps
+    ops, applied, packed = StepOps(), StepOps(), StepOps()
+    sync.exchange = _counted(sync.exchange, ops)
+    ps.send_parameters = _counted(ps.send_parameters, ops)
+    ps._pack_push = _counted(ps._pack_push, packed)
+    serve = ps.serve
+    # nested modes: the outer one sees the ops the inner one passes on
+    ps.serve = _counted(lambda apply, norm: serve(_counted(apply, applied), norm), ops)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1))
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    for _ in range(2):
+        for each in (ops, applied, packed):
+            each.ops.clear()
+        opt.zero_grad(set_to_none=True)
+        ex.forward_backward(batch)
+        ex.clip_grad_norm_(1e-6)
+        opt.step()
+    return ops.total - applied.total, packed.total if ps.is_server else 0, len(ps.params)
+
+
+def _ps_ops(dp: int) -> list[tuple[int, int, int]]:
+    """On a gloo rank of a parameter server's group of `dp`: :func:`_ps_step_ops` for 'ps' and
+    'ps-async' at each of PS_LAYERS."""
+    return [_ps_step_ops(_ps_config(dp, layers, mode))
+            for mode in ("ps", "ps-async") for layers in PS_LAYERS]
+
+
+@pytest.mark.multiprocess
+def test_parameter_server_kernels_match_dispatched_ops():
+    """``parameter_server_kernels`` equals the ops each rank of a parameter server (synchronous
+    and asynchronous, 2 and 3 ranks, at two depths) dispatches in its exchange and the server's
+    reply and serving, outside the server's optimizer steps; the synchronous step's critical
+    path (``parameter_server_step_kernels``) is a worker's ops and the server's, less the
+    server's packing of its own push (done while the workers pack theirs). A count not
+    multiplied by the tensors, or by the dp − 1 pushes the server sums or serves, fails."""
+    from tessera.testing import run_ranks
+
+    for dp in (2, 3):
+        ranks = run_ranks(_ps_ops, dp, args=(dp,))
+        cases = [(mode, layers) for mode in ("ps", "ps-async") for layers in PS_LAYERS]
+        for i, (mode, layers) in enumerate(cases):
+            asynchronous = mode == "ps-async"
+            tensors = ranks[0][i][2]
+            assert tensors == 9 * layers + 3  # 9 a block, embedding, final norm, head
+            for rank, counts in enumerate(ranks):
+                got = counts[i][0]
+                assert got == K.parameter_server_kernels(
+                    tensors, dp, server=rank == 0, asynchronous=asynchronous), (
+                    dp, mode, layers, rank, got)
+            if not asynchronous:
+                server, own_push = ranks[0][i][:2]
+                assert K.parameter_server_step_kernels(tensors, dp, asynchronous=False) == (
+                    ranks[1][i][0] + server - own_push)
+
