@@ -15,7 +15,7 @@ and the chunked loss's logits.
   division, ZeRO-2's flattening, DataParallel's bucket copies) equal the ops a CPU run
   dispatches beyond the blocks', and floor the launch-bound demo's backward.
 - The parameter server's kernels (its messages packed and unpacked, the server's sum, reply and
-  serving) equal the ops each rank dispatches.
+  serving) equal the ops each rank dispatches, and their launches are priced with its exchange.
 - kernels='compiled' launches fewer kernels and prices fused memory-bound passes.
 - train.loss_chunk_tokens: the last chunk holds one chunk's logits, not the micro-batch's.
 """
@@ -547,6 +547,49 @@ def test_parameter_server_kernels_match_dispatched_ops():
                     dp, mode, layers, rank, got)
             if not asynchronous:
                 server, own_push = ranks[0][i][:2]
-                assert K.parameter_server_step_kernels(tensors, dp, asynchronous=False) == (
+                assert K.parameter_server_step_kernels(tensors, dp) == (
                     ranks[1][i][0] + server - own_push)
 
+
+def test_parameter_server_and_ddp_copies_are_priced_where_they_run():
+    """The demo in fp32 at dp 2 on an H100 (launch-bound): a synchronous parameter server's step
+    waits, after the backward, for the launches of ``parameter_server_step_kernels`` (131 for
+    its 39 tensors); an asynchronous one for the longer of the server's serving (an exchange,
+    an update, PS_SERVE_OPS launches) and a worker's loop (its norm, push and pull's kernels,
+    then its push served), here the worker's; and DataParallel's copy of each fresh gradient
+    into its bucket (one per tensor) floors the all-reduce layout's backward, where a
+    parameter server's backward has no hooks. A count left out of either (DataParallel's copies
+    unfloored, the server's or a worker's packing unpriced) fails."""
+    from tessera.planner import cost
+    from tessera.planner.comm import p2p_link
+    from tessera.planner.local.terms import rank_skew
+
+    h100 = load_hardware("H100")
+    layouts = {}
+    for mode in ("allreduce", "ps", "ps-async"):
+        cfg = make_config("demo", parallel=dict(dp=2, dp_mode=mode),
+                          train=dict(precision="fp32", micro_batch_size=8, grad_accum=1))
+        layouts[mode] = planner_workload(cfg, 2, h100)
+    costs = {mode: cost.layout_costs(*layouts[mode]) for mode in layouts}
+    tensors = sum(ch.tensors for ch in costs["ps"].chunks)
+    assert tensors == 39
+    launch = LAUNCH_US_GPU * 1e-6
+    sync = K.parameter_server_step_kernels(tensors, 2)
+    assert sync == 3 * 39 + 1 + 9 + 2
+    # the server's one exchange (S + P + 2 values pushed, S + 3 pulled, fp32); no straggler on a
+    # catalog GPU: the synchronous time is the exchange and the launches
+    link = p2p_link(h100, 2)
+    S = sum(ch.params for ch in costs["ps"].chunks)
+    exchange = 2 * link.alpha + 4 * ((S + tensors + 2) + (S + 3)) * link.beta
+    assert rank_skew(layouts["ps"][0], 2, 1.0) == 0.0
+    assert costs["ps"].ps_time == pytest.approx(exchange + sync * launch)
+    worker = K.parameter_server_kernels(tensors, 2, server=False, asynchronous=True)
+    served = exchange + K.PS_SERVE_OPS * launch
+    optimizer = costs["ps-async"].optimizer_time
+    assert worker * launch > optimizer  # the worker's loop is the longer
+    assert costs["ps-async"].ps_time == pytest.approx(worker * launch + served)
+    # One micro-batch: the backward's hooks are DataParallel's copies alone. rel 1e-9: sums of
+    # launch-bound stretches in float, each the same launches.
+    backward = {mode: sum(ch.backward_compute for ch in costs[mode].chunks)
+                for mode in ("allreduce", "ps")}
+    assert backward["allreduce"] - backward["ps"] == pytest.approx(tensors * launch, rel=1e-9)

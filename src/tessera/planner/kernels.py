@@ -79,9 +79,10 @@ these launches. The collectives (ZeRO-1/2's all-gather after the step, the norm'
 all-reduce) are priced as communication. The data-parallel wrappers' kernels inside the
 backward (:func:`backward_hook_kernels`: accumulation into flat buffers, ZeRO's per-unit
 division or flattening) join the launch floor of the backward that runs them
-(``compute.compute_chunks``); DataParallel's bucket copies are counted (``ddp``) but not
-floored (``cost.chunk_costs``: the parameter server's own copies, counted by
-:func:`parameter_server_kernels`, are unpriced).
+(``compute.compute_chunks``), DataParallel's copies of each fresh gradient into its bucket
+(``ddp``) among them. The parameter server's per-tensor copies, outside the backward
+(:func:`parameter_server_kernels`: the push packed, the pull unpacked, the server's sum and
+reply), are priced with its exchange after the backward (``cost._parameter_server_time``).
 
 Launches: an eager step's host issues each kernel (the Python call, autograd's graph, the
 dispatcher, the launch) while an asynchronous device runs the kernels queued before it, so a
@@ -289,14 +290,12 @@ def parameter_server_kernels(tensors: int, dp: int, *, server: bool,
             + (PS_WORKER_NORM_OPS if asynchronous else 0))
 
 
-def parameter_server_step_kernels(tensors: int, dp: int, *, asynchronous: bool) -> int:
-    """The kernels of :func:`parameter_server_kernels` that a step waits for, one after another
-    after the backward. Synchronous: a worker's push packed (the server packs its own at the
-    same time), the server's sum and reply, the worker's pull unpacked. Asynchronous: the
-    server's dp − 1 pushes served in turn (a worker packs and unpacks its own while the server
-    serves the others)."""
-    if asynchronous:
-        return (dp - 1) * PS_SERVE_OPS
+def parameter_server_step_kernels(tensors: int, dp: int) -> int:
+    """The kernels of a synchronous parameter server's :func:`parameter_server_kernels` that a
+    step waits for, one after another after the backward: a worker's push packed (the server
+    packs its own at the same time), the server's sum and reply, the worker's pull unpacked.
+    (Asynchronous, the server serves the pushes in turn while the workers pack and unpack their
+    own: ``cost._parameter_server_time`` takes the longer of the two.)"""
     return _ps_push(tensors) + _ps_sum(dp) + PS_PULL_TENSOR_OPS * tensors
 
 
