@@ -15,6 +15,8 @@ and the chunked loss's logits.
 - The data-parallel wrapper's kernels inside the backward (flat units' accumulation and
   division, ZeRO-2's flattening, DataParallel's bucket copies) equal the ops a CPU run
   dispatches beyond the blocks', and floor the launch-bound demo's backward.
+- The parameter server's kernels (its messages packed and unpacked, the server's sum, reply and
+  serving) equal the ops each rank dispatches, and their launches are priced with its exchange.
 - kernels='compiled' launches fewer kernels and prices fused memory-bound passes.
 - train.loss_chunk_tokens: the last chunk holds one chunk's logits, not the micro-batch's.
 """
@@ -548,3 +550,132 @@ def test_hook_kernels_floor_the_launch_bound_demo_backward(monkeypatch):
     assert with_hooks - fresh() == pytest.approx(hooks * LAUNCH_US_GPU * 1e-6, rel=1e-4)
     monkeypatch.undo()
     fresh()
+
+
+# ---------------------------------------------------------------------------------------------
+# The parameter server's kernels: its messages packed and unpacked, the server's sum and reply.
+
+PS_LAYERS = (2, 3)
+"""Depths (9 parameter tensors a block): a count that does not grow with the tensors fails."""
+
+
+def _ps_config(dp: int, layers: int, mode: str):
+    return make_config("tiny", model=dict(n_layers=layers), parallel=dict(dp=dp, dp_mode=mode),
+                       train=dict(micro_batch_size=1, grad_accum=1, precision="fp32",
+                                  noise_scale=False))
+
+
+def _counted(method, into: StepOps):
+    """`method`, its dispatched ops counted in `into`."""
+    def run(*args, **kwargs):
+        with into:
+            return method(*args, **kwargs)
+    return run
+
+
+def _ps_step_ops(cfg) -> tuple[int, int, int]:
+    """This rank's ops in a step's exchange, the server's reply and its serving less the updates
+    it applies (their clipping and AdamW: the optimizer's step), after a warm-up step; the
+    server's packing of its own push (0 on a worker); the parameter tensors."""
+    from tessera.step import build_executor
+    from tessera.topology import Topology
+
+    ex = build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu"))
+    opt = ex.optimizer(cfg.train)
+    sync, ps = ex.model.server, ex.model.server.ps
+    ops, applied, packed = StepOps(), StepOps(), StepOps()
+    sync.exchange = _counted(sync.exchange, ops)
+    ps.send_parameters = _counted(ps.send_parameters, ops)
+    ps._pack_push = _counted(ps._pack_push, packed)
+    serve = ps.serve
+    # nested modes: the outer one sees the ops the inner one passes on
+    ps.serve = _counted(lambda apply, norm: serve(_counted(apply, applied), norm), ops)
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1))
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    for _ in range(2):
+        for each in (ops, applied, packed):
+            each.ops.clear()
+        opt.zero_grad(set_to_none=True)
+        ex.forward_backward(batch)
+        ex.clip_grad_norm_(1e-6)
+        opt.step()
+    return ops.total - applied.total, packed.total if ps.is_server else 0, len(ps.params)
+
+
+def _ps_ops(dp: int) -> list[tuple[int, int, int]]:
+    """On a gloo rank of a parameter server's group of `dp`: :func:`_ps_step_ops` for 'ps' and
+    'ps-async' at each of PS_LAYERS."""
+    return [_ps_step_ops(_ps_config(dp, layers, mode))
+            for mode in ("ps", "ps-async") for layers in PS_LAYERS]
+
+
+@pytest.mark.multiprocess
+def test_parameter_server_kernels_match_dispatched_ops():
+    """``parameter_server_kernels`` equals the ops each rank of a parameter server (synchronous
+    and asynchronous, 2 and 3 ranks, at two depths) dispatches in its exchange and the server's
+    reply and serving, outside the server's optimizer steps; the synchronous step's critical
+    path (``parameter_server_step_kernels``) is a worker's ops and the server's, less the
+    server's packing of its own push (done while the workers pack theirs). A count not
+    multiplied by the tensors, or by the dp − 1 pushes the server sums or serves, fails."""
+    from tessera.testing import run_ranks
+
+    for dp in (2, 3):
+        ranks = run_ranks(_ps_ops, dp, args=(dp,))
+        cases = [(mode, layers) for mode in ("ps", "ps-async") for layers in PS_LAYERS]
+        for i, (mode, layers) in enumerate(cases):
+            asynchronous = mode == "ps-async"
+            tensors = ranks[0][i][2]
+            assert tensors == 9 * layers + 3  # 9 a block, embedding, final norm, head
+            for rank, counts in enumerate(ranks):
+                got = counts[i][0]
+                assert got == K.parameter_server_kernels(
+                    tensors, dp, server=rank == 0, asynchronous=asynchronous), (
+                    dp, mode, layers, rank, got)
+            if not asynchronous:
+                server, own_push = ranks[0][i][:2]
+                assert K.parameter_server_step_kernels(tensors, dp) == (
+                    ranks[1][i][0] + server - own_push)
+
+
+def test_parameter_server_and_ddp_copies_are_priced_where_they_run():
+    """The demo in fp32 at dp 2 on an H100 (launch-bound): a synchronous parameter server's step
+    waits, after the backward, for the launches of ``parameter_server_step_kernels`` (131 for
+    its 39 tensors); an asynchronous one for the longer of the server's serving (an exchange,
+    an update, PS_SERVE_OPS launches) and a worker's loop (its norm, push and pull's kernels,
+    then its push served), here the worker's; and DataParallel's copy of each fresh gradient
+    into its bucket (one per tensor) floors the all-reduce layout's backward, where a
+    parameter server's backward has no hooks. A count left out of either (DataParallel's copies
+    unfloored, the server's or a worker's packing unpriced) fails."""
+    from tessera.planner import cost
+    from tessera.planner.comm import p2p_link
+    from tessera.planner.local.terms import rank_skew
+
+    h100 = load_hardware("H100")
+    layouts = {}
+    for mode in ("allreduce", "ps", "ps-async"):
+        cfg = make_config("demo", parallel=dict(dp=2, dp_mode=mode),
+                          train=dict(precision="fp32", micro_batch_size=8, grad_accum=1))
+        layouts[mode] = planner_workload(cfg, 2, h100)
+    costs = {mode: cost.layout_costs(*layouts[mode]) for mode in layouts}
+    tensors = sum(ch.tensors for ch in costs["ps"].chunks)
+    assert tensors == 39
+    launch = LAUNCH_US_GPU * 1e-6
+    sync = K.parameter_server_step_kernels(tensors, 2)
+    assert sync == 3 * 39 + 1 + 9 + 2
+    # the server's one exchange (S + P + 2 values pushed, S + 3 pulled, fp32); no straggler on a
+    # catalog GPU: the synchronous time is the exchange and the launches
+    link = p2p_link(h100, 2)
+    S = sum(ch.params for ch in costs["ps"].chunks)
+    exchange = 2 * link.alpha + 4 * ((S + tensors + 2) + (S + 3)) * link.beta
+    assert rank_skew(layouts["ps"][0], 2, 1.0) == 0.0
+    assert costs["ps"].ps_time == pytest.approx(exchange + sync * launch)
+    worker = K.parameter_server_kernels(tensors, 2, server=False, asynchronous=True)
+    served = exchange + K.PS_SERVE_OPS * launch
+    optimizer = costs["ps-async"].optimizer_time
+    assert worker * launch > optimizer  # the worker's loop is the longer
+    assert costs["ps-async"].ps_time == pytest.approx(worker * launch + served)
+    # One micro-batch: the backward's hooks are DataParallel's copies alone. rel 1e-9: sums of
+    # launch-bound stretches in float, each the same launches.
+    backward = {mode: sum(ch.backward_compute for ch in costs[mode].chunks)
+                for mode in ("allreduce", "ps")}
+    assert backward["allreduce"] - backward["ps"] == pytest.approx(tensors * launch, rel=1e-9)

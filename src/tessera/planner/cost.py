@@ -43,7 +43,13 @@ from tessera.planner.comm import (
     scalar_sync_times,
 )
 from tessera.planner.compute import ChunkCosts, ChunkList, compute_chunks, hidden_state_bytes
-from tessera.planner.kernels import Hooks
+from tessera.planner.kernels import (
+    PS_SERVE_OPS,
+    Hooks,
+    launch_floor,
+    parameter_server_kernels,
+    parameter_server_step_kernels,
+)
 from tessera.planner.local.terms import local_terms, rank_skew, zero_unit_work
 from tessera.planner.models import ModelSpec
 from tessera.planner.pipeline import head_apart, rank_chunks
@@ -120,7 +126,14 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
     server receives N−1 pushes of (S + P + 2) fp32 values and sends N−1 pulls of (S + 3), one
     message at a time over its own link (S parameter elements, P tensors, N = dp). Synchronous:
     after the slowest replica's backward. Asynchronous: nobody waits for the slowest, but the
-    server also applies each of the N−1 gradients it serves (N−1 more optimizer steps)."""
+    server also applies each of the N−1 gradients it serves (N−1 more optimizer steps). The
+    kernels that pack and unpack the messages (:mod:`~tessera.planner.kernels`: a few per
+    parameter tensor) cost ``op_overhead_us`` each and no less than the host's launches, as the
+    optimizer's step: synchronously the step waits for those on its critical path
+    (:func:`kernels.parameter_server_step_kernels`); asynchronously the server serves the
+    pushes in turn (an exchange, an update and PS_SERVE_OPS kernels each) while a worker packs
+    its push, waits for it to be served and unpacks the reply, and the longer loop sets the
+    step (the update that serves a worker is the step's optimizer_time)."""
     if L.dp_mode == "allreduce":
         return 0.0
     hw = w.hardware
@@ -128,11 +141,18 @@ def _parameter_server_time(w: Workload, L: Layout, chunks: list[ChunkCosts],
     S = sum(c.params for c in chunks)
     P = sum(c.tensors for c in chunks)
     exchange = 2 * link.alpha + 4 * ((S + P + 2) + (S + 3)) * link.beta
+
+    def launched(kernels: int) -> float:
+        return max(kernels * hw.op_overhead_us * 1e-6, launch_floor(hw.launch_us, kernels))
+
     if L.dp_mode == "ps-async":
-        return (L.dp - 1) * (exchange + optimizer_time)
+        served = exchange + launched(PS_SERVE_OPS)
+        worker = launched(parameter_server_kernels(P, L.dp, server=False, asynchronous=True))
+        return max((L.dp - 1) * (served + optimizer_time), worker + served)
     m = L.microbatches(w.global_batch)
     work = m * sum(c.forward + c.backward for c in chunks)
-    return (L.dp - 1) * exchange + rank_skew(w, L.dp, work)
+    return ((L.dp - 1) * exchange + launched(parameter_server_step_kernels(P, L.dp))
+            + rank_skew(w, L.dp, work))
 
 
 _CHUNK_FIELDS = tuple(f.name for f in fields(ChunkCosts))
@@ -160,12 +180,13 @@ def chunk_costs(w: Workload, t: int, cp: int, pp: int, dp: int, v: int, b: int,
     n_chunks = pp * v
     tessera = w.tessera_engine and cp == 1
     # tessera's data-parallel wrapper's kernels in each unit's backward (kernels.Hooks; not
-    # where the schedule's sharding actions reduce the gradients instead of hooks).
-    # DataParallel's bucket copies are left out (ddp=False) while the parameter server's own
-    # per-tensor copies (its push and pull) are unpriced: pricing one alone would rank it wrongly.
+    # where the schedule's sharding actions reduce the gradients instead of hooks), with
+    # DataParallel's bucket copies where it runs (per parameter at dp > 1; a parameter server
+    # has no hooks: its copies are priced with its exchange, _parameter_server_time).
     flat = engine.flat_units(w.precision, zero, dp_mode)
+    ddp = not flat and dp > 1 and dp_mode == "allreduce"
     hooks = Hooks(flat, min(zero, 2) if flat else 0, dp if flat and zero >= 2 else 1,
-                  w.global_batch // (dp * b)) if tessera and not by_actions else None
+                  w.global_batch // (dp * b), ddp) if tessera and not by_actions else None
     base = compute_chunks(w, t, cp, pp, v, b, recompute, sp, cp_method, sizes, head_apart,
                           cp_ulysses, hooks)
     copies: dict[int, ChunkCosts] = {}  # a shared middle chunk stays one object

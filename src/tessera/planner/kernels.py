@@ -141,8 +141,10 @@ these launches. The collectives (ZeRO-1/2's all-gather after the step, the norm'
 all-reduce) are priced as communication. The data-parallel wrappers' kernels inside the
 backward (:func:`backward_hook_kernels`: accumulation into flat buffers, ZeRO's per-unit
 division or flattening) join the launch floor of the backward that runs them
-(``compute.compute_chunks``); DataParallel's bucket copies are counted (``ddp``) but not
-floored (``cost.chunk_costs``: the parameter server's own copies are unpriced).
+(``compute.compute_chunks``), DataParallel's copies of each fresh gradient into its bucket
+(``ddp``) among them. The parameter server's per-tensor copies, outside the backward
+(:func:`parameter_server_kernels`: the push packed, the pull unpacked, the server's sum and
+reply), are priced with its exchange after the backward (``cost._parameter_server_time``).
 
 Launches: an eager step's host issues each kernel (the Python call, autograd's graph, the
 dispatcher, the launch) while an asynchronous device runs the kernels queued before it, so a
@@ -357,6 +359,66 @@ def backward_hook_kernels(units: list[tuple[int, int]], micro_batches: int, *, f
         return micro_batches * tensors + n_units
     padded = sum(1 for n, _ in units if n % dp)
     return micro_batches * (2 * n_units + padded)
+
+
+PS_PUSH_TENSOR_OPS = 2
+"""Per parameter tensor in a push (``ParameterServer._pack_push``): its gradient copied into its
+slot (or the slot zeroed), its used flag written."""
+PS_PUSH_OPS = 2
+"""Per push: the loss and the version written."""
+PS_PULL_TENSOR_OPS = 1
+"""Per parameter tensor in a pull received (``_unpack_pull``): the parameter copied from its
+slot."""
+PS_REPLY_OPS = 1 + 3
+"""Per pull packed (``_pack_pull``): one cat of the parameters (``.float()`` of an fp32 tensor
+is the tensor itself), the loss, the norm and the version written."""
+PS_SUM_OPS = 5
+"""The synchronous server's sum (``gather_gradients``), besides one add per worker's push: its
+own push cloned, the gradient divided by dp (the in-place slice's setitem copies it back),
+copied into the flat gradient (``_unpack_gradients``), the loss read."""
+PS_SERVE_OPS = 1 + PS_REPLY_OPS
+"""The asynchronous server per push served (``serve``): the gradient copied into the flat
+gradient, the reply packed (its clipping and update are an optimizer step)."""
+PS_WORKER_NORM_OPS = 7
+"""The asynchronous worker's norm of its own gradient (``ServerSync._local_grad_norm``): zeros,
+one ``_foreach_norm``, stack, pow, sum, add_, the host's read (the root taken on the host)."""
+
+
+def _ps_push(tensors: int) -> int:
+    """Kernels of one push packed over `tensors` parameter tensors."""
+    return PS_PUSH_TENSOR_OPS * tensors + PS_PUSH_OPS
+
+
+def _ps_sum(dp: int) -> int:
+    """The synchronous server's kernels after its own push is packed: the dp − 1 pushes added
+    in, the sum's PS_SUM_OPS, one reply packed for all."""
+    return (dp - 1) + PS_SUM_OPS + PS_REPLY_OPS
+
+
+def parameter_server_kernels(tensors: int, dp: int, *, server: bool,
+                             asynchronous: bool) -> int:
+    """Kernels one rank of a parameter server's group of `dp` dispatches per step in its
+    exchange (``ServerSync.exchange`` and the server's reply after its optimizer step), over the
+    `tensors` parameter tensors every rank holds; the messages are communication, and the
+    server's norm, clipping and update are its optimizer step (:func:`step_kernels`). Worker:
+    its push packed and the pull unpacked, per tensor PS_PUSH_TENSOR_OPS + PS_PULL_TENSOR_OPS,
+    and asynchronous its own gradient's norm first. Synchronous server: its own gradient packed
+    as a push, then :func:`_ps_sum`. Asynchronous server: PS_SERVE_OPS per push served. Not
+    counted: the host's reads of a message's flags and scalars (``tolist``), which dispatch
+    nothing on a CPU and are each a device-to-host copy on a GPU."""
+    if server:
+        return (dp - 1) * PS_SERVE_OPS if asynchronous else _ps_push(tensors) + _ps_sum(dp)
+    return (_ps_push(tensors) + PS_PULL_TENSOR_OPS * tensors
+            + (PS_WORKER_NORM_OPS if asynchronous else 0))
+
+
+def parameter_server_step_kernels(tensors: int, dp: int) -> int:
+    """The kernels of a synchronous parameter server's :func:`parameter_server_kernels` that a
+    step waits for, one after another after the backward: a worker's push packed (the server
+    packs its own at the same time), the server's sum and reply, the worker's pull unpacked.
+    (Asynchronous, the server serves the pushes in turn while the workers pack and unpack their
+    own: ``cost._parameter_server_time`` takes the longer of the two.)"""
+    return _ps_push(tensors) + _ps_sum(dp) + PS_PULL_TENSOR_OPS * tensors
 
 
 class Hooks(NamedTuple):
