@@ -44,10 +44,12 @@ def test_schedule_follows_rule(rule, global_batch, reference):
     assert peak * f(0) == pytest.approx(peak / warmup)  # first warm-up step
     assert peak * f(warmup - 1) == pytest.approx(peak)  # end of warm-up: the scaled peak
     assert peak * f(warmup - 2) < peak
+    assert f(warmup) == 1.0  # the cosine's first step: cos 0, the peak itself, not above it
     # The last step before the end: one cosine step above the floor, its exact value.
     last = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (179 - warmup) / (180 - warmup)))
     assert peak * f(179) == pytest.approx(1e-3 * scale * last)
     assert peak * f(180) == pytest.approx(0.1 * 1e-3 * scale)
+    assert f(200) == f(180)  # past the last step the rate stays at the floor
 
 
 def test_reference_zero_and_warmup_kept_when_longer():
@@ -55,6 +57,9 @@ def test_reference_zero_and_warmup_kept_when_longer():
         _train(lr_scaling="linear", reference_batch=0), None)
     got, _ = scaled(_train(lr_scaling="linear", reference_batch=16, warmup_steps=30), 64)
     assert got.warmup_steps == 30  # already longer than ceil(180 / 18)
+    # 5 of 90 epochs rounds up: 181 / 18 = 10.06 steps warm up over 11.
+    got, note = scaled(_train(steps=181, lr_scaling="linear", reference_batch=16), 64)
+    assert got.warmup_steps == note["scaled_warmup_steps"] == 11
 
 
 @pytest.mark.parametrize("field, value", [("lr_scaling", "cubic"), ("reference_batch", -1)])

@@ -77,8 +77,9 @@ def test_estimates_invert_the_expectations():
         got = unbiased_estimates(g_sq + trace / b_small, g_sq + trace / b_big, b_small, b_big)
         # a handful of double operations on values of one magnitude: a few ulps (~1e-15)
         assert got == pytest.approx((g_sq, trace), rel=1e-12)
-    with pytest.raises(ValueError):
-        unbiased_estimates(1.0, 1.0, 8, 8)
+    for b_small, b_big in [(8, 8), (0, 8)]:  # no second batch size; an empty one
+        with pytest.raises(ValueError, match="need 0 < b_small < b_big"):
+            unbiased_estimates(1.0, 1.0, b_small, b_big)
 
 
 def test_moving_average_is_bias_corrected():
@@ -92,6 +93,13 @@ def test_moving_average_is_bias_corrected():
     assert second["noise_scale"] == pytest.approx(2.0)
     negative = NoiseScale().update(small_sq=1.0, big_sq=0.1, b_small=1, b_big=2)  # |G|² < 0
     assert negative["noise_scale"] is None and negative["noise_scale_tokens"] is None
+    # |G|² = (16·0.25 − 4·1)/12 = 0 exactly: no ratio (not a division by zero), and tr Σ =
+    # 0.75 / (3/16) = 4, through the average's (1 − d)·x / (1 − d): a few ulps, hence rel 1e-12
+    zero = NoiseScale().update(small_sq=1.0, big_sq=0.25, b_small=4, b_big=16)
+    assert zero == {"noise_scale": None, "noise_scale_tokens": None, "grad_sq_est": 0.0,
+                    "grad_trace_est": pytest.approx(4.0, rel=1e-12)}
+    with pytest.raises(ValueError, match="no step averaged yet"):
+        NoiseScale().estimate()
 
 
 def test_state_continues_exactly_through_json():
@@ -109,12 +117,15 @@ def test_state_continues_exactly_through_json():
     assert [resumed.update(*s, seq_len=16) for s in steps[3:]] == want[3:]
     assert resumed.state_dict() == whole.state_dict() and whole.state_dict()["steps"] == 8
     assert fresh.update(*steps[3], seq_len=16) != want[3]
+    empty = NoiseScale(decay=0.9)  # nothing averaged yet (steps 0): a state that loads
+    fresh.load_state_dict(empty.state_dict())
+    assert fresh.state_dict() == empty.state_dict()
     good = first.state_dict()
-    for bad in ({}, [1.0], {**good, "decay": 1.0}, {**good, "steps": -1},
+    for bad in ({}, [1.0], {**good, "decay": 1.0}, {**good, "decay": 0.0}, {**good, "steps": -1},
                 {**good, "g_sq": "x"}, {**good, "trace": None}):
         with pytest.raises(ValueError, match="malformed noise-scale state"):
             fresh.load_state_dict(bad)
-    assert fresh.steps == 1  # a refused state changes nothing
+    assert fresh.state_dict() == empty.state_dict()  # a refused state changes nothing
 
 
 def test_malformed_saved_state_is_a_checkpoint_error(tmp_path):
@@ -145,6 +156,7 @@ def test_layouts_without_a_measurement():
     assert "cp" in noise_scale_unsupported(2, 2, 1, "allreduce")
     assert "ep" in noise_scale_unsupported(2, 1, 2, "allreduce")
     assert "dp_mode=ps" in noise_scale_unsupported(2, 1, 1, "ps")
+    assert "dp_mode=ps-async" in noise_scale_unsupported(2, 1, 1, "ps-async")
     assert noise_scale_unsupported(2, 1, 1, "allreduce") is None
     line = critical_batch_line(64, 16.0)
     assert "1 + B/B_crit = 5.00x" in line and line.startswith("warning: global batch 64")
@@ -268,7 +280,8 @@ def _cfg(dp: int, tp: int, pp: int, m: int, tie: bool = False, **parallel: Any) 
 
 LAYOUTS: dict[str, tuple[Config, bool]] = {  # config, read per micro-batch
     "(2,2,1) sp ddp": (_cfg(2, 2, 1, m=2, sequence_parallel=True), False),
-    "(2,1,2) zero2 tied": (_cfg(2, 1, 2, m=2, tie=True, zero_stage=2), True),
+    # 4 micro-batches of 1 sequence: B_small (1) and the 1/m scaling (4) tell m from b apart
+    "(2,1,2) zero2 tied": (_cfg(2, 1, 2, m=4, tie=True, zero_stage=2), True),
     "(2,2,1) zero3": (_cfg(2, 2, 1, m=2, zero_stage=3), True),
     "(2,1,2) bfs v2 zero3": (_cfg(2, 1, 2, m=2, schedule="bfs", virtual_stages=2,
                                   zero_stage=3), False),
@@ -368,6 +381,32 @@ def test_dp1_says_in_one_line_that_it_needs_dp2(tiny_data, tmp_path, capsys):
     assert [ln for ln in out.splitlines() if "noise scale" in ln] == [
         "noise scale: needs dp >= 2 (one replica has no second batch size to compare)"]
     assert not any("noise_scale" in r for r in read_metrics(tmp_path / "metrics.jsonl"))
+
+
+def test_critical_batch_warning_once_settled_and_strictly_above(capsys):
+    """``trainer.critical_batch_warning`` at global batch 8: nothing before SETTLED_STEPS
+    steps of averaging, at B_simple = 8 (the batch is not above it) or without a B_simple;
+    then rank 0 alone prints the line, once."""
+    from types import SimpleNamespace
+
+    from tessera.noise_scale import SETTLED_STEPS
+    from tessera.trainer import critical_batch_warning
+
+    cfg = make_config("tiny", parallel=dict(dp=2), train=dict(micro_batch_size=2, grad_accum=2))
+
+    def warn(steps: int, scale: float | None, warned: bool = False, rank: int = 0) -> bool:
+        run = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(rank=rank),
+                              executor=SimpleNamespace(noise=SimpleNamespace(steps=steps)))
+        return critical_batch_warning(run, {"noise_scale": scale}, warned)
+
+    assert not warn(SETTLED_STEPS - 1, 2.0)
+    assert not warn(SETTLED_STEPS, 8.0)
+    assert not warn(SETTLED_STEPS, None)
+    assert warn(SETTLED_STEPS, 2.0, rank=1)  # every rank knows; only rank 0 prints
+    assert capsys.readouterr().out == ""
+    assert warn(SETTLED_STEPS, 7.5)
+    assert warn(SETTLED_STEPS + 1, 2.0, warned=True)
+    assert capsys.readouterr().out == critical_batch_line(8, 7.5) + "\n"
 
 
 def _train_rank(cfg: Config) -> str:

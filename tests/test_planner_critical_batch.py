@@ -23,6 +23,7 @@ from tessera.planner.critical_batch import (
     plan_critical_batch,
     samples_needed,
 )
+from tessera.planner.estimate import PlanError
 from tessera.planner.hardware import load_hardware
 from tessera.planner.models import load_model
 from tessera.planner.search import SearchSpace, enumerate_layouts, search
@@ -46,6 +47,8 @@ def test_samples_needed_by_hand():
     assert samples_needed(2.048e9, 2048, 1, 1e12) == pytest.approx(1e6)
     with pytest.raises(UserError, match="--critical-batch=0"):
         samples_needed(1e9, 2048, 8, 0)
+    with pytest.raises(UserError, match="--tokens=0"):
+        samples_needed(0, 2048, 8, 64)
 
 
 def test_time_and_cost_of_a_point_by_hand():
@@ -62,6 +65,12 @@ def test_time_and_cost_of_a_point_by_hand():
     assert max(invariant) == pytest.approx(min(invariant), rel=1e-9)
     # Time = cost / N.
     assert all(q.hours == pytest.approx(q.gpu_hours / q.gpus) for q in plan.points)
+    assert next(q for q in plan.points if (q.gpus, q.batch) == (32, 8)).beta == 0.25
+    # The cheapest is the least GPU-hours, the fastest the least hours (two different points
+    # here, so a swapped sort key shows).
+    assert plan.cheapest().gpu_hours == min(q.gpu_hours for q in plan.points)
+    assert plan.fastest().hours == min(q.hours for q in plan.points)
+    assert plan.fastest().hours < plan.cheapest().hours
 
 
 def test_frontier_keeps_what_nothing_beats_on_both():
@@ -79,6 +88,8 @@ def test_frontier_keeps_what_nothing_beats_on_both():
 
     a, b, c, d = pt(1, 8), pt(2, 6), pt(4, 8), pt(8, 4)  # c: slower and no cheaper than b
     assert frontier([c, d, b, a]) == [a, b, d]
+    # Ties: as fast as a but dearer, as cheap as b but slower: beaten, so left out.
+    assert frontier([c, d, b, a, pt(1, 9), pt(3, 6)]) == [a, b, d]
     # Every point off the plan's frontier is beaten on both by one on it.
     front = plan.frontier()
     for q in plan.points:
@@ -92,6 +103,11 @@ def test_families_and_grid():
         "breadth-first + ZeRO-3")
     assert family(Layout(pp=4, schedule="interleaved-lean", virtual_stages=2)) == "interleaved"
     assert family(Layout(pp=4, schedule="gpipe")) is None
+    assert family(Layout(dp=8, zero_stage=2)) == "1F1B"  # only ZeRO-3 makes a family of its own
+    assert family(Layout(dp=2, pp=4, zero_stage=2, schedule="interleaved", virtual_stages=2)) == (
+        "interleaved")
+    # One pipeline rank with two chunks is a pipeline (pp·v > 1): its schedule's family.
+    assert family(Layout(pp=1, schedule="bfs", virtual_stages=2)) == "breadth-first"
     assert family(Layout(pp=4, schedule="zb-h1")) == "zero-bubble"
     assert family(Layout(dp=2, pp=4, zero_stage=2, schedule="zb-v", virtual_stages=2)) == (
         "zero-bubble")
@@ -104,6 +120,23 @@ def test_families_and_grid():
     plan = small_plan()
     assert {(p.gpus, p.batch) for p in plan.points} >= {(4, 1), (32, 512), (8, 32)}
     assert all(p.best.layout.gpus == p.gpus for p in plan.points)
+
+
+def test_grid_refuses_non_positive_values_before_searching():
+    """A GPU count or batch per GPU of 0 is refused by name (not dropped from the grid), and
+    so are 0 tokens, even on a grid without a whole batch (1 GPU x 0.5), where no point's
+    samples would be computed to refuse them."""
+    w = small_plan().workload
+    for grid, flag in [(dict(counts=[0, 4]), "--gpu-counts="),
+                       (dict(betas=[0.0, 1.0]), "--batch-per-gpu=")]:
+        with pytest.raises(UserError, match=flag):
+            plan_critical_batch(w, 256.0, 1e9, **({"counts": [4], "betas": [1.0]} | grid))
+    with pytest.raises(UserError, match="--tokens=0"):
+        plan_critical_batch(w, 256.0, 0.0, counts=[1], betas=[0.5])
+    # B = β·N must be whole: 1.0001 sequences on 1 GPU is no grid point (β·N's round-off, a
+    # few ulps, is what the 1e-9 allows), so nothing is left to plan.
+    with pytest.raises(PlanError):
+        plan_critical_batch(w, 256.0, 1e9, counts=[1], betas=[1.0001])
 
 
 def test_zero_bubble_family_holds_split_backward_schedules_without_zero3():
@@ -158,15 +191,18 @@ def test_lr_rule_and_warning():
 def test_from_run_reads_the_last_noise_scale(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
+    # Steps 4-6 hold no usable noise scale: 0, a negative (tr Σ's average < 0), an overflow.
     records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.9, "noise_scale": 40.0},
-               {"step": 3, "loss": 2.8, "noise_scale": 55.5}, {"step": 4, "loss": 2.7}]
+               {"step": 3, "loss": 2.8, "noise_scale": 55.5},
+               {"step": 4, "loss": 2.7, "noise_scale": 0.0}, {"step": 5, "noise_scale": -3.0},
+               {"step": 6, "noise_scale": float("inf")}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run / "config.json").write_text(json.dumps({"train": {"lr_scaling": "sqrt",
                                                            "reference_batch": 32}}))
     value, where, train = noise_scale_from_run(run, 2048)
     assert value == 55.5 and train["lr_scaling"] == "sqrt" and "step 3" in where
     # With the tokens beside it, the noise scale is converted to the plan's sequence length.
-    records.append({"step": 5, "noise_scale": 60.0, "noise_scale_tokens": 61440.0})
+    records.append({"step": 7, "noise_scale": 60.0, "noise_scale_tokens": 61440.0})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert noise_scale_from_run(run, 2048)[0] == 30.0
     records.pop()
