@@ -135,7 +135,7 @@ def test_grid_refuses_non_positive_values_before_searching():
         plan_critical_batch(w, 256.0, 0.0, counts=[1], betas=[0.5])
     # B = β·N must be whole: 1.0001 sequences on 1 GPU is no grid point (β·N's round-off, a
     # few ulps, is what the 1e-9 allows), so nothing is left to plan.
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match=r"1 x 1\.0001 \(GPUs x batch per GPU\): no whole batch"):
         plan_critical_batch(w, 256.0, 1e9, counts=[1], betas=[1.0001])
 
 

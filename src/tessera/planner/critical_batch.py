@@ -205,10 +205,12 @@ def plan_critical_batch(w: Workload, b_crit: float, tokens: float,
     cache: dict[tuple[int, int], dict[str, Estimate]] = {}
     points: list[Point] = []
     skipped: list[str] = []
+    fractional: list[str] = []  # GPUs x batch per GPU that is no whole batch
     for n in counts:
         for beta in betas:
             batch = beta * n
             if batch < 1 or abs(batch - round(batch)) > 1e-9:
+                fractional.append(f"{n} x {beta:g}")
                 continue
             batch = round(batch)
             if (n, batch) not in cache:
@@ -223,8 +225,11 @@ def plan_critical_batch(w: Workload, b_crit: float, tokens: float,
                 points.append(Point(family=name, gpus=n, batch=batch, best=est,
                                     samples=samples_needed(tokens, w.seq_len, batch, b_crit)))
     if not points:
-        raise PlanError(f"{w.model.name} fits no layout at any of {counts} GPUs x batch per GPU "
-                        f"{list(betas)} on {w.hardware.name}; try more GPUs")
+        reasons = skipped + ([f"{', '.join(fractional)} (GPUs x batch per GPU): no whole "
+                              "batch"] if fractional else [])
+        raise PlanError(f"{w.model.name}: no plan at any of {counts} GPUs x batch per GPU "
+                        f"{list(betas)} on {w.hardware.name}: {'; '.join(reasons)}; try more "
+                        "GPUs, or a batch per GPU that makes whole batches")
     return CriticalBatchPlan(workload=w, b_crit=b_crit, tokens=tokens, points=points,
                              lr_scaling=lr_scaling, reference_batch=reference_batch,
                              skipped=skipped)
