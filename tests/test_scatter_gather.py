@@ -1,11 +1,13 @@
 """Scatter/gather between pipeline stages (``tessera.pipeline.scatter_gather``).
 
-- The boundary's arithmetic without processes: which slice a rank sends, the identity with one
-  part (tp 1, sequence parallelism, the option off), the refusal of a tensor t does not divide.
+- The boundary's arithmetic without processes: which slice a rank sends (of a non-contiguous
+  tensor too), the identity with one part (tp 1, sequence parallelism, the option off), the
+  refusal of a tensor t does not divide and of a received piece of the wrong size.
 - One 4-rank launch (tp 2 × pp 2, gloo) runs one step of several layouts: every point-to-point
   send the runtime records carries 1/t of the (B, T, h) fp32 tensor with scatter/gather and all
   of it without, under 1F1B and interleaving; under sequence parallelism 1/t either way (each
-  rank's own tokens); the receiving stages' all-gathers are counted in the tp group's stats;
+  rank's own tokens); the receiving stages' all-gathers are counted in the tp group's stats,
+  an activation's as forward and a gradient's as backward traffic;
   and the loss and every parameter's gradient match the single-device model's.
   The 10-step parity of (1,2,2) 1F1B, (1,2,4) interleaved and (1,2,2) with sequence parallelism
   (scatter/gather on, the default) is in tests/test_composition.py's matrix.
@@ -18,6 +20,8 @@ within the same bound (a wrong slice or a swapped rank order is off by O(max|g|)
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -27,6 +31,7 @@ from tessera.config_warnings import ignored_options
 from tessera.model import build_model, cross_entropy
 from tessera.parallel.comm import CommStats
 from tessera.pipeline.scatter_gather import StageBoundary
+from tessera.pipeline.schedule import Kind, lower_comms
 from tessera.step import build_executor
 from tessera.testing import assert_close_summed, run_ranks
 from tessera.topology import Topology
@@ -43,6 +48,23 @@ def test_a_rank_sends_its_slice_of_the_flattened_tensor():
     assert torch.equal(second.scatter(x), torch.arange(12.0, 24.0))
     assert second.wire_shape((2, 3, 4)) == (12,)
     assert second.scatter(x).data_ptr() == x.data_ptr() + 12 * 4  # a view: no copy
+
+
+def test_a_non_contiguous_tensor_is_sliced_in_its_logical_order():
+    # An input gradient may come out of autograd with any strides: the slice is of the
+    # tensor's row-major order, as the receiver's gather and view rebuild it.
+    x = torch.arange(24.0).view(4, 3, 2).transpose(0, 2)  # (2, 3, 4), not contiguous
+    assert not x.is_contiguous()
+    for rank in (0, 1):
+        got = StageBoundary(parts=2, rank=rank).scatter(x)
+        assert torch.equal(got, x.reshape(-1)[rank * 12:(rank + 1) * 12])
+
+
+def test_a_piece_of_the_wrong_size_is_refused_before_gathering():
+    boundary = StageBoundary(parts=2, rank=0)
+    with pytest.raises(ValueError, match=r"a piece of 8 elements is not 1/2 of shape "
+                                         r"\(2, 3, 4\)"):
+        boundary.gather(torch.zeros(8), (2, 3, 4))
 
 
 def test_one_part_is_the_identity():
@@ -107,9 +129,13 @@ def _one_step(name: str) -> dict:
     x, y = _batch()
     loss = executor.forward_backward(list(zip(x.chunk(M), y.chunk(M), strict=True)))
     gathers = [r for r in stats.records if r.tag == "pipeline:gather"]
+    received = lower_comms(executor.model.schedule).actions[executor.pp_rank]
     return {"loss": loss, "grads": executor.model.full_grads(),
             "sent": executor.last_record.sent_bytes,
-            "gathered": {(r.phase, r.numel) for r in gathers}, "gathers": len(gathers)}
+            "gathered": {(r.phase, r.numel) for r in gathers}, "gathers": len(gathers),
+            "phases": Counter(r.phase for r in gathers),
+            "receives": Counter({"forward": sum(a.kind is Kind.RECV_F for a in received),
+                                 "backward": sum(a.kind is Kind.RECV_B for a in received)})}
 
 
 def _cases_rank() -> dict[str, dict]:
@@ -139,6 +165,9 @@ def test_sends_carry_one_tp_share_and_training_matches_the_single_device_model()
                 # receives as sends on each rank at pp 2)
                 assert {n for _, n in got["gathered"]} == {FULL_BYTES // 4}, label
                 assert got["gathers"] == len(got["sent"]), label
+                # an activation's gather is counted as forward traffic, a gradient's as
+                # backward (the tp group's stats by phase)
+                assert got["phases"] == got["receives"], label
             else:
                 assert got["gathers"] == 0, label
             assert_close_summed(got["loss"], ref_loss.item(), terms=N_TOKENS, msg=label)

@@ -7,6 +7,8 @@ micro-batch), I accumulates no weight gradient and fires no gradient hook, W fir
 and what I keeps for W is less than what the forward saved; with every recompute mode; and the
 first chunk (token ids, no input gradient) does its whole backward in W. W runs the groups
 whose entries cannot reach each other in one autograd call (q, k, v; the MLP's two inputs).
+What a weight's branch saved stays for W; a node that splits its own backward leaves W only
+the tensor it made for it, which the runtime's memory count holds until W.
 
 On gloo ranks (tests/test_pipeline_runtime.py's harness and tolerances, tests/
 test_composition.py's for composed layouts): hand-written split schedules, then each
@@ -186,6 +188,94 @@ def test_parameters_sharing_an_entry_form_one_group():
     torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
     for t, w in zip((a, b, c), want, strict=True):  # c's two parts may add in another order
         assert_close_summed(t.grad, w, terms=2, msg="weight gradient")
+
+
+def test_w_keeps_what_a_weight_branch_saved():
+    """A weight reached through a branch whose nodes save tensors (a low-rank update
+    x·(W + A·B)ᵀ: the product A·B saves A and B). I never runs the branch, so nothing reads
+    those tensors in I; they stay for W, which runs it."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 8, generator=g, requires_grad=True)
+    a = torch.randn(8, 2, generator=g, requires_grad=True)
+    b = torch.randn(2, 8, generator=g, requires_grad=True)
+    x0 = torch.randn(4, 8, generator=g)
+
+    def f(x):
+        return (x @ (w + a @ b).t()).tanh().sum()
+
+    x = x0.clone().requires_grad_()
+    f(x).backward()
+    want = [x.grad.clone(), *(t.grad.clone() for t in (w, a, b))]
+    w.grad = a.grad = b.grad = None
+    x = x0.clone().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        out = f(x)
+    dx, pending = backward_input(out, None, x, saved)
+    assert all(t.grad is None for t in (w, a, b))
+    backward_weight(pending)
+    for got, expected in zip((dx, w.grad, a.grad, b.grad), want, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_a_splitting_node_leaves_w_only_what_it_made():
+    """A node that splits its own backward (sequence parallelism's gather-then-linears; over no
+    group its all-gather is the identity) hands W its gathered input in ``split_kept``; the
+    tensors it saved (its input and weights) are emptied after I like the input path's, so
+    what I keeps for W is that one made tensor, (B·T, h)."""
+    from tessera.parallel.sequence_parallel import GatherThenLinears
+
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(6, 8, generator=g, requires_grad=True)
+    w2 = torch.randn(4, 8, generator=g, requires_grad=True)
+    x0 = torch.randn(2, 3, 8, generator=g)
+
+    def f(x):
+        q, k = GatherThenLinears.apply(x * 2, None, None, "sp", w1, w2)
+        return q.square().sum() + k.tanh().sum()
+
+    x = x0.clone().requires_grad_()
+    f(x).backward()
+    want = [x.grad.clone(), w1.grad.clone(), w2.grad.clone()]
+    w1.grad = w2.grad = None
+    x = x0.clone().requires_grad_()
+    saved = SavedActivations()
+    with saved:
+        out = f(x)
+    dx, pending = backward_input(out, None, x, saved)
+    assert pending.kept == []
+    assert [tuple(t.shape) for t in pending.made] == [(2 * 3, 8)]
+    backward_weight(pending)
+    for got, expected in zip((dx, w1.grad, w2.grad), want, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_the_runtime_counts_what_a_splitting_node_made_as_held_until_w():
+    """With measure_memory, a set past its I holds what W still reads plus what splitting
+    nodes made for W. One rank runs two chunks (an embedding, then a gather-then-linears node
+    over no group and a sum): chunk 1 saves its input x (B, T, h), and after I holds none of
+    its saved tensors but its gathered input, x's storage. At mb 1's chunk-1 forward two x
+    are held: mb 0's made one and mb 1's saved one (the embedding saves only token ids, and
+    the weights are excluded)."""
+    from tessera.parallel.sequence_parallel import GatherThenLinears
+    from tessera.pipeline.runtime import PipelineRuntime
+
+    class Linears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 8))
+
+        def forward(self, x):
+            return GatherThenLinears.apply(x, None, None, "sp", self.weight)[0]
+
+    torch.manual_seed(0)
+    stages = {0: torch.nn.Embedding(VOCAB, 8), 1: Linears()}
+    schedule = parse("rank 0: 0F0 1F0 1I0 0F1 1F1 1I1 0I0 0I1 1W0 1W1 0W0 0W1")
+    tokens = torch.randint(0, VOCAB, (2, 2, SEQ))
+    batches = [(tokens[mb], tokens[mb]) for mb in range(2)]
+    rt = PipelineRuntime(stages, 0, [0], None, torch.device("cpu"), 8, measure_memory=True)
+    record = rt.run(schedule, batches, lambda out, _y: out.sum())
+    assert record.peak_activation_bytes == 2 * (2 * SEQ * 8 * 4)  # two (B, T, h) fp32
 
 
 def test_w_runs_groups_that_cannot_reach_each_other_in_one_call():
