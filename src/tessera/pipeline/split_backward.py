@@ -311,7 +311,8 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
         kept = [h.tensor for h in saved.holders] if saved is not None else []
         return None, PendingWeightGrad(whole=(output, grad), kept=kept, saved=saved)
     groups, needed, input_path = _weight_groups(parents, input_node)
-    order: list[_Group] = []  # groups by when their first entry ran: a plain backward's order
+    order: list[_Group] = []  # groups by when their first entry ran (a plain backward's order);
+    # a group whose entries I did not reach never enters it
     handles = []
     for group in groups:
         for entry in group.entries:
@@ -327,7 +328,6 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     finally:
         for h in handles:
             h.remove()
-    order = [g for g in order if g.grads]  # entries I did not reach: no gradient
     own = [e for e in splitting if e.split_kept is not None]  # W reads no saved tensor there
     made = [t for e in own for t in e.split_kept]
     kept = saved.drop_unneeded(needed - set(own)) if saved is not None else []
