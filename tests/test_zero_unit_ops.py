@@ -1,7 +1,8 @@
 """The step's per-tensor work as multi-tensor ops (``tessera.parallel.zero``'s
 ``zero_unit_grads``, ``scale_unit_grads``, ``publish_unit_parameters`` and
 ``ParallelModel.scale_grads``) against the per-tensor ops they replace, bit for bit on CPU:
-the clipping multiplies every gradient the rank holds by the factor, the optimizer's step
+the clipping multiplies every gradient the rank holds by the factor (and leaves them as they
+are when the norm is below the maximum), the optimizer's step
 leaves each unit's parameters equal to its master cast, zero_grad zeroes every unit's buffer
 and marks it fresh at stages 2-3. The number of ops is pinned by
 tests/test_planner_kernels.py::test_step_kernels_match_dispatched_ops."""
@@ -19,6 +20,8 @@ from tessera.topology import Topology
 SEQ = 16
 MAX_NORM = 1e-3
 """Below any gradient norm here: every step clips."""
+UNCLIPPED = 1e6
+"""Above any gradient norm here: the gradients stay as they are."""
 CASES = (("bf16", dict(dp=2, zero_stage=2)), ("bf16", dict(dp=2, zero_stage=3)),
          ("fp32", dict(dp=2, zero_stage=1)), ("fp32", dict(dp=2, zero_stage=0)),
          ("bf16", dict(pp=2, schedule="interleaved", virtual_stages=2)))
@@ -56,7 +59,12 @@ def _unit_ops_rank() -> list[str]:
         opt.zero_grad(set_to_none=True)
         ex.forward_backward([(t[:, :-1], t[:, 1:]) for t in tokens])
         before = [grad.clone() for grad in _grads(ex)]
-        norm = ex.clip_grad_norm_(MAX_NORM)
+        norm = ex.clip_grad_norm_(UNCLIPPED)
+        for i, (got, ref) in enumerate(zip(_grads(ex), before, strict=True)):
+            if not torch.equal(got, ref):
+                bad.append(f"{name}: gradient {i} scaled with the norm below the maximum")
+        if ex.clip_grad_norm_(MAX_NORM) != norm:
+            bad.append(f"{name}: the norm changed without a clipping")
         factor = MAX_NORM / (norm + 1e-6)
         for i, (got, ref) in enumerate(zip(_grads(ex), before, strict=True)):
             if not torch.equal(got, ref.mul_(factor)):
