@@ -65,6 +65,15 @@ def _micro_step(ex, opt: ShardedAdamW, cfg, k: int) -> list[torch.Tensor]:
     return [u.owned_grad().float().clone() for u in opt.units]
 
 
+def _recording(update, calls: list[list[str]]):
+    """`update` (ShardedAdamW's per-group update) that first appends its units' names to
+    `calls`: the groups the step updates together."""
+    def record(units, step: int, group: dict) -> None:
+        calls.append([u.name for u in units])
+        update(units, step, group)
+    return record
+
+
 def _foreach_rank() -> tuple[list[str], list[bool]]:
     """Per case, three steps of the optimizer and of the reference on copies of its state, the
     last with the first unit's step count ahead of the others'. Returns the mismatches (empty:
@@ -80,9 +89,7 @@ def _foreach_rank() -> tuple[list[str], list[bool]]:
         assert isinstance(opt, ShardedAdamW)
         units = opt.units
         calls: list[list[str]] = []
-        update = opt._update  # record the groups the step updates together
-        opt._update = lambda us, step, group: calls.append([u.name for u in us]) or update(
-            us, step, group)
+        opt._update = _recording(opt._update, calls)
         ref = _state_copies(opt)
         group = opt.param_groups[0]
         for k in range(3):

@@ -4,15 +4,18 @@
 the clipping multiplies every gradient the rank holds by the factor (and leaves them as they
 are when the norm is below the maximum), the optimizer's step
 leaves each unit's parameters equal to its master cast, zero_grad zeroes every unit's buffer
-and marks it fresh at stages 2-3. The number of ops is pinned by
+and marks it fresh at stages 2-3; one publish over several models all-gathers every one's units
+at stages 1-2. The number of ops is pinned by
 tests/test_planner_kernels.py::test_step_kernels_match_dispatched_ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tessera.config_io import make_config
+from tessera.parallel.zero import publish_unit_parameters
 from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
@@ -88,4 +91,34 @@ def _unit_ops_rank() -> list[str]:
 @pytest.mark.slow
 def test_unit_ops_equal_per_tensor_ops_bit_for_bit():
     for bad in run_ranks(_unit_ops_rank, 2):
+        assert bad == []
+
+
+def _publish_rank() -> list[str]:
+    """Two ZeroModels on the rank (stage 1 fp32, masters aliasing the parameters, and stage 2
+    bf16), every master moved: after one ``publish_unit_parameters`` call over both, each
+    unit's full parameters are every rank's masters cast, put side by side (gathered here by
+    torch.distributed itself)."""
+    zeros = []
+    for precision, stage in (("fp32", 1), ("bf16", 2)):
+        cfg = _cfg(precision, dict(dp=2, zero_stage=stage))
+        zeros += build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu")).model.zeros
+    for z in zeros:
+        for u in z.units:
+            u.master.add_(1.0 + dist.get_rank())  # a different move on each rank
+    publish_unit_parameters(zeros)
+    bad = []
+    for z in zeros:
+        for u in z.units:
+            want = torch.empty(u.padded, dtype=torch.float32)
+            dist.all_gather_into_tensor(want, u.master.contiguous())
+            if not torch.equal(u.full, want.to(u.full.dtype)):
+                bad.append(f"stage {z.stage} {u.name}: parameters are not the gathered masters")
+    return bad
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_publish_gathers_every_models_units():
+    for bad in run_ranks(_publish_rank, 2):
         assert bad == []
