@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import tessera.parallel.chunked_loss as chunked_loss_module
 import tessera.step
 from tessera.config_io import make_config
 from tessera.errors import ConfigError
@@ -66,6 +67,23 @@ def test_chunked_loss_equals_unchunked_one_rank(chunk):
     for name, got, ref in zip(("loss", "dh", "dW"), (loss, h.grad / 3, w.grad / 3), want,
                               strict=True):
         assert_close_summed(got, ref, terms=TERMS, msg=f"{name} chunk {chunk}")
+
+
+@pytest.mark.parametrize("chunk", [1, 5, N])
+def test_bf16_chunk_logits_are_the_unchunked_heads_rows(chunk, monkeypatch):
+    """In bf16 each chunk's loss sees the unchunked head's logits (the matmul in bf16, then
+    fp32) bit for bit: the same products of the same rows. Logits computed in fp32 from the
+    bf16 operands differ by bf16 round-off (2⁻⁹ relative), which the loss's summation bound,
+    made for fp32 reorderings, cannot tell apart reliably."""
+    h, w, y = (t.bfloat16() if t.is_floating_point() else t for t in inputs())
+    seen = []
+    losses = chunked_loss_module.token_losses_
+    monkeypatch.setattr(chunked_loss_module, "token_losses_",
+                        lambda x, *a: seen.append(x.clone()) or losses(x, *a))
+    chunked_head_cross_entropy(h, w, y, VOCAB, chunk)
+    want = F.linear(h, w).float().flatten(0, 1)
+    assert [len(x) for x in seen] == [len(r) for r in want.split(chunk)]
+    assert torch.equal(torch.cat(seen), want)
 
 
 # ---------------------------------------------------------------------------------------------

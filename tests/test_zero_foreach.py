@@ -65,11 +65,21 @@ def _micro_step(ex, opt: ShardedAdamW, cfg, k: int) -> list[torch.Tensor]:
     return [u.owned_grad().float().clone() for u in opt.units]
 
 
+def _recording(update, calls: list[list[str]]):
+    """`update` (ShardedAdamW's per-group update) that first appends its units' names to
+    `calls`: the groups the step updates together."""
+    def record(units, step: int, group: dict) -> None:
+        calls.append([u.name for u in units])
+        update(units, step, group)
+    return record
+
+
 def _foreach_rank() -> tuple[list[str], list[bool]]:
     """Per case, three steps of the optimizer and of the reference on copies of its state, the
     last with the first unit's step count ahead of the others'. Returns the mismatches (empty:
-    every tensor equal bit for bit after every step) and, per case, whether the rank's owned
-    elements mix decayed and undecayed ranges."""
+    every tensor equal bit for bit after every step, and the units updated together in the
+    groups ``update_batches`` makes, which bound the update's temporaries) and, per case,
+    whether the rank's owned elements mix decayed and undecayed ranges."""
     bad, mixed = [], []
     for precision, stage, wd, cap in CASES:
         update_batches_module.UPDATE_BATCH_ELEMENTS = cap or UPDATE_BATCH_ELEMENTS
@@ -78,6 +88,8 @@ def _foreach_rank() -> tuple[list[str], list[bool]]:
         opt = ex.optimizer(cfg.train)
         assert isinstance(opt, ShardedAdamW)
         units = opt.units
+        calls: list[list[str]] = []
+        opt._update = _recording(opt._update, calls)
         ref = _state_copies(opt)
         group = opt.param_groups[0]
         for k in range(3):
@@ -85,7 +97,13 @@ def _foreach_rank() -> tuple[list[str], list[bool]]:
             if k == 2:  # units at different step counts are updated with their own counts
                 opt.state[units[0].master]["step"] += 5
                 ref[0]["step"] += 5
+            calls.clear()
             opt.step()
+            if k < 2:  # one step count: the groups are update_batches' over every unit
+                want = [[units[i].name for i in b]
+                        for b in update_batches([u.master.numel() for u in units])]
+                if calls != want:
+                    bad.append(f"{precision} stage {stage} cap {cap} step {k} groups {calls}")
             for u, r, grad in zip(units, ref, grads, strict=True):
                 _reference_step(u, r, grad, group["lr"], group["betas"], group["eps"],
                                 group["weight_decay"])
@@ -207,6 +225,9 @@ def _fused_rank() -> dict:
                 _fused_bound_step(r, grad, lr, betas, eps, k + 1)
                 state = opt.state[u.master]
                 assert state["step"] == r["step"]
+                # the host's record of the kernel's count is the count (no refill needed)
+                assert opt._device_step_values[u.master] == r["step"]
+                assert float(opt._device_steps[u.master]) == r["step"]
                 label = f"{precision} stage {stage} wd {wd} step {k} {u.name}"
                 used = max(used,
                            summation_error(u.master, r["master"], terms=1,
@@ -259,3 +280,7 @@ def test_update_groups_are_consecutive_units_within_the_cap():
     assert update_batches([4, 4, 4, 4], cap=8) == [[0, 1], [2, 3]]
     assert update_batches([], cap=8) == []
     assert update_batches([1] * 5) == [[0, 1, 2, 3, 4]]
+    # an empty unit before one over the cap still leaves that one alone
+    assert update_batches([0, 10, 2], cap=5) == [[0], [1], [2]]
+    # the default cap is 2**26 elements: two halves fill one group, one element more does not
+    assert update_batches([1 << 25, 1 << 25, 1]) == [[0, 1], [2]]

@@ -1,24 +1,31 @@
 """The step's per-tensor work as multi-tensor ops (``tessera.parallel.zero``'s
 ``zero_unit_grads``, ``scale_unit_grads``, ``publish_unit_parameters`` and
 ``ParallelModel.scale_grads``) against the per-tensor ops they replace, bit for bit on CPU:
-the clipping multiplies every gradient the rank holds by the factor, the optimizer's step
+the clipping multiplies every gradient the rank holds by the factor (and leaves them as they
+are when the norm is below the maximum or the maximum is 0), the optimizer's step
 leaves each unit's parameters equal to its master cast, zero_grad zeroes every unit's buffer
-and marks it fresh at stages 2-3. The number of ops is pinned by
+and marks it fresh at stages 2-3; one publish over several models all-gathers every one's units
+at stages 1-2. The number of ops is pinned by
 tests/test_planner_kernels.py::test_step_kernels_match_dispatched_ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tessera.config_io import make_config
+from tessera.parallel.zero import publish_unit_parameters
 from tessera.step import build_executor
 from tessera.testing import run_ranks
 from tessera.topology import Topology
 
 SEQ = 16
-MAX_NORM = 1e-3
-"""Below any gradient norm here: every step clips."""
+UNCLIPPED = 1e6
+"""Above any gradient norm here: the gradients stay as they are."""
+CLIP_SHARE = 0.75
+"""Each case clips to this share of its gradient norm: just below it, so a rule that clips
+only well above the maximum is seen."""
 CASES = (("bf16", dict(dp=2, zero_stage=2)), ("bf16", dict(dp=2, zero_stage=3)),
          ("fp32", dict(dp=2, zero_stage=1)), ("fp32", dict(dp=2, zero_stage=0)),
          ("bf16", dict(pp=2, schedule="interleaved", virtual_stages=2)))
@@ -56,8 +63,16 @@ def _unit_ops_rank() -> list[str]:
         opt.zero_grad(set_to_none=True)
         ex.forward_backward([(t[:, :-1], t[:, 1:]) for t in tokens])
         before = [grad.clone() for grad in _grads(ex)]
-        norm = ex.clip_grad_norm_(MAX_NORM)
-        factor = MAX_NORM / (norm + 1e-6)
+        norm = ex.clip_grad_norm_(UNCLIPPED)
+        if ex.clip_grad_norm_(0.0) != norm:  # 0: only measured
+            bad.append(f"{name}: the norm changed without a clipping")
+        for i, (got, ref) in enumerate(zip(_grads(ex), before, strict=True)):
+            if not torch.equal(got, ref):
+                bad.append(f"{name}: gradient {i} scaled by max_norm 0 or above the norm")
+        max_norm = CLIP_SHARE * norm
+        if ex.clip_grad_norm_(max_norm) != norm:
+            bad.append(f"{name}: the norm changed without a clipping")
+        factor = max_norm / (norm + 1e-6)
         for i, (got, ref) in enumerate(zip(_grads(ex), before, strict=True)):
             if not torch.equal(got, ref.mul_(factor)):
                 bad.append(f"{name}: gradient {i} not clipped as by its mul_")
@@ -80,4 +95,34 @@ def _unit_ops_rank() -> list[str]:
 @pytest.mark.slow
 def test_unit_ops_equal_per_tensor_ops_bit_for_bit():
     for bad in run_ranks(_unit_ops_rank, 2):
+        assert bad == []
+
+
+def _publish_rank() -> list[str]:
+    """Two ZeroModels on the rank (stage 1 fp32, masters aliasing the parameters, and stage 2
+    bf16), every master moved: after one ``publish_unit_parameters`` call over both, each
+    unit's full parameters are every rank's masters cast, put side by side (gathered here by
+    torch.distributed itself)."""
+    zeros = []
+    for precision, stage in (("fp32", 1), ("bf16", 2)):
+        cfg = _cfg(precision, dict(dp=2, zero_stage=stage))
+        zeros += build_executor(cfg, Topology.build(cfg.parallel), torch.device("cpu")).model.zeros
+    for z in zeros:
+        for u in z.units:
+            u.master.add_(1.0 + dist.get_rank())  # a different move on each rank
+    publish_unit_parameters(zeros)
+    bad = []
+    for z in zeros:
+        for u in z.units:
+            want = torch.empty(u.padded, dtype=torch.float32)
+            dist.all_gather_into_tensor(want, u.master.contiguous())
+            if not torch.equal(u.full, want.to(u.full.dtype)):
+                bad.append(f"stage {z.stage} {u.name}: parameters are not the gathered masters")
+    return bad
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_publish_gathers_every_models_units():
+    for bad in run_ranks(_publish_rank, 2):
         assert bad == []
