@@ -708,3 +708,27 @@ def test_colwise_spec_refuses_what_it_cannot_split():
         replicated.spec(owner.gate, "gate", owner, 4)
     with pytest.raises(ValueError, match=r"^tp=4 must divide up.out_features=6$"):
         ColwiseParallel().spec(owner.up, "up", owner, 4)
+
+
+@pytest.mark.parametrize("name", ["up", "down", ""], ids=["column", "row", "vocab-head"])
+def test_plan_refuses_a_linear_with_bias(name):
+    """A bias would be dropped by the parallel layers (or, kept in a row-parallel linear, added
+    once per rank by the all-reduce), so every style refuses a linear that has one."""
+    from tessera.parallel.tensor_parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        VocabParallel,
+        apply_plan,
+    )
+
+    mlp = _GatedMLP()
+    if name:
+        setattr(mlp, name, nn.Linear(getattr(mlp, name).in_features,
+                                     getattr(mlp, name).out_features, bias=True))
+        plan = {"up": ColwiseParallel(), "gate": ColwiseParallel(), "down": RowwiseParallel()}
+        module = mlp
+    else:  # an LM head, vocabulary-parallel
+        module, plan = nn.Linear(8, VOCAB, bias=True), {"": VocabParallel()}
+    with pytest.raises(ValueError,
+                       match=rf"^{name}: tensor parallelism here supports linears without bias$"):
+        apply_plan(module, plan, TPContext(group=None))
