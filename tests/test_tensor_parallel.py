@@ -235,6 +235,12 @@ def _conjugates(t: int) -> dict:
                                      msg=f"{where} forward"),
                      summation_error(x.grad, grad_expected, terms=t, scale=grad_scale,
                                      msg=f"{where} backward"))
+    # A sequence that does not split into t equal chunks is refused, not chunked unevenly.
+    try:
+        sp.sequence_chunk(torch.zeros(1, 2 * t + 1, 5), group)
+        out["uneven_refused"] = None
+    except ValueError as e:
+        out["uneven_refused"] = str(e)
     return out
 
 
@@ -280,12 +286,63 @@ def _large_logit_losses(t: int) -> dict[float, tuple[float, float]]:
     return out
 
 
+def shard_edges(t: int) -> torch.Tensor:
+    """Every vocabulary id at the first or last row of a tp shard (252/t rows each)."""
+    width = 252 // t
+    ids = {i for k in range(1, t + 1) for i in (k * width - 1, k * width)} | {0, VOCAB - 1}
+    return torch.tensor(sorted(i for i in ids if i < VOCAB))
+
+
+TINY_VOCAB = 5  # padded to 8 on 4 ranks: 2 columns each, rank 3's both past the vocabulary
+
+
+def _vocab_edges(t: int) -> dict[str, float]:
+    """The vocabulary-parallel embedding and loss at the shards' edges, where an off-by-one in
+    which rank owns an id shows: tokens and targets at the first and last id of every shard
+    (random ids rarely land there), and a vocabulary of 5 on t ranks (on 4, rank 3 holds only
+    padding). Returns the embedding's largest difference (exact: one rank's row plus zeros)
+    and the shares of the summation bound used by the losses and logit gradients."""
+    topo = topology(4 // t, t, False)
+    tp = TPContext(group=topo.group("tp"))
+    where = f"rank {dist.get_rank()} t={t}"
+    ids = shard_edges(t)[None]  # (1, n)
+    emb = nn.Embedding(VOCAB, 8)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(VOCAB, 8, generator=torch.Generator().manual_seed(1)))
+    want = emb(ids)
+    out = {"embedding": float((apply_tensor_parallel(emb, tp.group)(ids) - want).abs().max())}
+    gen = torch.Generator().manual_seed(2)
+    for name, vocab, targets in (("edges", VOCAB, ids),
+                                 ("tiny", TINY_VOCAB, torch.randint(0, TINY_VOCAB, (2, 8),
+                                                                    generator=gen))):
+        padded_vocab = t * -(-vocab // t)
+        logits = torch.randn(*targets.shape, vocab, generator=gen) * 3
+        # Padding columns hold 0, what the head's zero rows give.
+        padded = torch.cat([logits, torch.zeros(*targets.shape, padded_vocab - vocab)], dim=-1)
+        local = padded.chunk(t, dim=-1)[tp.rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, targets, vocab, tp)
+        loss.backward()
+        ref_logits = logits.clone().requires_grad_()
+        ref = cross_entropy(ref_logits, targets)
+        ref.backward()
+        width = local.shape[-1]
+        ref_grad = torch.cat([ref_logits.grad, torch.zeros(*targets.shape, padded_vocab - vocab)],
+                             dim=-1)[..., tp.rank * width:(tp.rank + 1) * width]
+        # The loss sums the vocabulary's exponentials per shard and then across shards.
+        out[f"{name} loss"] = summation_error(loss, ref, terms=vocab, msg=f"{where} {name} loss")
+        out[f"{name} grad"] = summation_error(local.grad, ref_grad, terms=vocab,
+                                              scale=float(ref_logits.grad.abs().max()),
+                                              msg=f"{where} {name} grad")
+    return out
+
+
 def _parity_worker() -> dict:
     return {
         "cases": [_one_case(*case) for case in PARITY_CASES],
         "stages": [_stages_case(1, 4, True), _stages_case(2, 2, False), _stages_case(1, 4, False)],
         "conjugates": {t: _conjugates(t) for t in (2, 4)},
         "large_logits": {t: _large_logit_losses(t) for t in (2, 4)},
+        "vocab_edges": {t: _vocab_edges(t) for t in (2, 4)},
     }
 
 
@@ -303,6 +360,8 @@ def test_conjugate_operators(parity):
     every rank, so the only error is the order of summation (fp32 round-off)."""
     for rank_result in parity:
         for t, ops in rank_result["conjugates"].items():
+            assert ops.pop("uneven_refused") == \
+                f"sequence length {2 * t + 1} is not divisible by tp={t}"
             for name, (fwd_err, bwd_err) in ops.items():
                 # Shares of the summation bound over the t ranks' terms.
                 assert fwd_err <= 1 and bwd_err <= 1, (t, name, fwd_err, bwd_err)
@@ -506,6 +565,20 @@ def test_vocab_parallel_loss_of_large_logits(parity):
                 assert loss_used <= 1 and grad_used <= 1, (t, shift, loss_used, grad_used)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_vocab_parallel_edges(parity):
+    """Ids at the first and last row of every shard are looked up and scored by the one rank
+    that holds them (a `<=` for a `<` at a shard's end double-counts or misses them), and a
+    shard holding only padding adds nothing to the loss (t = 2 and 4)."""
+    assert shard_edges(4).tolist() == [0, 62, 63, 125, 126, 188, 189, 250]
+    for rank_result in parity:
+        for t, r in rank_result["vocab_edges"].items():
+            assert r.pop("embedding") == 0.0, t  # one rank's row plus exact zeros
+            # Shares of the summation bound over the vocabulary: <= 1 passes.
+            assert all(used <= 1 for used in r.values()), (t, r)
+
+
 @pytest.mark.parametrize("shift", LARGE_SHIFTS)
 def test_vocab_parallel_loss_of_large_logits_one_rank(shift):
     logits, y = large_logits(shift)
@@ -575,12 +648,87 @@ def test_apply_plan_on_a_model_of_its_own():
 
     ref = nn.Sequential()
     ref.add_module("mlp", _GatedMLP())
+    ref.add_module("lockdown", nn.Linear(8, 8, bias=False))  # "down" is not a suffix of it
     x = torch.randn(2, 5, 8)
     want = ref(x)
     plan = {"mlp.up": ColwiseParallel(), "gate": ColwiseParallel(units="n_groups"),
             "down": RowwiseParallel(), "missing": RowwiseParallel()}
     model = apply_plan(copy.deepcopy(ref), plan, TPContext(group=None))
-    assert [type(m).__name__ for m in (model.mlp.up, model.mlp.gate, model.mlp.down)] == \
-        ["ColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear"]
+    assert [type(m).__name__ for m in (model.mlp.up, model.mlp.gate, model.mlp.down,
+                                       model.lockdown)] == \
+        ["ColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "Linear"]
     assert model.mlp.up.shared is model.mlp.gate.shared
     torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    # A linear called alone with a new input gets that input's output, not one left pending
+    # from the last input the shared region entered with.
+    x2 = torch.randn(2, 5, 8)
+    model.mlp.up(x)  # the gate's output for x is now pending
+    torch.testing.assert_close(model.mlp.gate(x2), ref.mlp.gate(x2), rtol=0, atol=0)
+    torch.testing.assert_close(model(x2), ref(x2), rtol=0, atol=0)
+
+
+def test_apply_plan_takes_replicated_parameters_from_the_source():
+    """With `full_tensor`, every parameter comes from it, the ones the plan leaves whole (a
+    norm gain) too, not only the sharded ones; on one rank each equals its source exactly."""
+    from tessera.parallel.tensor_parallel import ColwiseParallel, RowwiseParallel, apply_plan
+
+    def module():
+        return nn.Sequential(nn.LayerNorm(8, bias=False), _GatedMLP())
+
+    source = module()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.copy_(torch.randn_like(p))
+    full = dict(source.named_parameters())
+    model = apply_plan(module(), {"up": ColwiseParallel(), "gate": ColwiseParallel(),
+                                  "down": RowwiseParallel()}, TPContext(group=None),
+                       lambda name, shape: full[name].detach())
+    got = dict(model.named_parameters())
+    assert got.keys() == full.keys()
+    for name, p in got.items():
+        assert torch.equal(p, full[name]), name
+
+
+def test_colwise_spec_refuses_what_it_cannot_split():
+    """Column-parallel rows in groups (heads): tp must divide the groups, or, with
+    `replicate`, be a multiple of them (each group then held by tp/groups ranks whose
+    gradients are partial); anything else is refused, naming the count."""
+    from tessera.parallel.tensor_parallel import ColwiseParallel
+
+    owner = _GatedMLP()  # 3 groups of the gate's 6 rows
+    split, replicated = ColwiseParallel(units="n_groups"), ColwiseParallel("n_groups", True)
+    assert split.spec(owner.gate, "gate", owner, 3) == ShardSpec(dim=0, chunks=3, full_size=6)
+    assert replicated.spec(owner.gate, "gate", owner, 3) == split.spec(owner.gate, "gate",
+                                                                       owner, 3)
+    assert replicated.spec(owner.gate, "gate", owner, 6) == ShardSpec(
+        dim=0, chunks=3, full_size=6, partial_grad=True)
+    with pytest.raises(ValueError, match=r"^tp=6 must divide n_groups=3$"):
+        split.spec(owner.gate, "gate", owner, 6)  # replicas only when asked for
+    with pytest.raises(ValueError, match=r"^tp=4 must divide n_groups=3 or be a multiple of it$"):
+        replicated.spec(owner.gate, "gate", owner, 4)
+    with pytest.raises(ValueError, match=r"^tp=4 must divide up.out_features=6$"):
+        ColwiseParallel().spec(owner.up, "up", owner, 4)
+
+
+@pytest.mark.parametrize("name", ["up", "down", ""], ids=["column", "row", "vocab-head"])
+def test_plan_refuses_a_linear_with_bias(name):
+    """A bias would be dropped by the parallel layers (or, kept in a row-parallel linear, added
+    once per rank by the all-reduce), so every style refuses a linear that has one."""
+    from tessera.parallel.tensor_parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        VocabParallel,
+        apply_plan,
+    )
+
+    mlp = _GatedMLP()
+    if name:
+        setattr(mlp, name, nn.Linear(getattr(mlp, name).in_features,
+                                     getattr(mlp, name).out_features, bias=True))
+        plan = {"up": ColwiseParallel(), "gate": ColwiseParallel(), "down": RowwiseParallel()}
+        module = mlp
+    else:  # an LM head, vocabulary-parallel
+        module, plan = nn.Linear(8, VOCAB, bias=True), {"": VocabParallel()}
+    with pytest.raises(ValueError,
+                       match=rf"^{name}: tensor parallelism here supports linears without bias$"):
+        apply_plan(module, plan, TPContext(group=None))
