@@ -208,6 +208,22 @@ def test_positions_zigzag_and_refusal():
         hybrid_groups([[0, 1, 2]], 2, 0)  # refused before any group is made
 
 
+def test_apply_context_parallel_swaps_each_core_once():
+    """Every AttentionCore is swapped, tagged by its name; a second application finds nothing
+    to swap (it leaves the swapped cores, and their context, alone)."""
+    from torch import nn
+
+    from tessera.parallel.context_parallel import apply_context_parallel
+
+    model = nn.ModuleDict({"a": nn.ModuleDict({"core": AttentionCore()}), "b": AttentionCore()})
+    ctx = CPContext(None)
+    assert apply_context_parallel(model, ctx) == 2
+    swapped = [model["a"]["core"], model["b"]]
+    assert [c.tag for c in swapped] == ["a.core", "b"] and all(c.ctx is ctx for c in swapped)
+    assert apply_context_parallel(model, CPContext(None, "ulysses")) == 0
+    assert [model["a"]["core"], model["b"]] == swapped
+
+
 def test_blocks_the_fused_kernel_cannot_express():
     """Blocks the layouts never make (runs not aligned to a chunk), through the public block
     functions: `skipped` only when every key is after every query; `block_forward` of a
@@ -222,13 +238,19 @@ def test_blocks_the_fused_kernel_cannot_express():
     q, k, v, _ = _inputs(8, 2)
     q_pos, k_pos = torch.arange(2, 6), torch.arange(3, 7)
     q, k, v = q[:, :, :4], k[:, :, :4], v[:, :, :4]
-    got = block_forward(q, k, v, q_pos, k_pos, HD ** -0.5)
-    want = explicit_block_forward(q, k, v, q_pos, k_pos, HD ** -0.5)
-    for g, w in zip(got, want, strict=True):
-        finite = w.isfinite()  # lse is -inf on the row whose keys are all later (position 2)
-        assert torch.equal(g.isfinite(), finite)
-        assert (g[finite] - w[finite]).abs().max() <= TOL * w[finite].abs().max()
-    out, lse = torch.zeros(1, 1, 2, HD), torch.full((1, 1, 2), float("-inf"))
+    out, lse = block_forward(q, k, v, q_pos, k_pos, HD ** -0.5)
+    # the independent reference: query 2 sees no key (its output 0, lse -inf), the others SDPA
+    # with the positions' boolean mask
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    s = torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2)) * HD ** -0.5
+    want_lse = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, 1:], k, v, attn_mask=allowed[1:], enable_gqa=True)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    assert lse[:, :, 0].isneginf().all() and lse[:, :, 1:].isfinite().all()
+    for got, ref in ((out[:, :, 1:], want), (lse[:, :, 1:], want_lse[:, :, 1:])):
+        assert (got - ref).abs().max() <= TOL * ref.abs().max()
+    out, lse = torch.zeros(1, 1, 2, HD), torch.full((1, 1, 2), float("-inf"))  # no key yet
     merge_(out, lse, torch.zeros(1, 1, 2, HD), torch.full((1, 1, 2), float("-inf")))
     assert torch.equal(out, torch.zeros_like(out)) and lse.isneginf().all()
 
