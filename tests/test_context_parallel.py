@@ -89,7 +89,8 @@ def _cp_rank(cases, ulysses=2, explicit=False):
         saved, y = saved_bytes(lambda: ContextParallelAttention(ctx)(q, k, v))  # noqa: B023
         (y * dout).sum().backward()
         results.append({"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-                        "products": ctx.work.products, "stats": ctx.stats, "saved": saved})
+                        "products": ctx.work.products,
+                        "skipped": ctx.work.skipped, "stats": ctx.stats, "saved": saved})
     return results
 
 
@@ -179,7 +180,8 @@ def test_hybrid_over_the_whole_cp_group():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_zigzag_balance(cp):
     """Zig-zag: every rank computes 2·cp+1 chunk-pair products (differ by 0 ≤ 1); contiguous:
-    rank r computes 4r+3, the last rank 4·cp−1 against the first's 3."""
+    rank r computes 4r+3, the last rank 4·cp−1 against the first's 3. Each rank's 2 query
+    chunks meet all 2·cp key chunks, so the pairs it skips are the other 4·cp − products."""
     cases = [("ring", "zigzag", 8 * cp, 2), ("ring", "contiguous", 8 * cp, 2)]
     per_rank = run_ranks(_cp_rank, cp, args=(cases,))
     zigzag = [r[0]["products"] for r in per_rank]
@@ -187,6 +189,8 @@ def test_zigzag_balance(cp):
     assert zigzag == [2 * cp + 1] * cp
     assert max(zigzag) - min(zigzag) <= 1
     assert contiguous == [4 * r + 3 for r in range(cp)]
+    for i in range(2):
+        assert [r[i]["products"] + r[i]["skipped"] for r in per_rank] == [4 * cp] * cp
     print(f"cp={cp} chunk-pair products per rank: zig-zag {zigzag}, contiguous {contiguous}")
 
 
