@@ -210,6 +210,12 @@ def test_positions_zigzag_and_refusal():
     assert ulysses_kv_repeat(8, 2, 4) == 2
     with pytest.raises(ValueError, match="Ulysses degree 2 must divide cp=3"):
         hybrid_groups([[0, 1, 2]], 2, 0)  # refused before any group is made
+    # CPContext names the field: an unknown method would fall through to hybrid's branch, an
+    # unknown layout to the contiguous positions
+    with pytest.raises(ValueError, match="cp_method='tree': must be one of ring, allgather"):
+        CPContext(None, "tree")
+    with pytest.raises(ValueError, match="layout='zig-zag': must be one of zigzag, contiguous"):
+        CPContext(None, "ring", "zig-zag")
 
 
 def test_apply_context_parallel_swaps_each_core_once():
