@@ -69,9 +69,15 @@ def saved_bytes(fn):
     return sum(seen.values()), out
 
 
-def _cp_rank(cases, ulysses=2):
+def _cp_rank(cases, ulysses=2, explicit=False):
     """Runs on each cp rank: every case's local output and q/k/v gradients, and the logs
-    (hybrid with Ulysses groups of `ulysses` ranks)."""
+    (hybrid with Ulysses groups of `ulysses` ranks). `explicit`: every block takes the
+    masked-matmul path that runs off CPU (the fused CPU kernel is switched off in this rank's
+    process), so the ring's and all-gather's own backward inputs (delta) are used."""
+    if explicit:
+        from tessera.parallel import ring_attention
+
+        ring_attention._fused_causal = lambda q, q_pos, k_pos: None
     cp, rank = dist.get_world_size(), dist.get_rank()
     u_group, r_group = hybrid_groups([list(range(cp))], ulysses, rank)
     results = []
@@ -83,13 +89,17 @@ def _cp_rank(cases, ulysses=2):
         saved, y = saved_bytes(lambda: ContextParallelAttention(ctx)(q, k, v))  # noqa: B023
         (y * dout).sum().backward()
         results.append({"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-                        "products": ctx.work.products, "stats": ctx.stats, "saved": saved})
+                        "products": ctx.work.products,
+                        "skipped": ctx.work.skipped, "stats": ctx.stats, "saved": saved})
     return results
 
 
 CASES = [("ring", "zigzag", 32, 4), ("ring", "zigzag", 32, 2), ("ring", "contiguous", 32, 1),
          ("allgather", "zigzag", 32, 2), ("ulysses", "zigzag", 32, 4),
-         ("ulysses", "zigzag", 32, 1), ("hybrid", "zigzag", 32, 2)]
+         ("ulysses", "zigzag", 32, 1), ("hybrid", "zigzag", 32, 2),
+         # T = 8: at cp = 4 chunks of one token, where a diagonal block's only key is its only
+         # query (a skip rule with >= for > drops it)
+         ("ring", "zigzag", 8, 2), ("allgather", "zigzag", 8, 2)]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -109,6 +119,44 @@ def test_attention_parity(cp):
             for phase in ("forward", "backward"):
                 assert r[i]["stats"].bytes_sent(phase=phase) == pytest.approx(want[phase]), \
                     (method, phase)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_parity_on_the_explicit_block_path(cp):
+    """Ring, all-gather and hybrid with every block on the masked-matmul path (the path off
+    CPU): output and q/k/v gradients equal the reference core's (TOL, module docstring). On
+    CPU the fused kernel computes its own rowsum(dO·O), so a wrong delta in the ring's or
+    all-gather's backward passed every other parity test."""
+    cases = [c for c in CASES if c[0] in ("ring", "allgather", "hybrid")]
+    per_rank = run_ranks(_cp_rank, cp, args=(cases,), kwargs={"explicit": True})
+    for i, (method, layout, T, n_kv) in enumerate(cases):
+        ref = dict(zip(("y", "dq", "dk", "dv"), _reference(T, n_kv), strict=True))
+        for name, want in ref.items():
+            got = unshard_sequence([r[i][name] for r in per_rank], 2, layout)
+            err = (got - want).abs().max().item()
+            assert err <= TOL * want.abs().max().item(), (method, layout, T, name, err)
+
+
+def _ring_bf16_bytes():
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, dout = (shard_sequence(t, 2, cp, rank).bfloat16() for t in _inputs(16, 2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ctx = CPContext(dist.group.WORLD, "ring", stats=CommStats())
+    (ContextParallelAttention(ctx)(q, k, v) * dout).sum().backward()
+    return {phase: ctx.stats.bytes_sent(phase=phase) for phase in ("forward", "backward")}
+
+
+def test_ring_bytes_in_bf16_count_the_fp32_gradient_accumulators():
+    """Ring in bf16 (cp = 2): K/V travel in bf16, the dK/dV accumulators in fp32, so backward
+    sends (cp−1)·|KV| + cp·2·|KV| bytes; the counted bytes equal ``bytes_per_layer`` with
+    element_size 2 (exactly). Every other test runs fp32, where the accumulators' factor
+    4/element_size is 1."""
+    per_rank = run_ranks(_ring_bf16_bytes, 2)
+    want = bytes_per_layer("ring", 2, B, HEADS, 2, 8, HD, element_size=2)
+    kv = 2 * B * 2 * 8 * HD * 2  # |K|+|V| local in bf16
+    assert want == {"forward": kv, "backward": kv + 2 * 2 * kv}
+    for got in per_rank:
+        assert got == pytest.approx(want)
 
 
 @pytest.mark.multiprocess
@@ -132,7 +180,8 @@ def test_hybrid_over_the_whole_cp_group():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_zigzag_balance(cp):
     """Zig-zag: every rank computes 2·cp+1 chunk-pair products (differ by 0 ≤ 1); contiguous:
-    rank r computes 4r+3, the last rank 4·cp−1 against the first's 3."""
+    rank r computes 4r+3, the last rank 4·cp−1 against the first's 3. Each rank's 2 query
+    chunks meet all 2·cp key chunks, so the pairs it skips are the other 4·cp − products."""
     cases = [("ring", "zigzag", 8 * cp, 2), ("ring", "contiguous", 8 * cp, 2)]
     per_rank = run_ranks(_cp_rank, cp, args=(cases,))
     zigzag = [r[0]["products"] for r in per_rank]
@@ -140,6 +189,8 @@ def test_zigzag_balance(cp):
     assert zigzag == [2 * cp + 1] * cp
     assert max(zigzag) - min(zigzag) <= 1
     assert contiguous == [4 * r + 3 for r in range(cp)]
+    for i in range(2):
+        assert [r[i]["products"] + r[i]["skipped"] for r in per_rank] == [4 * cp] * cp
     print(f"cp={cp} chunk-pair products per rank: zig-zag {zigzag}, contiguous {contiguous}")
 
 
@@ -157,6 +208,61 @@ def test_positions_zigzag_and_refusal():
     with pytest.raises(ValueError, match="kv heads per tp rank \\(3\\)"):
         ulysses_kv_repeat(12, 3, 2)
     assert ulysses_kv_repeat(8, 2, 4) == 2
+    with pytest.raises(ValueError, match="Ulysses degree 2 must divide cp=3"):
+        hybrid_groups([[0, 1, 2]], 2, 0)  # refused before any group is made
+    # CPContext names the field: an unknown method would fall through to hybrid's branch, an
+    # unknown layout to the contiguous positions
+    with pytest.raises(ValueError, match="cp_method='tree': must be one of ring, allgather"):
+        CPContext(None, "tree")
+    with pytest.raises(ValueError, match="layout='zig-zag': must be one of zigzag, contiguous"):
+        CPContext(None, "ring", "zig-zag")
+
+
+def test_apply_context_parallel_swaps_each_core_once():
+    """Every AttentionCore is swapped, tagged by its name; a second application finds nothing
+    to swap (it leaves the swapped cores, and their context, alone)."""
+    from torch import nn
+
+    from tessera.parallel.context_parallel import apply_context_parallel
+
+    model = nn.ModuleDict({"a": nn.ModuleDict({"core": AttentionCore()}), "b": AttentionCore()})
+    ctx = CPContext(None)
+    assert apply_context_parallel(model, ctx) == 2
+    swapped = [model["a"]["core"], model["b"]]
+    assert [c.tag for c in swapped] == ["a.core", "b"] and all(c.ctx is ctx for c in swapped)
+    assert apply_context_parallel(model, CPContext(None, "ulysses")) == 0
+    assert [model["a"]["core"], model["b"]] == swapped
+
+
+def test_blocks_the_fused_kernel_cannot_express():
+    """Blocks the layouts never make (runs not aligned to a chunk), through the public block
+    functions: `skipped` only when every key is after every query; `block_forward` of a
+    same-length block with other positions (q 2..5 against k 3..6, so not the kernel's
+    top-left causal) equals the explicit masked product (TOL); `merge_` of a row that has seen
+    no key with a block that gives it none stays (0, −inf), not NaN."""
+    from tessera.parallel.ring_attention import block_forward, merge_, skipped
+
+    assert not skipped(torch.arange(0, 4), torch.arange(2, 8))
+    assert not skipped(torch.arange(0, 4), torch.arange(3, 5))
+    assert skipped(torch.arange(0, 4), torch.arange(4, 6))
+    q, k, v, _ = _inputs(8, 2)
+    q_pos, k_pos = torch.arange(2, 6), torch.arange(3, 7)
+    q, k, v = q[:, :, :4], k[:, :, :4], v[:, :, :4]
+    out, lse = block_forward(q, k, v, q_pos, k_pos, HD ** -0.5)
+    # the independent reference: query 2 sees no key (its output 0, lse -inf), the others SDPA
+    # with the positions' boolean mask
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    s = torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2)) * HD ** -0.5
+    want_lse = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, 1:], k, v, attn_mask=allowed[1:], enable_gqa=True)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    assert lse[:, :, 0].isneginf().all() and lse[:, :, 1:].isfinite().all()
+    for got, ref in ((out[:, :, 1:], want), (lse[:, :, 1:], want_lse[:, :, 1:])):
+        assert (got - ref).abs().max() <= TOL * ref.abs().max()
+    out, lse = torch.zeros(1, 1, 2, HD), torch.full((1, 1, 2), float("-inf"))  # no key yet
+    merge_(out, lse, torch.zeros(1, 1, 2, HD), torch.full((1, 1, 2), float("-inf")))
+    assert torch.equal(out, torch.zeros_like(out)) and lse.isneginf().all()
 
 
 @pytest.mark.parametrize("cp", [2, 4])
